@@ -1,0 +1,160 @@
+"""Build a tiny random-weight chat model offline, for the demo, the tests and the benchmark.
+
+No model hub is needed: a Qwen3-style config with random float32 weights, a byte-level BPE
+tokenizer trained on an embedded corpus with the ``tokenizers`` library, and a ChatML chat
+template that honours ``continue_final_message`` and ``enable_thinking``. Building takes a few
+seconds and needs ``torch`` and ``transformers`` (present wherever vLLM is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: Bump when anything below changes, so cached copies are rebuilt.
+TINY_MODEL_REVISION = "3"
+_MARKER = "hidden_state_proxy_tiny_model.json"
+
+#: Default location of the built model (override with HIDDEN_STATE_PROXY_TINY_MODEL_DIR).
+DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "vllm-hidden-state-proxy" / "tiny-chat-model"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+HIDDEN_SIZE = 128
+
+# ChatML. `continue_final_message` leaves the last message open (no <|im_end|>);
+# `enable_thinking=false` adds an empty think block after the generation prompt, as Qwen3 does.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if not (loop.last and continue_final_message is defined and continue_final_message) -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+_CORPUS = """\
+Summarize this text in one word: A yellow bicycle beside a stone wall.
+The quick brown fox jumps over the lazy dog. A stitch in time saves nine.
+Researchers use hidden states for retrieval, clustering, classification and interpretability.
+The model reads the prompt, computes a representation at every position, and predicts the next token.
+Operators want ordinary traffic to cost nothing. The proxy passes requests through untouched.
+Shared memory rings hold fixed-size slots; a seqlock guards each slot against torn reads.
+Once upon a time there was a small language model that lived on a server with two cores.
+It answered questions about rivers, mountains, cities, numbers, colours and the weather.
+Red, orange, yellow, green, blue, indigo, violet. One, two, three, four, five, six, seven.
+What is the capital of France? Paris. What is two plus two? Four. Is the sky blue? Yes.
+"""
+
+
+def tiny_model_dir() -> Path:
+    return Path(os.environ.get("HIDDEN_STATE_PROXY_TINY_MODEL_DIR") or DEFAULT_TINY_MODEL_DIR)
+
+
+def _is_built(path: Path) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return bool(json.loads(marker.read_text()).get("revision") == TINY_MODEL_REVISION)
+    except (OSError, ValueError):
+        return False
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
+    """Build (or reuse) the tiny chat model at ``path`` and return its directory."""
+    target = Path(path) if path is not None else tiny_model_dir()
+    if not force and _is_built(target):
+        return target
+
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    target.mkdir(parents=True, exist_ok=True)
+    raw_tokenizer = _train_tokenizer(vocab_size=1024)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw_tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = 4096
+    tokenizer.save_pretrained(target)
+
+    vocab_size = ((len(tokenizer) + 63) // 64) * 64
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(1234)
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(target, safe_serialization=True)
+    # Make sure the dtype vLLM reads is float32 (transformers versions differ in the key).
+    config_path = target / "config.json"
+    data = json.loads(config_path.read_text())
+    data["torch_dtype"] = "float32"
+    data["dtype"] = "float32"
+    config_path.write_text(json.dumps(data, indent=2))
+    generation_config = target / "generation_config.json"
+    if generation_config.exists():
+        generation_config.unlink()
+    (target / _MARKER).write_text(json.dumps({"revision": TINY_MODEL_REVISION}))
+    return target
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the tiny offline chat model.")
+    parser.add_argument("path", nargs="?", default=None)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args()
+    print(build_tiny_model(args.path, force=args.force))
+
+
+if __name__ == "__main__":
+    main()

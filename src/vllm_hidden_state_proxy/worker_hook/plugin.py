@@ -1,0 +1,193 @@
+"""The ``vllm.general_plugins`` entry point: attach the capture to vLLM's model runners.
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers). The
+hook must act only where a model runner exists, so it does not import the runner modules itself:
+it installs an import hook that wraps the runner classes when (and only when) a process imports
+them. Two methods are wrapped on each runner class:
+
+- ``initialize_kv_cache``: creates the capture (and, on the publishing rank, the ring file) once
+  the model is loaded, so the ring exists before the first request;
+- ``execute_model``: after each step, publishes the selected requests' vectors.
+
+It uses neither ``--kv-transfer-config`` nor ``--worker-extension-cls``, so users keep those for
+LMCache/NIXL, and it does not depend on the API server, so vLLM's Rust frontend is fine.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from ..protocol import HOOK_ENABLED_ENV
+from .capture import StepCapture
+from .runners import RunnerView, V1RunnerView, V2RunnerView
+
+logger = logging.getLogger("vllm.hidden_state_hook")
+
+#: vLLM minor versions whose runner internals this hook was written and tested against.
+SUPPORTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33")
+
+#: module -> (runner class name, how to read it)
+RUNNER_MODULES: dict[str, tuple[str, RunnerView]] = {
+    "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", V1RunnerView()),
+    "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner", V2RunnerView()),
+}
+
+_CAPTURE_ATTR = "_hidden_state_proxy_capture"
+_WRAPPED_ATTR = "_hidden_state_proxy_wrapped"
+
+
+def is_supported_version(version: str) -> bool:
+    return any(
+        version == minor or version.startswith(minor + ".")
+        for minor in SUPPORTED_VLLM_MINOR_VERSIONS
+    )
+
+
+def register() -> None:
+    """Entry point. Never raises: a broken hook must not stop vLLM from starting."""
+    try:
+        if os.environ.get(HOOK_ENABLED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            logger.info("vllm-hidden-state-proxy: worker hook disabled by %s", HOOK_ENABLED_ENV)
+            return
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if not is_supported_version(version):
+            logger.warning(
+                "vllm-hidden-state-proxy: worker hook disabled: vLLM %s is not a supported "
+                "version (supported: %s). Flagged requests will get 503 from the proxy.",
+                version,
+                ", ".join(v + ".x" for v in SUPPORTED_VLLM_MINOR_VERSIONS),
+            )
+            return
+        install_runner_patches()
+    except Exception:
+        logger.exception("vllm-hidden-state-proxy: could not install the worker hook")
+
+
+def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = None) -> None:
+    """Patch runner classes already imported, and the rest when they are imported."""
+    targets = dict(RUNNER_MODULES if modules is None else modules)
+    for module_name, (class_name, view) in targets.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            patch_runner_class(getattr(module, class_name), view)
+    waiting = {
+        name: target
+        for name, target in targets.items()
+        if name not in sys.modules or not _is_patched(sys.modules[name], target[0])
+    }
+    if waiting and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(waiting))
+
+
+def _is_patched(module: ModuleType, class_name: str) -> bool:
+    cls = getattr(module, class_name, None)
+    return cls is not None and getattr(cls.execute_model, _WRAPPED_ATTR, False)
+
+
+def patch_runner_class(cls: type, view: RunnerView) -> None:
+    """Wrap ``execute_model`` and ``initialize_kv_cache`` of a runner class (idempotent)."""
+    if getattr(cls.execute_model, _WRAPPED_ATTR, False):
+        return
+    cls.execute_model = _wrap_execute_model(cls.execute_model, view)  # type: ignore[attr-defined]
+    if hasattr(cls, "initialize_kv_cache"):
+        cls.initialize_kv_cache = _wrap_initialize_kv_cache(  # type: ignore[attr-defined]
+            cls.initialize_kv_cache, view
+        )
+
+
+def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
+    """The runner's capture, created on first use; None (and logged once) if that fails."""
+    capture = runner.__dict__.get(_CAPTURE_ATTR)
+    if capture is not None or _CAPTURE_ATTR in runner.__dict__:
+        return capture  # type: ignore[no-any-return]
+    try:
+        capture = StepCapture.for_runner(runner, view)
+    except Exception:
+        logger.exception(
+            "vllm-hidden-state-proxy: worker hook could not start (ring directory not "
+            "writable?); flagged requests will fail, ordinary traffic is unaffected"
+        )
+        capture = None
+    runner.__dict__[_CAPTURE_ATTR] = capture
+    return capture
+
+
+def _wrap_execute_model(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, scheduler_output, *args, **kwargs)
+        if kwargs.get("dummy_run"):
+            return output
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is None:
+            capture = capture_for(self, view)
+            if capture is None:
+                return output
+        capture.after_execute_model(self, scheduler_output)
+        return output
+
+    setattr(execute_model, _WRAPPED_ATTR, True)
+    return execute_model
+
+
+def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        capture_for(self, view)  # never raises
+        return result
+
+    setattr(initialize_kv_cache, _WRAPPED_ATTR, True)
+    return initialize_kv_cache
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a runner class right after its module is imported, in whichever process does so."""
+
+    def __init__(self, targets: dict[str, tuple[str, RunnerView]]) -> None:
+        self.targets = targets
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.targets:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        class_name, view = self.targets[fullname]
+        spec.loader = _PatchingLoader(spec.loader, class_name, view)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, class_name: str, view: RunnerView) -> None:
+        self.inner = inner
+        self.class_name = class_name
+        self.view = view
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        try:
+            patch_runner_class(getattr(module, self.class_name), self.view)
+        except Exception:
+            logger.exception("vllm-hidden-state-proxy: could not wrap %s", module.__name__)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -1,0 +1,98 @@
+"""Read a step's batch layout and hidden states from vLLM's two model runners.
+
+Both runners keep the step's full ``hidden_states`` (final norm applied, one row per scheduled
+token) in ``runner.execute_model_state`` between ``execute_model()`` and ``sample_tokens()``.
+The hook runs right after ``execute_model()`` returns, so the batch layout it reads is the one
+that produced those rows.
+
+- **V1** (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, also the CPU runner's base):
+  batch order is ``input_batch.req_ids``; per batch index ``i``:
+  ``query_start_loc.np[i]``, ``input_batch.num_computed_tokens_cpu[i]``,
+  ``input_batch.num_prompt_tokens[i]``; tokens scheduled from
+  ``scheduler_output.num_scheduled_tokens[req_id]``.
+- **V2** (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, GPU default in vLLM >= 0.32):
+  ``execute_model_state.input_batch`` holds ``req_ids``, ``query_start_loc_np``,
+  ``num_computed_tokens_np`` and ``num_scheduled_tokens`` in batch order and ``idx_mapping_np``
+  into the persistent ``req_states``, whose ``prompt_len.np`` gives the prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, Protocol
+
+from .selection import ScheduledRequest
+
+
+class RunnerView(Protocol):
+    """How the capture reads one runner kind."""
+
+    name: str
+
+    def hidden_states(self, runner: Any) -> Any | None: ...
+
+    def scheduled(
+        self, runner: Any, scheduler_output: Any, wanted: Collection[str]
+    ) -> list[ScheduledRequest]: ...
+
+
+class V1RunnerView:
+    name = "v1"
+
+    def hidden_states(self, runner: Any) -> Any | None:
+        state = getattr(runner, "execute_model_state", None)
+        return None if state is None else state.hidden_states
+
+    def scheduled(
+        self, runner: Any, scheduler_output: Any, wanted: Collection[str]
+    ) -> list[ScheduledRequest]:
+        batch = runner.input_batch
+        query_start_loc = runner.query_start_loc.np
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        found = []
+        for req_id in wanted:
+            index = batch.req_id_to_index.get(req_id)
+            scheduled = num_scheduled.get(req_id)
+            if index is None or scheduled is None:
+                continue
+            found.append(
+                ScheduledRequest(
+                    req_id=req_id,
+                    query_start=int(query_start_loc[index]),
+                    num_computed=int(batch.num_computed_tokens_cpu[index]),
+                    num_scheduled=int(scheduled),
+                    num_prompt_tokens=int(batch.num_prompt_tokens[index]),
+                )
+            )
+        return found
+
+
+class V2RunnerView:
+    name = "v2"
+
+    def hidden_states(self, runner: Any) -> Any | None:
+        state = getattr(runner, "execute_model_state", None)
+        return None if state is None else state.hidden_states
+
+    def scheduled(
+        self, runner: Any, scheduler_output: Any, wanted: Collection[str]
+    ) -> list[ScheduledRequest]:
+        state = runner.execute_model_state
+        if state is None:
+            return []
+        batch = state.input_batch
+        prompt_len = runner.req_states.prompt_len.np
+        found = []
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            if req_id not in wanted:
+                continue
+            found.append(
+                ScheduledRequest(
+                    req_id=req_id,
+                    query_start=int(batch.query_start_loc_np[i]),
+                    num_computed=int(batch.num_computed_tokens_np[i]),
+                    num_scheduled=int(batch.num_scheduled_tokens[i]),
+                    num_prompt_tokens=int(prompt_len[batch.idx_mapping_np[i]]),
+                )
+            )
+        return found
