@@ -50,6 +50,7 @@ def key_from_wire(value: object) -> bytes | None:
     if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
         return None
     try:
-        return bytes.fromhex(value)
+        key = bytes.fromhex(value)  # note: fromhex skips whitespace, hence the length check
     except ValueError:
         return None
+    return key if len(key) == KEY_BYTES else None

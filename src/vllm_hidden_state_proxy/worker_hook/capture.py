@@ -160,7 +160,5 @@ def _gather_rows_as_float32(hidden_states: Any, rows: list[int]) -> list[bytes]:
 
     index = torch.tensor(rows, dtype=torch.long, device=hidden_states.device)
     selected = hidden_states.index_select(0, index).to(device="cpu", dtype=torch.float32)
-    array = selected.contiguous().numpy()
-    if array.dtype.byteorder == ">":
-        array = array.byteswap()
+    array = selected.contiguous().numpy().astype("<f4", copy=False)
     return [array[i].tobytes() for i in range(len(rows))]

@@ -85,8 +85,13 @@ def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = N
         for name, target in targets.items()
         if name not in sys.modules or not _is_patched(sys.modules[name], target[0])
     }
-    if waiting and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(waiting))
+    if not waiting:
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, _PatchOnImport):
+            finder.targets.update(waiting)
+            return
+    sys.meta_path.insert(0, _PatchOnImport(waiting))
 
 
 def _is_patched(module: ModuleType, class_name: str) -> bool:
@@ -133,7 +138,10 @@ def _wrap_execute_model(original: Callable[..., Any], view: RunnerView) -> Calla
             capture = capture_for(self, view)
             if capture is None:
                 return output
-        capture.after_execute_model(self, scheduler_output)
+        try:
+            capture.after_execute_model(self, scheduler_output)
+        except Exception:  # after_execute_model catches its own errors; belt and braces
+            logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
         return output
 
     setattr(execute_model, _WRAPPED_ATTR, True)

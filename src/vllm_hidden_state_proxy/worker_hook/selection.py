@@ -64,13 +64,14 @@ class SelectedRequests:
 
     def observe(self, new_requests: Iterable[Any], finished_req_ids: Iterable[str]) -> None:
         """Track newly scheduled requests that carry a key; forget finished ones."""
+        # Forget finished requests first: an id may finish and be reused in the same step.
+        if self.pending:
+            for req_id in finished_req_ids:
+                self.pending.pop(req_id, None)
         for new_request in new_requests:
             key = key_of(getattr(new_request, "sampling_params", None))
             if key is not None and key not in self._published:
                 self.pending[new_request.req_id] = key
-        if self.pending:
-            for req_id in finished_req_ids:
-                self.pending.pop(req_id, None)
 
     def mark_published(self, req_id: str, key: bytes) -> None:
         self.pending.pop(req_id, None)

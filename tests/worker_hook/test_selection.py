@@ -1,0 +1,310 @@
+"""selection.py: which row holds the prompt's last position, and which requests are selected.
+
+Pure logic: no vLLM, no torch. Batches are synthetic but follow vLLM's layout: a request's
+``ns`` tokens of this step occupy rows ``query_start .. query_start + ns - 1`` and continue
+after its ``nc`` already computed tokens.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.worker_hook.selection import (
+    ScheduledRequest,
+    SelectedRequests,
+    key_of,
+    last_prompt_row,
+)
+
+
+def req(*, P: int, nc: int, ns: int, qs: int = 0, req_id: str = "r") -> ScheduledRequest:
+    return ScheduledRequest(
+        req_id=req_id, query_start=qs, num_computed=nc, num_scheduled=ns, num_prompt_tokens=P
+    )
+
+
+def run_chunks(P: int, chunks: list[int], nc0: int = 0, qs: int = 0) -> list[int | None]:
+    """last_prompt_row for each step of a request computed in ``chunks``, from ``nc0``."""
+    rows: list[int | None] = []
+    nc = nc0
+    for ns in chunks:
+        rows.append(last_prompt_row(req(P=P, nc=nc, ns=ns, qs=qs)))
+        nc += ns
+    return rows
+
+
+# -- last_prompt_row -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qs", [0, 1, 37])
+def test_full_prefill_row_is_last_prompt_token(qs: int) -> None:
+    assert last_prompt_row(req(P=7, nc=0, ns=7, qs=qs)) == qs + 6
+
+
+def test_single_token_prompt() -> None:
+    assert last_prompt_row(req(P=1, nc=0, ns=1, qs=5)) == 5
+
+
+def test_chunked_prefill_last_token_in_last_chunk() -> None:
+    # P=10 in chunks of 4, 4, 2: P-1=9 is the 2nd token of the last chunk.
+    assert run_chunks(10, [4, 4, 2], qs=3) == [None, None, 3 + 1]
+
+
+def test_chunked_prefill_last_token_at_chunk_boundary() -> None:
+    # P=8 in chunks of 4, 4: P-1=7 is the last row of the second chunk, not the first row
+    # of anything after it.
+    assert run_chunks(8, [4, 4], qs=2) == [None, 2 + 3]
+    # P=5 in chunks of 4, 1: P-1=4 is the only token of the last chunk.
+    assert run_chunks(5, [4, 1], qs=9) == [None, 9]
+
+
+def test_chunked_re_prefill_last_token_in_first_chunk() -> None:
+    # Resumed after preemption: prompt (P=3) + 2 output tokens re-prefilled in chunks 4, 1.
+    assert run_chunks(3, [4, 1], qs=6) == [6 + 2, None]
+
+
+def test_chunked_re_prefill_last_token_in_middle_chunk() -> None:
+    # P=6 plus 6 output tokens re-prefilled in chunks of 4: P-1=5 is row 1 of chunk 2.
+    assert run_chunks(6, [4, 4, 4], qs=10) == [None, 10 + 1, None]
+
+
+@pytest.mark.parametrize(
+    ("P", "nc", "ns", "qs", "expected"),
+    [
+        (20, 16, 4, 0, 3),  # prefix cache hit of 16 tokens
+        (20, 16, 4, 11, 14),
+        (20, 19, 1, 7, 7),  # full hit: vLLM still recomputes the last prompt token
+        (33, 16, 8, 0, None),  # hit, then the first chunk stops before P-1
+        (33, 32, 1, 4, 4),  # second chunk after a hit, one token
+    ],
+)
+def test_prefix_cache_offsets(P: int, nc: int, ns: int, qs: int, expected: int | None) -> None:
+    assert last_prompt_row(req(P=P, nc=nc, ns=ns, qs=qs)) == expected
+
+
+@pytest.mark.parametrize(
+    ("nc", "ns"),
+    [
+        (5, 1),  # first decode step (nc == P)
+        (9, 1),  # later decode step
+        (5, 4),  # decode with 3 speculative tokens
+        (12, 3),
+    ],
+)
+def test_decode_steps_have_no_row(nc: int, ns: int) -> None:
+    assert last_prompt_row(req(P=5, nc=nc, ns=ns, qs=8)) is None
+
+
+@pytest.mark.parametrize(
+    ("nc", "ns", "qs", "expected"),
+    [
+        (0, 8, 0, 4),  # P=5 + 3 outputs, everything recomputed
+        (0, 8, 3, 7),
+        (4, 4, 2, 2),  # prefix-cache hit of 4 on re-prefill: P-1 is the first row
+        (2, 6, 0, 2),
+        (5, 3, 0, None),  # hit covers the whole prompt: P-1 is not recomputed
+    ],
+)
+def test_re_prefill_after_preemption(nc: int, ns: int, qs: int, expected: int | None) -> None:
+    # Prompt + output tokens are scheduled; the row is still the one of position P-1.
+    assert last_prompt_row(req(P=5, nc=nc, ns=ns, qs=qs)) == expected
+
+
+def test_mixed_batch_rows_are_within_each_requests_segment() -> None:
+    # Batch order: decode(1), full prefill(6), middle chunk(4), last chunk(3), hit(2), decode(1).
+    batch = [
+        req(req_id="dec", P=4, nc=9, ns=1),
+        req(req_id="full", P=6, nc=0, ns=6),
+        req(req_id="mid", P=20, nc=4, ns=4),
+        req(req_id="last", P=11, nc=8, ns=3),
+        req(req_id="hit", P=18, nc=16, ns=2),
+        req(req_id="dec2", P=3, nc=3, ns=1),
+    ]
+    start = 0
+    placed = []
+    for r in batch:
+        placed.append(
+            ScheduledRequest(r.req_id, start, r.num_computed, r.num_scheduled, r.num_prompt_tokens)
+        )
+        start += r.num_scheduled
+    rows = {r.req_id: last_prompt_row(r) for r in placed}
+    assert rows == {
+        "dec": None,
+        "full": 1 + 5,
+        "mid": None,
+        "last": 11 + 2,
+        "hit": 14 + 1,
+        "dec2": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("P", "nc", "ns"),
+    [
+        (0, 0, 0),
+        (0, 0, 3),  # empty prompt
+        (5, 0, 0),  # nothing scheduled
+        (5, 4, 0),  # nothing scheduled, even though nc == P-1
+        (5, 4, -1),
+        (-1, 0, 1),
+    ],
+)
+def test_zero_length_edges(P: int, nc: int, ns: int) -> None:
+    assert last_prompt_row(req(P=P, nc=nc, ns=ns, qs=3)) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    P=st.integers(min_value=1, max_value=400),
+    hit_fraction=st.floats(min_value=0.0, max_value=1.0),
+    chunks=st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=8),
+    starts=st.lists(st.integers(min_value=0, max_value=500), min_size=1, max_size=8),
+    extra_steps=st.integers(min_value=0, max_value=4),
+)
+def test_property_exactly_one_row_at_absolute_position_p_minus_1(
+    P: int,
+    hit_fraction: float,
+    chunks: list[int],
+    starts: list[int],
+    extra_steps: int,
+) -> None:
+    """Any chunking from any prefix-cache hit yields one row, and it is position P-1."""
+    nc = min(int(hit_fraction * P), P - 1)  # a hit never covers the prompt's last token
+    hits = []
+    step = 0
+    # Prefill chunks (they may run past P: a re-prefill covers prompt + output tokens),
+    # then a few decode steps.
+    while nc < P + extra_steps:
+        ns = chunks[step % len(chunks)] if nc < P else 1
+        qs = starts[step % len(starts)]
+        row = last_prompt_row(req(P=P, nc=nc, ns=ns, qs=qs))
+        if row is not None:
+            assert qs <= row < qs + ns  # inside this request's segment
+            hits.append(nc + (row - qs))  # absolute token position of that row
+        nc += ns
+        step += 1
+    assert hits == [P - 1]
+
+
+# -- key_of / SelectedRequests ------------------------------------------------------------------
+
+KEY_A = bytes(range(1, 17))
+KEY_B = bytes(range(101, 117))
+KEY_C = bytes(range(201, 217))
+
+
+def new_req(req_id: str, extra_args: Any = None, *, sampling: bool = True) -> SimpleNamespace:
+    """The two attributes observe() reads of a vLLM NewRequestData."""
+    params = SimpleNamespace(extra_args=extra_args) if sampling else None
+    return SimpleNamespace(req_id=req_id, sampling_params=params)
+
+
+def flagged(req_id: str, key: bytes) -> SimpleNamespace:
+    return new_req(req_id, {XARGS_KEY: key.hex(), "other": 1})
+
+
+def test_key_of_parses_the_wire_form() -> None:
+    assert key_of(SimpleNamespace(extra_args={XARGS_KEY: KEY_A.hex()})) == KEY_A
+    assert key_of(SimpleNamespace(extra_args={XARGS_KEY: KEY_A.hex().upper()})) == KEY_A
+    assert key_of(SimpleNamespace(extra_args=None)) is None
+    assert key_of(None) is None
+
+
+def test_observe_selects_only_well_formed_keys() -> None:
+    selected = SelectedRequests()
+    selected.observe(
+        [
+            flagged("good", KEY_A),
+            new_req("short", {XARGS_KEY: KEY_B.hex()[:-2]}),
+            new_req("long", {XARGS_KEY: KEY_B.hex() + "00"}),
+            new_req("nonhex", {XARGS_KEY: "zz" * 16}),
+            new_req("int", {XARGS_KEY: 12345}),
+            new_req("raw-bytes", {XARGS_KEY: KEY_B}),
+            new_req("none-value", {XARGS_KEY: None}),
+            new_req("list-args", [XARGS_KEY, KEY_B.hex()]),
+            new_req("other-keys", {"something": KEY_B.hex()}),
+            new_req("empty-args", {}),
+            new_req("no-args", None),
+            new_req("pooling", sampling=False),  # pooling requests: sampling_params is None
+            SimpleNamespace(req_id="no-attr"),  # no sampling_params attribute at all
+            flagged("good2", KEY_B),
+        ],
+        finished_req_ids=set(),
+    )
+    assert selected.pending == {"good": KEY_A, "good2": KEY_B}
+
+
+@pytest.mark.parametrize("value", ["ab" * 15 + "  ", "ab " * 10 + "ab"])
+def test_observe_ignores_whitespace_padded_key(value: str) -> None:
+    assert len(value) == 32
+    selected = SelectedRequests()
+    selected.observe([new_req("ws", {XARGS_KEY: value})], finished_req_ids=())
+    assert selected.pending == {}
+
+
+def test_observe_forgets_finished_requests() -> None:
+    selected = SelectedRequests()
+    selected.observe([flagged("a", KEY_A), flagged("b", KEY_B)], finished_req_ids=())
+    selected.observe([], finished_req_ids={"a", "never-seen"})
+    assert selected.pending == {"b": KEY_B}
+    selected.observe([flagged("c", KEY_C)], finished_req_ids=["b"])
+    assert selected.pending == {"c": KEY_C}
+
+
+def test_observe_keeps_a_request_id_that_is_finished_and_new_in_the_same_step() -> None:
+    selected = SelectedRequests()
+    selected.observe([flagged("reused", KEY_A)], finished_req_ids=())
+    selected.observe([flagged("reused", KEY_B)], finished_req_ids={"reused"})
+    assert selected.pending == {"reused": KEY_B}
+
+
+def test_publishes_once_per_key() -> None:
+    selected = SelectedRequests()
+    selected.observe([flagged("a", KEY_A), flagged("b", KEY_B)], finished_req_ids=())
+    selected.mark_published("a", KEY_A)
+    assert selected.pending == {"b": KEY_B}
+    # The same key seen again (V2 re-sends a preempted request as new; a late n>1 child)
+    # is not selected again.
+    selected.observe([flagged("a", KEY_A), flagged("a-child", KEY_A)], finished_req_ids=())
+    assert selected.pending == {"b": KEY_B}
+
+
+def test_n_siblings_sharing_a_key_publish_once() -> None:
+    selected = SelectedRequests()
+    selected.observe(
+        [flagged("0_parent", KEY_A), flagged("1_parent", KEY_A), flagged("x", KEY_B)],
+        finished_req_ids=(),
+    )
+    assert selected.pending == {"0_parent": KEY_A, "1_parent": KEY_A, "x": KEY_B}
+    selected.mark_published("1_parent", KEY_A)
+    assert selected.pending == {"x": KEY_B}
+
+
+def test_published_keys_memory_is_bounded() -> None:
+    selected = SelectedRequests(remember_published=2)
+    for rid, key in (("a", KEY_A), ("b", KEY_B), ("c", KEY_C)):
+        selected.observe([flagged(rid, key)], finished_req_ids=())
+        selected.mark_published(rid, key)
+    assert len(selected._published) == 2
+    assert list(selected._published) == [KEY_B, KEY_C]
+    # The oldest key was forgotten, so it can be selected again; the recent ones cannot.
+    selected.observe(
+        [flagged("a2", KEY_A), flagged("b2", KEY_B), flagged("c2", KEY_C)], finished_req_ids=()
+    )
+    assert selected.pending == {"a2": KEY_A}
+
+
+def test_drop_forgets_requests() -> None:
+    selected = SelectedRequests()
+    selected.observe([flagged("a", KEY_A), flagged("b", KEY_B)], finished_req_ids=())
+    selected.drop(["a", "unknown"])
+    assert selected.pending == {"b": KEY_B}
+    # Dropping is not publishing: the key may be selected again by a new request.
+    selected.observe([flagged("a2", KEY_A)], finished_req_ids=())
+    assert selected.pending == {"b": KEY_B, "a2": KEY_A}
