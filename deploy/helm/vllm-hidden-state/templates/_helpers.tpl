@@ -1,0 +1,121 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "vllm-hidden-state.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Create a default fully qualified app name.
+We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
+If release name contains chart name it will be used as a full name.
+*/}}
+{{- define "vllm-hidden-state.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Create chart name and version as used by the chart label.
+*/}}
+{{- define "vllm-hidden-state.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels
+*/}}
+{{- define "vllm-hidden-state.labels" -}}
+helm.sh/chart: {{ include "vllm-hidden-state.chart" . }}
+{{ include "vllm-hidden-state.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Selector labels
+*/}}
+{{- define "vllm-hidden-state.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "vllm-hidden-state.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Create the name of the service account to use
+*/}}
+{{- define "vllm-hidden-state.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "vllm-hidden-state.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Image references.
+*/}}
+{{- define "vllm-hidden-state.vllmImage" -}}
+{{- printf "%s:%s" .Values.image.vllm.repository .Values.image.vllm.tag }}
+{{- end }}
+
+{{- define "vllm-hidden-state.proxyImage" -}}
+{{- printf "%s:%s" .Values.image.proxy.repository .Values.image.proxy.tag }}
+{{- end }}
+
+{{/*
+The model name clients send.
+*/}}
+{{- define "vllm-hidden-state.servedModelName" -}}
+{{- default .Values.model .Values.servedModelName }}
+{{- end }}
+
+{{/*
+Secret holding the Hugging Face token; empty when there is none.
+*/}}
+{{- define "vllm-hidden-state.hfTokenSecretName" -}}
+{{- if .Values.hfToken.existingSecret }}
+{{- .Values.hfToken.existingSecret }}
+{{- else if .Values.hfToken.value }}
+{{- printf "%s-hf-token" (include "vllm-hidden-state.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks that the schema cannot express. Rendered (empty) by the Deployment.
+*/}}
+{{- define "vllm-hidden-state.validate" -}}
+{{- if or (eq (clean .Values.ringDir) "/dev/shm") (hasPrefix "/dev/shm/" (clean .Values.ringDir)) (eq (clean .Values.ringDir) .Values.modelCache.mountPath) }}
+{{- fail (printf "ringDir %q: the ring volume is mounted there, so it must be outside /dev/shm (vLLM's own /dev/shm volume, not shared with the proxy) and not the model cache" .Values.ringDir) }}
+{{- end }}
+{{- if eq (int .Values.vllm.port) (int .Values.proxy.port) }}
+{{- fail "vllm.port and proxy.port must differ: both containers share the pod's network namespace" }}
+{{- end }}
+{{- $gpus := dig "limits" "nvidia.com/gpu" "" .Values.resources }}
+{{- if and (ne (toString $gpus) "") (gt (int .Values.tensorParallelSize) (int $gpus)) }}
+{{- fail (printf "tensorParallelSize %d needs at least %d GPUs, but resources.limits[\"nvidia.com/gpu\"] is %v" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) $gpus) }}
+{{- end }}
+{{- range .Values.vllm.env }}
+{{- if and (eq .name "VLLM_PLUGINS") (hasKey . "value") (not (contains "hidden_state_hook" (toString .value))) }}
+{{- fail "vllm.env sets VLLM_PLUGINS without hidden_state_hook: the worker hook would not load and no vector would ever arrive" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.autoscaling.enabled (not .Values.autoscaling.targetCPUUtilizationPercentage) (not .Values.autoscaling.metrics) }}
+{{- fail "autoscaling.enabled needs autoscaling.targetCPUUtilizationPercentage or autoscaling.metrics" }}
+{{- end }}
+{{- if and .Values.podDisruptionBudget.enabled (kindIs "invalid" .Values.podDisruptionBudget.minAvailable) (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable) }}
+{{- fail "podDisruptionBudget.enabled needs minAvailable or maxUnavailable" }}
+{{- end }}
+{{- if and (eq .Values.modelCache.type "existingClaim") (not .Values.modelCache.existingClaim) }}
+{{- fail "modelCache.type is existingClaim but modelCache.existingClaim is empty" }}
+{{- end }}
+{{- end }}

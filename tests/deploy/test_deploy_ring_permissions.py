@@ -1,0 +1,165 @@
+"""The permission model of the deployment files, on a real filesystem with the real ring code.
+
+In both compose and the chart, vLLM runs as root and the proxy as the proxy image's user
+(10001:10001). The ring directory is the shared volume itself, which exists before vLLM starts:
+group 10001 with the setgid bit (compose: tmpfs `mode=2770,gid=10001`; Kubernetes: an emptyDir with
+`fsGroup: 10001`, which kubelet makes group-owned and setgid). The ring files vLLM creates there
+inherit group 10001, and VLLM_HIDDEN_STATE_RING_DIR_MODE=0750 makes them 0640. This test plays both
+users (it needs root) and reads a published vector as the proxy's user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .commands import CHART_DIR, DOCKER_DIR, REPO, chart_commands, compose_commands, image_config
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as two users"
+)
+
+_READER = r"""
+import json, sys
+from vllm_hidden_state_proxy.ring import RingDirectory
+ring = RingDirectory(sys.argv[1])
+try:
+    record = ring.lookup(bytes.fromhex(sys.argv[2]))
+    print(json.dumps(None if record is None else record.as_floats()))
+finally:
+    ring.close()
+"""
+
+
+def proxy_ids() -> tuple[int, int]:
+    uid, _, gid = image_config(DOCKER_DIR / "proxy.Dockerfile")["user"].partition(":")
+    return int(uid), int(gid)
+
+
+def deployment_ring_mode() -> str:
+    modes = {
+        compose_commands({})["vllm"][1]["VLLM_HIDDEN_STATE_RING_DIR_MODE"],
+        compose_commands({}, service="proxy-cpu")["vllm"][1]["VLLM_HIDDEN_STATE_RING_DIR_MODE"],
+        chart_commands(CHART_DIR / "ci" / "cpu-values.yaml")["vllm"][1][
+            "VLLM_HIDDEN_STATE_RING_DIR_MODE"
+        ],
+    }
+    assert len(modes) == 1, modes
+    return modes.pop()
+
+
+@pytest.fixture
+def shared_base() -> Iterator[Path]:
+    # pytest's tmp_path lives under a 0700 root directory the proxy user cannot traverse.
+    base = Path(
+        tempfile.mkdtemp(
+            prefix="deploy-ring-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        )
+    )
+    os.chmod(base, 0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def publish_as_vllm(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[float]]:
+    from vllm_hidden_state_proxy.ring import RingWriter
+    from vllm_hidden_state_proxy.worker_hook import capture
+
+    monkeypatch.setenv("VLLM_HIDDEN_STATE_RING_DIR_MODE", deployment_ring_mode())
+    dir_mode, file_mode = capture._ring_modes()
+    writer = RingWriter.create(
+        ring_dir,
+        writer_id="dp0",
+        hidden_size=4,
+        model="m",
+        slot_count=4,
+        dir_mode=dir_mode,
+        file_mode=file_mode,
+    )
+    key = os.urandom(16)
+    vector = [0.5, -1.0, 2.0, 0.25]
+    import array
+
+    writer.publish(key, array.array("f", vector).tobytes(), position=6, num_prompt_tokens=7)
+    writer.close()
+    return key.hex(), vector
+
+
+def _as_proxy(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    uid, gid = proxy_ids()
+    # The package's source and this environment's site-packages (msgpack), for an interpreter of
+    # the same version that the unprivileged user can run.
+    path = os.pathsep.join([str(REPO / "src"), *site.getsitepackages()])
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(
+        argv,
+        user=uid,
+        group=gid,
+        extra_groups=[],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
+
+
+@pytest.fixture(scope="module")
+def proxy_python() -> str:
+    """An interpreter the unprivileged user may run (the venv's may live under a 0700 home)."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for candidate in (sys.executable, shutil.which(version, path="/usr/local/bin:/usr/bin")):
+        if candidate:
+            try:
+                probe = _as_proxy([candidate, "-c", "import vllm_hidden_state_proxy.ring"])
+            except OSError:
+                continue
+            if probe.returncode == 0:
+                return candidate
+    pytest.skip("no Python interpreter that the proxy's uid can run and import the package with")
+
+
+def read_as_proxy(python: str, ring_dir: Path, key: str) -> subprocess.CompletedProcess[str]:
+    return _as_proxy([python, "-c", _READER, str(ring_dir), key])
+
+
+@pytest.mark.parametrize(
+    "volume_mode",
+    [pytest.param(0o2770, id="compose-tmpfs"), pytest.param(0o2777, id="k8s-emptydir-fsgroup")],
+)
+def test_proxy_user_reads_what_root_vllm_writes(
+    shared_base: Path, monkeypatch: pytest.MonkeyPatch, proxy_python: str, volume_mode: int
+) -> None:
+    ring_dir = shared_base / "ring"
+    ring_dir.mkdir()
+    os.chown(ring_dir, 0, proxy_ids()[1])
+    os.chmod(ring_dir, volume_mode)
+    key, vector = publish_as_vllm(ring_dir, monkeypatch)
+    (ring_file,) = [p for p in ring_dir.iterdir() if not p.name.startswith(".")]
+    assert ring_file.stat().st_gid == proxy_ids()[1]  # inherited through the setgid directory
+    result = read_as_proxy(proxy_python, ring_dir, key)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == vector
+
+
+def test_without_the_shared_group_the_proxy_reads_nothing(
+    shared_base: Path, monkeypatch: pytest.MonkeyPatch, proxy_python: str
+) -> None:
+    """Control: a plain root directory (no setgid group) keeps the proxy out."""
+    ring_dir = shared_base / "ring"
+    ring_dir.mkdir()
+    os.chmod(ring_dir, 0o755)
+    key, _ = publish_as_vllm(ring_dir, monkeypatch)
+    result = read_as_proxy(proxy_python, ring_dir, key)
+    assert result.returncode != 0 or json.loads(result.stdout) is None
