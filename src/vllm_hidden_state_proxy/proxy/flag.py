@@ -1,0 +1,172 @@
+"""Flag detection, validation and request/response rewriting (pure functions, no I/O).
+
+A body is only JSON-parsed when its raw bytes could spell one of the two names the proxy
+cares about: the flag name, the reserved ``vllm_xargs`` key, or any JSON ``\\u`` escape (which
+could spell either name in a way a plain substring search would miss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+
+FLAG = "return_last_hidden_state"
+KV = "kv_transfer_params"
+XARGS = "vllm_xargs"
+VECTOR_FIELD = "last_hidden_state"
+
+_MARKERS = (FLAG.encode("ascii"), XARGS_KEY.encode("ascii"), b"\\u")
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Send this body upstream as an ordinary request (``body`` may be the original bytes)."""
+
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Flagged:
+    """A valid flagged chat request; ``document`` already has the flag stripped."""
+
+    document: dict[str, Any]
+
+
+ChatDecision = Forward | Flagged
+
+
+def needs_inspection(body: bytes) -> bool:
+    """Cheap pre-filter: could this body mention the flag or the reserved key?"""
+    return any(marker in body for marker in _MARKERS)
+
+
+def _parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return document
+
+
+def _check_xargs(document: dict[str, Any]) -> None:
+    xargs = document.get(XARGS)
+    if xargs is None:
+        return
+    if not isinstance(xargs, dict):
+        raise bad_request(f"'{XARGS}' must be a JSON object.", XARGS)
+    if XARGS_KEY in xargs:
+        raise _reserved_key_error()
+
+
+def _reserved_key_error() -> ProxyError:
+    return bad_request(
+        f"'{XARGS}.{XARGS_KEY}' is reserved for the hidden-state proxy; remove it.", XARGS
+    )
+
+
+def check_unsupported_with_flag(document: dict[str, Any]) -> None:
+    """The single place for request options that cannot be combined with the flag (yet)."""
+    stream = document.get("stream")
+    if stream is True:
+        raise bad_request(f"'stream': true is not supported together with {KV}.{FLAG}.", "stream")
+    if stream is not None and stream is not False:
+        raise bad_request("'stream' must be a boolean.", "stream")
+    n = document.get("n")
+    if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise bad_request("'n' must be an integer.", "n")
+        if n > 1:
+            raise bad_request(f"'n' > 1 is not supported together with {KV}.{FLAG}.", "n")
+
+
+def inspect_chat_body(body: bytes) -> ChatDecision:
+    """Decide what to do with a ``POST /v1/chat/completions`` body.
+
+    Raises ``ProxyError`` (400) for bodies the proxy refuses.
+    """
+    if not needs_inspection(body):
+        return Forward(body)
+    document = _parse_object(body)
+    _check_xargs(document)
+    kv = document.get(KV)
+    if kv is None:
+        return Forward(body)
+    if not isinstance(kv, dict):
+        raise bad_request(f"'{KV}' must be a JSON object.", KV)
+    if FLAG not in kv:
+        return Forward(body)
+    flag = kv[FLAG]
+    if not isinstance(flag, bool):
+        raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
+    stripped = _without_flag(document, kv)
+    if not flag:
+        return Forward(orjson.dumps(stripped))
+    check_unsupported_with_flag(stripped)
+    return Flagged(stripped)
+
+
+def check_reserved_key(body: bytes) -> ProxyError | None:
+    """For non-chat requests: refuse a client-set reserved key, and the flag (which only
+    ``/v1/chat/completions`` supports so far: a flagged request must never get a 200 without its
+    vector); otherwise stay out of the way. Bodies that are not JSON objects are left for vLLM.
+    """
+    if not needs_inspection(body):
+        return None
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(document, dict):
+        return None
+    xargs = document.get(XARGS)
+    if isinstance(xargs, dict) and XARGS_KEY in xargs:
+        return _reserved_key_error()
+    kv = document.get(KV)
+    if isinstance(kv, dict) and kv.get(FLAG, False) is not False:
+        return bad_request(
+            f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions only.", f"{KV}.{FLAG}"
+        )
+    return None
+
+
+def _without_flag(document: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy without the flag; ``kv_transfer_params`` dropped if left empty."""
+    result = dict(document)
+    rest = {k: v for k, v in kv.items() if k != FLAG}
+    if rest:
+        result[KV] = rest
+    else:
+        del result[KV]
+    return result
+
+
+def flagged_request_body(document: dict[str, Any], wire_key: str) -> bytes:
+    """The body sent to vLLM for a flagged request: the key injected into ``vllm_xargs``."""
+    xargs = document.get(XARGS)
+    merged = dict(xargs) if isinstance(xargs, dict) else {}
+    merged[XARGS_KEY] = wire_key
+    return orjson.dumps({**document, XARGS: merged})
+
+
+def parse_completion(body: bytes) -> dict[str, Any] | None:
+    """vLLM's 200 chat response as a dict, or ``None`` if it is not a JSON object."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def completion_with_vector(completion: dict[str, Any], vector: list[float]) -> bytes:
+    """Serialise the response with ``kv_transfer_params.last_hidden_state`` joined in."""
+    kv = completion.get(KV)
+    merged = dict(kv) if isinstance(kv, dict) else {}
+    merged[VECTOR_FIELD] = vector
+    return orjson.dumps({**completion, KV: merged})

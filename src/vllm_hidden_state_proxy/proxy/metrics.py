@@ -1,0 +1,95 @@
+"""The proxy's own Prometheus metrics, rendered by hand (text exposition format 0.0.4).
+
+All updates happen on the event loop thread, so plain integers suffice.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+PREFIX = "hidden_state_proxy_"
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+#: Upper bounds (seconds) of the vector-wait histogram buckets; +Inf is implicit.
+WAIT_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+KINDS = ("ordinary", "flagged")
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last slot: above the largest bound
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, name: str) -> list[str]:
+        lines = []
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts, strict=False):
+            cumulative += count
+            lines.append(f'{name}_bucket{{le="{bound!r}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.total!r}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+class ProxyMetrics:
+    """Counters and the vector-wait histogram for one app instance."""
+
+    def __init__(self) -> None:
+        self.requests = dict.fromkeys(KINDS, 0)
+        self.flagged_received = 0
+        self.vector_misses = 0
+        self.upstream_errors = 0
+        self.vector_wait = Histogram(WAIT_BUCKETS)
+
+    def render(self) -> bytes:
+        requests = f"{PREFIX}requests_total"
+        flagged = f"{PREFIX}flagged_requests_total"
+        misses = f"{PREFIX}vector_misses_total"
+        errors = f"{PREFIX}upstream_errors_total"
+        wait = f"{PREFIX}vector_wait_seconds"
+        lines = [
+            f"# HELP {requests} Requests forwarded to vLLM, by kind.",
+            f"# TYPE {requests} counter",
+            *(f'{requests}{{kind="{kind}"}} {self.requests[kind]}' for kind in KINDS),
+            f"# HELP {flagged} Chat requests received with return_last_hidden_state: true "
+            "(including ones the proxy refused).",
+            f"# TYPE {flagged} counter",
+            f"{flagged} {self.flagged_received}",
+            f"# HELP {misses} Flagged requests whose hidden state never arrived (504).",
+            f"# TYPE {misses} counter",
+            f"{misses} {self.vector_misses}",
+            f"# HELP {errors} Failed exchanges with vLLM (connect errors, timeouts, broken "
+            "streams).",
+            f"# TYPE {errors} counter",
+            f"{errors} {self.upstream_errors}",
+            f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
+            f"# TYPE {wait} histogram",
+            *self.vector_wait.render(wait),
+        ]
+        return ("\n".join(lines) + "\n").encode("utf-8")

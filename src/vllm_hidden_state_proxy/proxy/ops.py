@@ -1,0 +1,71 @@
+"""``GET /health`` and ``GET /metrics``: operational endpoints that consult vLLM too."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+
+from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, send_response
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, send_error
+from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+
+
+async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Response:
+    """GET ``path`` from vLLM with an overall deadline of ``health_timeout``.
+
+    Raises ``TimeoutError`` or ``httpx.HTTPError``.
+    """
+    settings = state.settings
+    with anyio.fail_after(settings.health_timeout):
+        return await state.client.get(
+            settings.upstream_base + path,
+            headers={"accept": accept},
+            timeout=settings.health_timeout,
+        )
+
+
+class HealthApp:
+    """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout``."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        upstream = self.state.settings.upstream_url
+        try:
+            response = await _get_upstream(self.state, "/health", "*/*")
+        except TimeoutError:
+            timeout = self.state.settings.health_timeout
+            problem = f"/health did not answer within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            problem = f"{exc!r}"
+        else:
+            if response.status_code == 200:
+                await send_response(send, 200, b"", b"text/plain; charset=utf-8")
+                return
+            problem = f"/health answered {response.status_code}"
+        await send_error(send, ProxyError(503, f"vLLM at {upstream} is not healthy: {problem}."))
+
+
+class MetricsApp:
+    """vLLM's ``/metrics`` text followed by the proxy's own metrics.
+
+    If vLLM's metrics cannot be fetched, the proxy's own are still returned.
+    """
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        upstream = await self._upstream_metrics()
+        if upstream and not upstream.endswith(b"\n"):
+            upstream += b"\n"
+        await send_response(send, 200, upstream + self.state.metrics.render(), CONTENT_TYPE)
+
+    async def _upstream_metrics(self) -> bytes:
+        try:
+            response = await _get_upstream(self.state, "/metrics", "text/plain")
+        except (TimeoutError, httpx.HTTPError):
+            return b""
+        return response.content if response.status_code == 200 else b""

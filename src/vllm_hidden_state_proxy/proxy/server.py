@@ -1,0 +1,36 @@
+"""Run the proxy under uvicorn (uvloop + httptools, no access log)."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from vllm_hidden_state_proxy.proxy.app import create_app
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+
+#: Seconds to let in-flight requests finish on shutdown before cutting them.
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def server_config(
+    settings: ProxySettings, host: str, port: int, *, log_level: str = "info"
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings),
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+
+
+def serve_proxy(settings: ProxySettings, host: str, port: int, *, log_level: str = "info") -> None:
+    """Serve until interrupted (blocking)."""
+    uvicorn.Server(server_config(settings, host, port, log_level=log_level)).run()
+
+
+#: Name used by ``cli.py``.
+run_proxy = serve_proxy

@@ -1,0 +1,54 @@
+"""Proxy configuration: one frozen value object, built once by the caller (CLI, tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hidden_state_proxy.protocol import ring_dir_from_env
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Everything the proxy needs to know; no other module reads the environment."""
+
+    #: Base URL of vLLM's OpenAI server, e.g. ``http://127.0.0.1:8000`` (no trailing path needed).
+    upstream_url: str
+    #: Directory holding the worker hook's shared-memory rings (same as vLLM's).
+    ring_dir: str = field(default_factory=ring_dir_from_env)
+    #: Seconds to wait, after vLLM answered 200, for the hidden state to show up in the ring.
+    vector_timeout: float = 5.0
+    #: Largest request body accepted (bytes); larger bodies get 413.
+    max_body_bytes: int = 32 * MIB
+    #: Size of the pooled connection set towards vLLM.
+    max_connections: int = 1000
+    #: Seconds to establish a TCP connection to vLLM.
+    connect_timeout: float = 5.0
+    #: Read/write timeout towards vLLM in seconds; ``None`` waits forever (long generations).
+    request_timeout: float | None = None
+    #: Reserved for a later issue (proxy-side auth); not used yet.
+    api_key: str | None = None
+    #: Seconds ``GET /health`` waits for vLLM's own ``/health``.
+    health_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.upstream_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"upstream_url must start with http:// or https://: {self.upstream_url!r}"
+            )
+        if self.vector_timeout < 0:
+            raise ValueError("vector_timeout must be >= 0")
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be > 0")
+        if self.max_connections <= 0:
+            raise ValueError("max_connections must be > 0")
+        if self.connect_timeout <= 0 or self.health_timeout <= 0:
+            raise ValueError("connect_timeout and health_timeout must be > 0")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0 or None")
+
+    @property
+    def upstream_base(self) -> str:
+        """``upstream_url`` without a trailing slash, ready for ``base + path``."""
+        return self.upstream_url.rstrip("/")

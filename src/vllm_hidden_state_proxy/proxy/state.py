@@ -1,0 +1,31 @@
+"""Per-app runtime state: settings, metrics, and the resources the lifespan opens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+from vllm_hidden_state_proxy.proxy.vectors import VectorSource
+
+
+@dataclass
+class ProxyState:
+    settings: ProxySettings
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    http: httpx.AsyncClient | None = None
+    vectors: VectorSource | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self.http is None:
+            raise RuntimeError("proxy not started: run the app's lifespan first")
+        return self.http
+
+    @property
+    def ring(self) -> VectorSource:
+        if self.vectors is None:
+            raise RuntimeError("proxy not started: run the app's lifespan first")
+        return self.vectors

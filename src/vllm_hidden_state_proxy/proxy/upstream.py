@@ -1,0 +1,68 @@
+"""The connection to vLLM: pooled client, request construction, transport-error mapping."""
+
+from __future__ import annotations
+
+import httpx
+
+from vllm_hidden_state_proxy.proxy.asgi import Scope
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+
+
+def create_client(
+    settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """One pooled client per app. ``transport`` replaces the network (tests)."""
+    limits = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_connections,
+    )
+    timeout = httpx.Timeout(
+        connect=settings.connect_timeout,
+        read=settings.request_timeout,
+        write=settings.request_timeout,
+        pool=None,  # wait for a free connection; clients time out on their own
+    )
+    return httpx.AsyncClient(
+        limits=limits,
+        timeout=timeout,
+        transport=transport,
+        follow_redirects=False,
+        trust_env=False,  # never route vLLM traffic through an environment proxy
+    )
+
+
+def upstream_url(settings: ProxySettings, scope: Scope) -> str:
+    """``upstream_url + path + query`` for the incoming request, path bytes kept verbatim."""
+    raw_path: bytes | None = scope.get("raw_path")
+    # Some servers (httpx's ASGITransport before 0.28) put the query in raw_path; ASGI says not to.
+    path = raw_path.split(b"?", 1)[0].decode("latin-1") if raw_path else scope["path"]
+    query: bytes = scope.get("query_string", b"")
+    if query:
+        return f"{settings.upstream_base}{path}?{query.decode('latin-1')}"
+    return settings.upstream_base + path
+
+
+def build_request(settings: ProxySettings, scope: Scope, body: bytes) -> httpx.Request:
+    """The request to vLLM: same method, path, query and headers (minus hop-by-hop).
+
+    Built as a bare ``httpx.Request`` (not ``client.build_request``) so that no client default
+    headers (User-Agent, Accept-Encoding, cookies) are added to what the client sent.
+    """
+    return httpx.Request(
+        scope["method"],
+        upstream_url(settings, scope),
+        headers=upstream_request_headers(scope["headers"], len(body)),
+        content=body,
+    )
+
+
+def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
+    """The error the client sees when the exchange with vLLM itself failed (no usable answer)."""
+    url = settings.upstream_url
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return ProxyError(504, f"vLLM at {url} did not answer in time: {exc!r}")
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return ProxyError(502, f"Could not reach vLLM at {url}: {exc!r}")
+    return ProxyError(502, f"The exchange with vLLM at {url} failed: {exc!r}")

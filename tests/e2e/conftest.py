@@ -1,0 +1,64 @@
+"""Session fixtures: one real vLLM (behind the real proxy) for all end-to-end tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+
+from .reference import MEASURED, Reference
+from .server import SERVED_MODEL_NAME, RunningStack, run_serve
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/e2e/" in str(item.path):
+            item.add_marker(pytest.mark.e2e)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if MEASURED:
+        worst_cosine = min(c for c, _ in MEASURED)
+        worst_rel = max(r for _, r in MEASURED)
+        terminalreporter.write_line(
+            f"vectors checked against Transformers: {len(MEASURED)}; "
+            f"worst cosine {worst_cosine:.9f}, worst relative L2 {worst_rel:.2e}"
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-chat-model")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir: Path) -> Reference:
+    return Reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    with run_serve(tiny_model_dir, tmp_path_factory.mktemp("serve")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return SERVED_MODEL_NAME
+
+
+@pytest.fixture()
+def client(stack: RunningStack):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.proxy_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def direct_client(stack: RunningStack):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.vllm_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,137 @@
+"""Start the real stack for end-to-end tests: ``hidden-state-proxy serve`` on the tiny model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: vLLM options used by the shared test server (small batches force chunked prefill).
+MAX_NUM_BATCHED_TOKENS = 128
+MAX_MODEL_LEN = 1024
+TEST_VLLM_ARGS = [
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-batched-tokens",
+    str(MAX_NUM_BATCHED_TOKENS),
+    "--max-num-seqs",
+    "32",
+    "--enable-prefix-caching",
+    "--served-model-name",
+    "tiny-chat",
+]
+SERVED_MODEL_NAME = "tiny-chat"
+STARTUP_TIMEOUT = 420.0
+
+
+@dataclass
+class RunningStack:
+    proxy_url: str
+    vllm_url: str
+    ring_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {process.returncode} before it was healthy:\n"
+                + "\n".join(log.read_text(errors="replace").splitlines()[-80:])
+            )
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s; see {log}")
+
+
+def stack_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def run_serve(
+    model_dir: Path,
+    work_dir: Path,
+    extra_args: Sequence[str] = (),
+    env_overrides: dict[str, str] | None = None,
+) -> Iterator[RunningStack]:
+    """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL)."""
+    proxy_port, vllm_port = free_port(), free_port()
+    ring_dir = Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
+    log_path = work_dir / f"serve-{vllm_port}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_hidden_state_proxy.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(proxy_port),
+        "--vllm-port",
+        str(vllm_port),
+        "--ring-dir",
+        str(ring_dir),
+        *TEST_VLLM_ARGS,
+        *extra_args,
+    ]
+    env = stack_environment()
+    env.update(env_overrides or {})
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    stack = RunningStack(
+        proxy_url=f"http://127.0.0.1:{proxy_port}",
+        vllm_url=f"http://127.0.0.1:{vllm_port}",
+        ring_dir=ring_dir,
+        log_path=log_path,
+        process=process,
+    )
+    try:
+        wait_healthy(stack.proxy_url + "/health", process, STARTUP_TIMEOUT, log_path)
+        yield stack
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        import shutil
+
+        shutil.rmtree(ring_dir, ignore_errors=True)
