@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .serve import stop_process_group
 from .tiny_model import build_tiny_model
 
 SERVED_MODEL_NAME = "tiny-chat"
@@ -33,8 +33,7 @@ def _say(message: str) -> None:
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    started = time.monotonic()
-    last_note = started
+    started = time.monotonic()  # `serve` prints progress while vLLM loads
     while True:
         if process.poll() is not None:
             raise SystemExit(
@@ -46,12 +45,8 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> N
                     return
         except OSError:
             pass
-        now = time.monotonic()
-        if now - started > timeout:
+        if time.monotonic() - started > timeout:
             raise SystemExit(f"[demo] the server was not ready after {timeout:.0f} s")
-        if now - last_note > 10:
-            _say(f"still starting ({now - started:.0f} s; vLLM on CPU takes about a minute)...")
-            last_note = now
         time.sleep(0.5)
 
 
@@ -82,7 +77,7 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    _say("starting: " + " ".join(command[2:]))
+    _say("starting vLLM and the proxy (about a minute on CPU): " + " ".join(command[2:]))
     server = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/health", server, timeout)
@@ -117,12 +112,7 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
         _say("done; stopping the server")
         return 0
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        stop_process_group(server, "the server", grace=60)
 
 
 def main() -> None:

@@ -101,23 +101,41 @@ def _say(message: str) -> None:
     print(f"[hidden-state-proxy] {message}", file=sys.stderr, flush=True)
 
 
-def _stop(process: subprocess.Popen[bytes] | None, name: str, grace: float = 20.0) -> None:
-    if process is None or process.poll() is not None:
+def stop_process_group(
+    process: subprocess.Popen[bytes] | None, name: str, grace: float = 20.0
+) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` and its whole group; SIGKILL
+    after ``grace`` seconds. Also reaps what is left of the group (vLLM's engine and workers)."""
+    if process is None:
         return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        _say(f"{name} did not stop in {grace:.0f} s; killing it")
+    if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    # Reap anything left in the group (vLLM's engine and worker processes).
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _say(f"{name} did not stop in {grace:.0f} s; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def _first_exited(*named: tuple[str, subprocess.Popen[bytes]]) -> tuple[str, int] | None:
+    for name, process in named:
+        if process.poll() is not None:
+            return name, process.returncode
+    return None
+
+
+def _local_url(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to ``host`` (wildcards -> loopback)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
@@ -153,23 +171,19 @@ def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
             time.sleep(0.5)
         _say(f"vLLM is ready after {time.monotonic() - started:.0f} s; starting the proxy")
         proxy = subprocess.Popen(proxy_command(args, upstream, ring_dir), start_new_session=True)
-        proxy_url = f"http://{args.host}:{args.port}"
+        proxy_url = _local_url(args.host, args.port)
         while not _healthy(proxy_url + "/health"):
-            if proxy.poll() is not None:
-                _say(f"the proxy exited with status {proxy.returncode} at startup")
-                return proxy.returncode or 1
-            if vllm.poll() is not None:
-                _say(f"vLLM exited with status {vllm.returncode}")
-                return vllm.returncode or 1
+            gone = _first_exited(("the proxy", proxy), ("vLLM", vllm))
+            if gone is not None:
+                _say(f"{gone[0]} exited with status {gone[1]} while the proxy was starting")
+                return gone[1] or 1
             time.sleep(0.2)
         _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
         while True:
-            if vllm.poll() is not None:
-                _say(f"vLLM exited with status {vllm.returncode}; stopping the proxy")
-                return vllm.returncode or 1
-            if proxy.poll() is not None:
-                _say(f"the proxy exited with status {proxy.returncode}; stopping vLLM")
-                return proxy.returncode or 1
+            gone = _first_exited(("vLLM", vllm), ("the proxy", proxy))
+            if gone is not None:
+                _say(f"{gone[0]} exited with status {gone[1]}; stopping the other one")
+                return gone[1] or 1
             time.sleep(0.5)
     except _Stop as stop:
         _say(f"{stop}: stopping the proxy and vLLM")
@@ -177,7 +191,7 @@ def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stop(proxy, "the proxy", grace=5.0)
-        _stop(vllm, "vLLM")
+        stop_process_group(proxy, "the proxy", grace=5.0)
+        stop_process_group(vllm, "vLLM")
         if own_ring_dir:
             shutil.rmtree(Path(ring_dir), ignore_errors=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_hidden_state_proxy.serve import stop_process_group
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
 MAX_NUM_BATCHED_TOKENS = 128
@@ -125,13 +127,5 @@ def run_serve(
         wait_healthy(stack.proxy_url + "/health", process, STARTUP_TIMEOUT, log_path)
         yield stack
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        import shutil
-
+        stop_process_group(process, "hidden-state-proxy serve", grace=60)
         shutil.rmtree(ring_dir, ignore_errors=True)

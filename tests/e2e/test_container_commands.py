@@ -13,7 +13,6 @@ import contextlib
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.commands import CHART_DIR, chart_commands, compose_commands, localize
+from vllm_hidden_state_proxy.serve import stop_process_group
 
 from .reference import Reference, assert_matches
 from .server import (
@@ -47,15 +47,7 @@ def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
     try:
         yield process
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_process_group(process, argv[0], grace=60)
 
 
 def _run_pair(commands: dict[str, Any], work: Path, reference: Reference) -> dict[str, Any]:

@@ -36,12 +36,21 @@ class RunnerView(Protocol):
     ) -> list[ScheduledRequest]: ...
 
 
+def step_hidden_states(runner: Any) -> Any | None:
+    """The last step's full hidden states, kept by both runners until ``sample_tokens()``.
+
+    ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling, a non-last
+    pipeline stage), since then no state is kept.
+    """
+    state = getattr(runner, "execute_model_state", None)
+    return None if state is None else state.hidden_states
+
+
 class V1RunnerView:
     name = "v1"
 
     def hidden_states(self, runner: Any) -> Any | None:
-        state = getattr(runner, "execute_model_state", None)
-        return None if state is None else state.hidden_states
+        return step_hidden_states(runner)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
@@ -71,8 +80,7 @@ class V2RunnerView:
     name = "v2"
 
     def hidden_states(self, runner: Any) -> Any | None:
-        state = getattr(runner, "execute_model_state", None)
-        return None if state is None else state.hidden_states
+        return step_hidden_states(runner)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
