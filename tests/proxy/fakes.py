@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -9,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import orjson
 from starlette.applications import Starlette
 
 from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
@@ -34,7 +34,7 @@ def vector_bytes(values: list[float]) -> bytes:
 
 def forwarded_key(request: httpx.Request) -> bytes:
     """The key the proxy injected into a forwarded request (asserts it is well formed)."""
-    document = orjson.loads(request.content)
+    document = json.loads(request.content)
     wire = document["vllm_xargs"][XARGS_KEY]
     key = key_from_wire(wire)
     assert key is not None, wire

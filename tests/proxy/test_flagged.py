@@ -274,3 +274,36 @@ async def test_upstream_200_breaking_mid_body_is_502_not_200() -> None:
     assert response.status_code == 502
     assert "connection reset" in error_of(response)["message"]
     assert ring.lookups == 0
+
+
+async def test_a_utf16_flagged_body_is_recognised_and_gets_its_vector(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """vLLM's parser accepts UTF-16 JSON, so a byte search for the flag alone would miss it."""
+    vllm = FakeVLLM(publishing_handler(writer))
+    body = orjson.dumps(flagged()).decode().encode("utf-16")
+    assert b"return_last_hidden_state" not in body
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, content=body)
+    assert response.status_code == 200, response.text
+    (forwarded,) = vllm.requests
+    assert response.json()["kv_transfer_params"]["last_hidden_state"] == vector_for(
+        forwarded_key(forwarded)
+    )
+
+
+async def test_a_body_only_pythons_json_accepts_still_works_flagged(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """A lone surrogate escape: orjson refuses it, vLLM (Python's json) accepts it."""
+    vllm = FakeVLLM(publishing_handler(writer))
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x\\ud800"}],'
+        b' "kv_transfer_params": {"return_last_hidden_state": true}}'
+    )
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, content=body)
+    assert response.status_code == 200, response.text
+    (forwarded,) = vllm.requests
+    assert b"\\ud800" in forwarded.content
+    assert "last_hidden_state" in response.json()["kv_transfer_params"]

@@ -86,6 +86,26 @@ BAD_REQUESTS = [
         b'{"prompt": "x", ' + FLAG + b"}",
         "kv_transfer_params.return_last_hidden_state",
     ),
+    (
+        "beam-search",
+        CHAT,
+        b'{"use_beam_search": true, ' + FLAG + b"}",
+        "use_beam_search",
+    ),
+    (
+        # UTF-16 JSON (vLLM accepts it): the reserved key cannot hide from a byte search.
+        "internal-key-utf16",
+        "/v1/completions",
+        ('{"prompt": "x", "vllm_xargs": {"' + XARGS_KEY + '": "00"}}').encode("utf-16"),
+        "vllm_xargs",
+    ),
+    (
+        # Only Python's json accepts this body (lone surrogate); vLLM would use the key.
+        "internal-key-lone-surrogate",
+        "/v1/completions",
+        b'{"prompt": "\\ud800", "vllm_xargs": {"' + KEY + b'": ' + WIRE + b"}}",
+        "vllm_xargs",
+    ),
     ("xargs-not-object", CHAT, b'{"vllm_xargs": [1], ' + FLAG + b"}", "vllm_xargs"),
     (
         # Escaped flag name: still recognised as flagged (and then refused for stream).

@@ -25,7 +25,11 @@ from vllm_hidden_state_proxy.protocol import (
 from vllm_hidden_state_proxy.ring import RingReader
 from vllm_hidden_state_proxy.worker_hook import plugin
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
-from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerView
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    UnsupportedRunner,
+    V1RunnerView,
+    V2RunnerView,
+)
 
 ENTRY_POINT = "vllm_hidden_state_proxy.worker_hook.plugin:register"
 
@@ -369,7 +373,8 @@ def test_patching_failure_does_not_break_the_import(
 # -- the rank rule ------------------------------------------------------------------------------
 
 
-def fake_runner(dp_rank: int = 0) -> SimpleNamespace:
+def fake_runner(dp_rank: int = 0, prefill_context_parallel_size: int = 1) -> SimpleNamespace:
+    """What StepCapture.for_runner and V1RunnerView.check read from a V1 runner."""
     model_config = SimpleNamespace(
         served_model_name=["served-name", "alias"],
         model="org/model",
@@ -378,8 +383,15 @@ def fake_runner(dp_rank: int = 0) -> SimpleNamespace:
     return SimpleNamespace(
         vllm_config=SimpleNamespace(
             model_config=model_config,
-            parallel_config=SimpleNamespace(data_parallel_rank=dp_rank),
-        )
+            parallel_config=SimpleNamespace(
+                data_parallel_rank=dp_rank,
+                prefill_context_parallel_size=prefill_context_parallel_size,
+            ),
+        ),
+        input_batch=SimpleNamespace(
+            req_id_to_index={}, num_computed_tokens_cpu=[], num_prompt_tokens=[]
+        ),
+        query_start_loc=SimpleNamespace(np=[0]),
     )
 
 
@@ -449,3 +461,35 @@ def test_ring_exists_after_initialize_kv_cache_before_any_request(
         assert capture.writer.publish_count == 0
     finally:
         capture.writer.close()
+
+
+def test_a_runner_without_the_expected_state_disables_the_hook_before_any_ring_exists(
+    monkeypatch: pytest.MonkeyPatch, ring_env: Path, hook_log: Any
+) -> None:
+    set_ranks(monkeypatch, 0, True)
+    runner = fake_runner()
+    del runner.input_batch.num_prompt_tokens  # e.g. a vLLM version that renamed it
+    assert plugin.capture_for(runner, V1RunnerView()) is None
+    assert not ring_env.exists() or not any(ring_env.iterdir())
+    text = " ".join(r.getMessage() for r in hook_log.records)
+    assert "worker hook disabled" in text and "num_prompt_tokens" in text
+
+
+def test_prefill_context_parallelism_disables_the_hook(
+    monkeypatch: pytest.MonkeyPatch, ring_env: Path, hook_log: Any
+) -> None:
+    set_ranks(monkeypatch, 0, True)
+    runner = fake_runner(prefill_context_parallel_size=2)
+    assert plugin.capture_for(runner, V1RunnerView()) is None
+    assert not ring_env.exists() or not any(ring_env.iterdir())
+    assert any("prefill_context_parallel_size=2" in r.getMessage() for r in hook_log.records)
+
+
+def test_v2_view_check_accepts_vllms_real_v2_classes() -> None:
+    runner = SimpleNamespace(
+        vllm_config=object(),
+        req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=[0])),
+    )
+    V2RunnerView().check(runner)
+    with pytest.raises(UnsupportedRunner, match="prompt_len"):
+        V2RunnerView().check(SimpleNamespace(vllm_config=object(), req_states=object()))

@@ -14,7 +14,7 @@ from vllm_hidden_state_proxy.proxy.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough import PassthroughApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.upstream import create_client
+from vllm_hidden_state_proxy.proxy.upstream import create_client, create_ops_client
 from vllm_hidden_state_proxy.proxy.vectors import VectorSource
 from vllm_hidden_state_proxy.ring import RingDirectory
 
@@ -40,11 +40,13 @@ def create_app(
         owned = ring is None
         state.vectors = RingDirectory(settings.ring_dir) if ring is None else ring
         state.http = create_client(settings, transport)
+        state.ops_http = create_ops_client(settings, transport)
         try:
             yield
         finally:
             await state.http.aclose()
-            state.http = None
+            await state.ops_http.aclose()
+            state.http = state.ops_http = None
             if owned:
                 state.vectors.close()
             state.vectors = None

@@ -2,11 +2,16 @@
 
 A body is only JSON-parsed when its raw bytes could spell one of the two names the proxy
 cares about: the flag name, the reserved ``vllm_xargs`` key, or any JSON ``\\u`` escape (which
-could spell either name in a way a plain substring search would miss).
+could spell either name in a way a plain substring search would miss), or when it is not UTF-8
+at all (UTF-16/32 JSON, which vLLM's parser accepts and a byte search cannot read).
+
+Parsing uses orjson, with Python's ``json`` (what vLLM itself uses) as the fallback for what
+orjson refuses but vLLM accepts: UTF-16/32, lone surrogate escapes, NaN, huge numbers.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +45,39 @@ class Flagged:
 ChatDecision = Forward | Flagged
 
 
+def _maybe_not_utf8(body: bytes) -> bool:
+    """UTF-16/32 JSON (RFC 8259 detection: NUL bytes up front, or a UTF-16/32 byte order mark)."""
+    return b"\x00" in body[:4] or body[:2] in (b"\xff\xfe", b"\xfe\xff")
+
+
 def needs_inspection(body: bytes) -> bool:
     """Cheap pre-filter: could this body mention the flag or the reserved key?"""
-    return any(marker in body for marker in _MARKERS)
+    return any(marker in body for marker in _MARKERS) or _maybe_not_utf8(body)
+
+
+def _load(body: bytes) -> Any:
+    """Parse like vLLM would; raises ``ValueError`` if neither parser accepts the body."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep...
+        first_error = exc
+    try:
+        return json.loads(body)  # ...or only what orjson refuses: UTF-16/32, lone surrogates
+    except (ValueError, RecursionError):
+        raise ValueError(str(first_error)) from None
+
+
+def _dumps(document: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(document)
+    except (orjson.JSONEncodeError, TypeError):  # lone surrogates, NaN: what json.loads accepts
+        return json.dumps(document).encode("ascii")
 
 
 def _parse_object(body: bytes) -> dict[str, Any]:
     try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep
+        document = _load(body)
+    except ValueError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise bad_request("Request body must be a JSON object.")
@@ -78,6 +107,11 @@ def check_unsupported_with_flag(document: dict[str, Any]) -> None:
         raise bad_request(f"'stream': true is not supported together with {KV}.{FLAG}.", "stream")
     if stream is not None and stream is not False:
         raise bad_request("'stream' must be a boolean.", "stream")
+    if document.get("use_beam_search") is True:  # vLLM's beam search drops vllm_xargs
+        raise bad_request(
+            f"'use_beam_search': true is not supported together with {KV}.{FLAG}.",
+            "use_beam_search",
+        )
     n = document.get("n")
     if n is not None:
         if not isinstance(n, int) or isinstance(n, bool):
@@ -107,7 +141,7 @@ def inspect_chat_body(body: bytes) -> ChatDecision:
         raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
     stripped = _without_flag(document, kv)
     if not flag:
-        return Forward(orjson.dumps(stripped))
+        return Forward(_dumps(stripped))
     check_unsupported_with_flag(stripped)
     return Flagged(stripped)
 
@@ -120,8 +154,8 @@ def check_reserved_key(body: bytes) -> ProxyError | None:
     if not needs_inspection(body):
         return None
     try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        document = _load(body)
+    except ValueError:
         return None
     if not isinstance(document, dict):
         return None
@@ -152,7 +186,7 @@ def flagged_request_body(document: dict[str, Any], wire_key: str) -> bytes:
     xargs = document.get(XARGS)
     merged = dict(xargs) if isinstance(xargs, dict) else {}
     merged[XARGS_KEY] = wire_key
-    return orjson.dumps({**document, XARGS: merged})
+    return _dumps({**document, XARGS: merged})
 
 
 def parse_completion(body: bytes) -> dict[str, Any] | None:

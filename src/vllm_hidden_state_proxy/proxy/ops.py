@@ -18,7 +18,7 @@ async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Resp
     """
     settings = state.settings
     with anyio.fail_after(settings.health_timeout):
-        return await state.client.get(
+        return await state.ops_client.get(
             settings.upstream_base + path,
             headers={"accept": accept},
             timeout=settings.health_timeout,

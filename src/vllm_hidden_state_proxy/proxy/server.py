@@ -24,6 +24,9 @@ def server_config(
         access_log=False,
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        # vLLM's own Date/Server headers pass through; uvicorn must not add second copies.
+        server_header=False,
+        date_header=False,
     )
 
 

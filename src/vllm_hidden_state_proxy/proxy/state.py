@@ -16,6 +16,7 @@ class ProxyState:
     settings: ProxySettings
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     http: httpx.AsyncClient | None = None
+    ops_http: httpx.AsyncClient | None = None
     vectors: VectorSource | None = None
 
     @property
@@ -23,6 +24,13 @@ class ProxyState:
         if self.http is None:
             raise RuntimeError("proxy not started: run the app's lifespan first")
         return self.http
+
+    @property
+    def ops_client(self) -> httpx.AsyncClient:
+        """The small pool for /health and /metrics."""
+        if self.ops_http is None:
+            raise RuntimeError("proxy not started: run the app's lifespan first")
+        return self.ops_http
 
     @property
     def ring(self) -> VectorSource:

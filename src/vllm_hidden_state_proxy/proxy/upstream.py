@@ -9,6 +9,23 @@ from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
+#: Seconds an idle pooled connection to vLLM is kept (below vLLM's 5 s keep-alive timeout).
+KEEPALIVE_EXPIRY = 2.0
+
+
+def create_ops_client(
+    settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """A small separate pool for /health and /metrics, so that they keep answering when every
+    connection of the main pool is busy with long generations (readiness probes at peak load)."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_EXPIRY),
+        timeout=httpx.Timeout(settings.health_timeout),
+        transport=transport,
+        follow_redirects=False,
+        trust_env=False,
+    )
+
 
 def create_client(
     settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
@@ -17,6 +34,9 @@ def create_client(
     limits = httpx.Limits(
         max_connections=settings.max_connections,
         max_keepalive_connections=settings.max_connections,
+        # vLLM (uvicorn) closes idle connections after 5 s: retire ours first, so a request
+        # never goes out on a connection the server is closing.
+        keepalive_expiry=KEEPALIVE_EXPIRY,
     )
     timeout = httpx.Timeout(
         connect=settings.connect_timeout,

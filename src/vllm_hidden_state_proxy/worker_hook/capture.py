@@ -46,6 +46,18 @@ def _is_publishing_rank() -> bool:
     return bool(get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank)
 
 
+def _check_parallelism(vllm_config: Any) -> None:
+    """Refuse layouts where a rank's step state is not the whole batch."""
+    from .runners import UnsupportedRunner
+
+    size = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
+    if size > 1:
+        raise UnsupportedRunner(
+            f"prefill_context_parallel_size={size}: prefill context parallelism splits each "
+            "step's batch across ranks, which this hook does not support yet"
+        )
+
+
 def _data_parallel_rank(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
 
@@ -80,6 +92,8 @@ class StepCapture:
         model_name = str(served or model_config.model)
         if not _is_publishing_rank():
             return cls(view, None, model_name)
+        view.check(runner)  # raises UnsupportedRunner before any ring file exists
+        _check_parallelism(vllm_config)
         from ..ring import RingWriter
 
         dir_mode, file_mode = _ring_modes()

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..protocol import HOOK_ENABLED_ENV
 from .capture import StepCapture
-from .runners import RunnerView, V1RunnerView, V2RunnerView
+from .runners import RunnerView, UnsupportedRunner, V1RunnerView, V2RunnerView
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -117,10 +117,17 @@ def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
         return existing
     try:
         capture = StepCapture.for_runner(runner, view)
+    except UnsupportedRunner as error:
+        logger.warning(
+            "vllm-hidden-state-proxy: worker hook disabled: %s. Flagged requests get 503 from "
+            "the proxy; ordinary traffic is unaffected.",
+            error,
+        )
+        capture = None
     except Exception:
         logger.exception(
-            "vllm-hidden-state-proxy: worker hook could not start (ring directory not "
-            "writable?); flagged requests will fail, ordinary traffic is unaffected"
+            "vllm-hidden-state-proxy: worker hook could not start (see the error above); "
+            "flagged requests get 503 from the proxy, ordinary traffic is unaffected"
         )
         capture = None
     runner.__dict__[_CAPTURE_ATTR] = capture

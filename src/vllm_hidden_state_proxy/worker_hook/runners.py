@@ -29,11 +29,36 @@ class RunnerView(Protocol):
 
     name: str
 
+    def check(self, runner: Any) -> None:
+        """Raise ``UnsupportedRunner`` if the runner lacks what this view reads.
+
+        Run once at startup, so that a vLLM whose internals moved disables the hook loudly
+        (no ring: the proxy answers 503) instead of failing on the first flagged request.
+        """
+        ...
+
     def hidden_states(self, runner: Any) -> Any | None: ...
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
     ) -> list[ScheduledRequest]: ...
+
+
+class UnsupportedRunner(Exception):
+    """The model runner does not have the state this hook reads (another vLLM version?)."""
+
+
+def _require(obj: Any, where: str, names: Collection[str]) -> None:
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise UnsupportedRunner(f"{where} has no {', '.join(missing)}")
+
+
+def _require_fields(cls: Any, where: str, names: Collection[str]) -> None:
+    fields = set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "_fields", ()))
+    missing = [name for name in names if name not in fields]
+    if missing:
+        raise UnsupportedRunner(f"{where} has no field {', '.join(missing)}")
 
 
 def step_hidden_states(runner: Any) -> Any | None:
@@ -48,6 +73,16 @@ def step_hidden_states(runner: Any) -> Any | None:
 
 class V1RunnerView:
     name = "v1"
+
+    def check(self, runner: Any) -> None:
+        _require(runner, "the V1 model runner", ["input_batch", "query_start_loc", "vllm_config"])
+        _require(runner.query_start_loc, "query_start_loc", ["np"])
+        _require(
+            runner.input_batch,
+            "the V1 input batch",
+            ["req_id_to_index", "num_computed_tokens_cpu", "num_prompt_tokens"],
+        )
+        _require_fields(_v1_state_class(), "ExecuteModelState (V1)", ["hidden_states"])
 
     def hidden_states(self, runner: Any) -> Any | None:
         return step_hidden_states(runner)
@@ -79,6 +114,29 @@ class V1RunnerView:
 class V2RunnerView:
     name = "v2"
 
+    def check(self, runner: Any) -> None:
+        _require(runner, "the V2 model runner", ["req_states", "vllm_config"])
+        _require(runner.req_states, "the V2 request states", ["prompt_len"])
+        _require(runner.req_states.prompt_len, "req_states.prompt_len", ["np"])
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+        from vllm.v1.worker.gpu.model_runner import ExecuteModelState
+
+        _require_fields(
+            InputBatch,
+            "InputBatch (V2)",
+            [
+                "req_ids",
+                "num_reqs",
+                "idx_mapping_np",
+                "query_start_loc_np",
+                "num_computed_tokens_np",
+                "num_scheduled_tokens",
+            ],
+        )
+        _require_fields(
+            ExecuteModelState, "ExecuteModelState (V2)", ["input_batch", "hidden_states"]
+        )
+
     def hidden_states(self, runner: Any) -> Any | None:
         return step_hidden_states(runner)
 
@@ -104,3 +162,9 @@ class V2RunnerView:
                 )
             )
         return found
+
+
+def _v1_state_class() -> Any:
+    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+
+    return ExecuteModelState
