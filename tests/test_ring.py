@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import mmap
 import os
+import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from array import array
@@ -39,6 +42,7 @@ from vllm_hidden_state_proxy.ring import (
     Record,
     RingDirectory,
     RingFormatError,
+    RingInUseError,
     RingReader,
     RingWriter,
     slot_size_for,
@@ -414,16 +418,20 @@ print("done", i, flush=True)
 """
 
 
-def test_concurrent_writer_process(tmp_path: Path) -> None:
-    hidden = 1024
+def subprocess_env() -> dict[str, str]:
     pkg_parent = str(Path(vllm_hidden_state_proxy.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_concurrent_writer_process(tmp_path: Path) -> None:
+    hidden = 1024
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER_SCRIPT, str(tmp_path), str(hidden), "1.5", "2000000"],
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        env=subprocess_env(),
     )
     try:
         assert proc.stdout is not None
@@ -474,7 +482,8 @@ def test_directory_follows_writer_restart(tmp_path: Path) -> None:
     assert_is_record_of(rd.lookup(k1), 1, 8)
     assert_is_record_of(rd_periodic.lookup(k1), 1, 8)
 
-    w2 = make_writer(tmp_path)  # vLLM restarted: same writer_id, new file
+    w1.close()  # vLLM exited (its liveness lock is released) ...
+    w2 = make_writer(tmp_path)  # ... and restarted: same writer_id, new file
     assert w2.path == w1.path
     assert w2.epoch != w1.epoch
     assert old_reader.is_stale()
@@ -671,6 +680,329 @@ def test_foreign_owner_refused(tmp_path: Path) -> None:
     assert_is_record_of(rd_ok.lookup(k), 0, 8)
     rd_bad.close()
     rd_ok.close()
+    w.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# liveness: one live writer per name; a dead writer's file is readable but does not count
+# ---------------------------------------------------------------------------------------------
+
+HOLDER_SCRIPT = r"""
+import hashlib, sys, time
+from vllm_hidden_state_proxy.ring import RingWriter
+
+w = RingWriter.create(sys.argv[1], writer_id="proc", hidden_size=8, model="test/model-7b",
+                      slot_count=4)
+for i in range(3):
+    k = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+    w.publish(k, k * 2, position=i, num_prompt_tokens=i + 1)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_second_writer_with_same_id_refused(tmp_path: Path) -> None:
+    d = tmp_path / "rings"
+    w1 = make_writer(d)
+    k0 = publish_index(w1, 0)
+    rd = RingDirectory(d)
+    assert rd.has_ring()
+
+    t0 = time.monotonic()
+    with pytest.raises(RingInUseError) as excinfo:
+        make_writer(d)  # a second vLLM (or rank) with the same writer id
+    waited = time.monotonic() - t0
+    message = str(excinfo.value)
+    assert str(w1.path) in message
+    assert "another vLLM instance" in message
+    assert "its own ring directory" in message
+    assert ring.IN_USE_WAIT <= waited < ring.IN_USE_WAIT + 2.0  # retried, but not forever
+    assert os.listdir(d) == ["ring-dp0.bin"]  # the loser's temp file is gone
+    with RingReader.open(w1.path) as r:
+        assert r.epoch == w1.epoch  # not replaced
+        assert r.is_live()
+
+    # The first writer keeps working and stays findable.
+    k1 = publish_index(w1, 1)
+    assert rd.has_ring()
+    assert rd.epochs == {"ring-dp0.bin": w1.epoch}
+    assert_is_record_of(rd.lookup(k0), 0, 8)
+    assert_is_record_of(rd.lookup(k1), 1, 8)
+
+    # A different writer id next to it is fine.
+    make_writer(d, writer_id="dp1").close()
+
+    # Once the first writer is gone, its name is free again.
+    w1.close()
+    w2 = make_writer(d)
+    assert w2.epoch != w1.epoch
+    with RingReader.open(w2.path) as r:
+        assert r.epoch == w2.epoch
+    assert sorted(os.listdir(d)) == ["ring-dp0.bin", "ring-dp1.bin"]
+    rd.close()
+    w2.close()
+
+
+def test_killed_writer_process(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    rd = RingDirectory(tmp_path)
+    w: RingWriter | None = None
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        assert rd.has_ring()
+        assert rd.publish_count() == 3
+        assert rd.min_slot_count() == 4
+        with pytest.raises(RingInUseError, match=r"ring-proc\.bin"):
+            make_writer(tmp_path, writer_id="proc")
+
+        assert rd.has_ring()  # fresh "live" answer in the cache
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        died = time.monotonic()
+        while rd.has_ring():
+            assert time.monotonic() - died < RingDirectory.LIVENESS_INTERVAL + 0.1
+            time.sleep(0.002)
+        assert not rd.has_ring()
+        assert rd.publish_count() == 0
+        assert rd.min_slot_count() is None
+        # The dead writer's records are still exactly their own keys' records.
+        for i in range(3):
+            assert_is_record_of(rd.lookup(key_for(i)), i, 8)
+
+        # A restarted writer takes the name over at once, and counts immediately.
+        w = make_writer(tmp_path, writer_id="proc")
+        assert rd.has_ring()
+        assert rd.epochs == {"ring-proc.bin": w.epoch}
+        assert rd.lookup(key_for(0)) is None  # gone with the old file
+        k = publish_index(w, 7)
+        assert_is_record_of(rd.lookup(k), 7, 8)
+        assert rd.publish_count() == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        rd.close()
+        if w is not None:
+            w.close()
+
+
+def test_dead_writer_file_is_readable_but_not_live(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    d = tmp_path / "rings"
+    w = make_writer(d)
+    k = publish_index(w, 0)
+    r = RingReader.open(w.path)
+    rd_live = RingDirectory(d)
+    assert r.is_live()
+    assert rd_live.has_ring()
+    w.close()  # e.g. vLLM stopped; a container restart keeps the memory volume
+    assert not r.is_live()
+    assert not r.is_live()
+    # The probe let go of its shared lock: an exclusive one is free.
+    fd = os.open(w.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    r.close()
+    assert not r.is_live()  # closed reader
+
+    rd = RingDirectory(d)
+    for _ in range(3):
+        assert not rd.has_ring()
+    assert rd.epochs == {"ring-dp0.bin": w.epoch}  # mapped ...
+    assert_is_record_of(rd.lookup(k), 0, 8)  # ... and searchable
+    assert rd.publish_count() == 0
+    assert rd.min_slot_count() is None
+    gone = [rec for rec in caplog.records if "is gone" in rec.getMessage()]
+    assert len(gone) == 1  # for rd; rd_live has not probed since
+    assert str(w.path) in gone[0].getMessage()
+
+    time.sleep(RingDirectory.LIVENESS_INTERVAL + 0.02)
+    assert not rd_live.has_ring()  # the cached "live" answer expired
+
+    # A copy of a ring file (no writer ever held it) is not live either.
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    write_file(copy_dir / "ring-copy.bin", valid_ring_bytes(tmp_path))
+    with RingDirectory(copy_dir) as rd_copy:
+        assert set(rd_copy.epochs) == {"ring-copy.bin"}
+        assert not rd_copy.has_ring()
+    for obj in (rd, rd_live):
+        obj.close()
+    assert not rd.has_ring()  # closed
+
+
+def test_reader_probes_do_not_make_create_fail(tmp_path: Path) -> None:
+    make_writer(tmp_path).close()  # a dead writer's file, probed by a reader in a loop
+    path = tmp_path / "ring-dp0.bin"
+    stop = threading.Event()
+    probes = {True: 0, False: 0}
+
+    def probe() -> None:
+        while not stop.is_set():
+            try:
+                r = RingReader.open(path)
+            except RingFormatError:
+                continue
+            with r:
+                for _ in range(100):
+                    probes[r.is_live()] += 1
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        for i in range(40):
+            w = make_writer(tmp_path)
+            publish_index(w, i)
+            w.close()
+    finally:
+        stop.set()
+        thread.join()
+    assert probes[False] > 0  # probed dead files (and so held shared locks) ...
+    assert probes[True] > 0  # ... and live ones while creates were going on
+
+
+def test_create_waits_out_a_brief_shared_lock(tmp_path: Path) -> None:
+    old = make_writer(tmp_path)
+    old.close()
+    fd = os.open(old.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a slow reader probe, released after 50 ms
+        timer = threading.Timer(0.05, fcntl.flock, (fd, fcntl.LOCK_UN))
+        t0 = time.monotonic()
+        timer.start()
+        try:
+            w = make_writer(tmp_path)
+        finally:
+            timer.join()
+        assert time.monotonic() - t0 >= 0.05
+    finally:
+        os.close(fd)
+    with RingReader.open(w.path) as r:
+        assert r.epoch == w.epoch != old.epoch
+    w.close()
+    # A shared lock held longer than IN_USE_WAIT is indistinguishable from a live writer.
+    fd = os.open(w.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with pytest.raises(RingInUseError):
+            make_writer(tmp_path)
+    finally:
+        os.close(fd)
+    with RingReader.open(w.path) as r:
+        assert r.epoch == w.epoch  # untouched
+
+
+@pytest.mark.parametrize("existing", ["none", "dead"])
+def test_simultaneous_creators_exactly_one_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: str
+) -> None:
+    monkeypatch.setattr(ring, "IN_USE_WAIT", 0.02)
+
+    def start(
+        d: Path, barrier: threading.Barrier, results: list[RingWriter | RingInUseError]
+    ) -> None:
+        barrier.wait()
+        try:
+            results.append(make_writer(d))
+        except RingInUseError as exc:
+            results.append(exc)
+
+    for round_ in range(10):
+        d = tmp_path / f"round{round_}"
+        if existing == "dead":
+            make_writer(d).close()
+        barrier = threading.Barrier(4)
+        results: list[RingWriter | RingInUseError] = []
+        threads = [threading.Thread(target=start, args=(d, barrier, results)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [x for x in results if isinstance(x, RingWriter)]
+        assert len(results) == 4
+        assert len(winners) == 1, results
+        with RingReader.open(winners[0].path) as r:
+            assert r.epoch == winners[0].epoch
+            assert r.is_live()
+        assert os.listdir(d) == ["ring-dp0.bin"]
+        winners[0].close()
+
+
+def test_publish_count_and_min_slot_count(tmp_path: Path) -> None:
+    rd = RingDirectory(tmp_path)
+    assert not rd.has_ring()
+    assert rd.publish_count() == 0
+    assert rd.min_slot_count() is None
+    w1 = make_writer(tmp_path, slot_count=4, writer_id="dp0")
+    w2 = make_writer(tmp_path, slot_count=8, writer_id="dp1")
+    assert rd.has_ring()  # picks both up (as the proxy does before forwarding)
+    assert rd.publish_count() == 0
+    assert rd.min_slot_count() == 4
+    for i in range(3):
+        publish_index(w1, i)
+    assert rd.publish_count() == 3
+    for i in range(3, 14):  # 11 records: wraps w2's 8 slots
+        publish_index(w2, i)
+    assert rd.publish_count() == 14
+    before = rd.publish_count()
+    for i in range(14, 24):
+        publish_index(w1, i)
+        assert rd.publish_count() == before + i - 13
+    assert rd.publish_count() == 24 == w1.publish_count + w2.publish_count
+
+    w1.close()
+    time.sleep(RingDirectory.LIVENESS_INTERVAL + 0.02)
+    assert rd.has_ring()
+    assert rd.publish_count() == 11  # only live rings count
+    assert rd.min_slot_count() == 8
+    w2.close()
+    time.sleep(RingDirectory.LIVENESS_INTERVAL + 0.02)
+    assert not rd.has_ring()
+    assert rd.publish_count() == 0
+    assert rd.min_slot_count() is None
+    rd.close()
+    assert rd.publish_count() == 0
+    assert rd.min_slot_count() is None
+
+
+def test_liveness_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = make_writer(tmp_path)
+    rd = RingDirectory(tmp_path)
+    probes = 0
+    real_is_live = RingReader.is_live
+
+    def counting_is_live(self: RingReader) -> bool:
+        nonlocal probes
+        probes += 1
+        return real_is_live(self)
+
+    monkeypatch.setattr(RingReader, "is_live", counting_is_live)
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        assert rd.has_ring()
+    elapsed = time.perf_counter() - t0
+    assert 1 <= probes <= 1 + elapsed / RingDirectory.LIVENESS_INTERVAL + 1
+    assert elapsed / n < 25e-6  # a couple of µs when cached; generous bound for slow hosts
+    probes = 0
+    publish_index(w, 0)
+    assert rd.publish_count() == 1
+    assert rd.min_slot_count() == 4
+    assert probes == 0  # same cached answer
+    time.sleep(RingDirectory.LIVENESS_INTERVAL + 0.02)
+    assert rd.has_ring()
+    assert probes == 1  # expired: probed again
+    rd.close()
     w.close()
 
 

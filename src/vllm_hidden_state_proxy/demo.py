@@ -21,6 +21,9 @@ from .tiny_model import build_tiny_model
 
 SERVED_MODEL_NAME = "tiny-chat"
 
+#: Probes go straight to our local server, never through an HTTP proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -40,7 +43,7 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> N
                 f"[demo] the server exited with status {process.returncode}; see above"
             )
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with _DIRECT.open(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:

