@@ -902,11 +902,18 @@ def test_create_waits_out_a_brief_shared_lock(tmp_path: Path) -> None:
         assert r.epoch == w.epoch  # untouched
 
 
-@pytest.mark.parametrize("existing", ["none", "dead"])
+@pytest.mark.parametrize("existing", ["none", "dead", "dead-probed"])
 def test_simultaneous_creators_exactly_one_wins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: str
 ) -> None:
-    monkeypatch.setattr(ring, "IN_USE_WAIT", 0.02)
+    """Creators racing for one name: one wins, the others get RingInUseError.
+
+    "dead-probed": a reader's shared lock on the dead file makes every creator wait on that
+    same old file; once it is released, the first to lock it replaces it and the others must
+    notice that the name now refers to the winner's (live) file.
+    """
+    if existing != "dead-probed":
+        monkeypatch.setattr(ring, "IN_USE_WAIT", 0.02)
 
     def start(
         d: Path, barrier: threading.Barrier, results: list[RingWriter | RingInUseError]
@@ -917,15 +924,22 @@ def test_simultaneous_creators_exactly_one_wins(
         except RingInUseError as exc:
             results.append(exc)
 
-    for round_ in range(10):
+    for round_ in range(3 if existing == "dead-probed" else 10):
         d = tmp_path / f"round{round_}"
-        if existing == "dead":
+        probe_fd = None
+        if existing != "none":
             make_writer(d).close()
+        if existing == "dead-probed":
+            probe_fd = os.open(d / "ring-dp0.bin", os.O_RDONLY)
+            fcntl.flock(probe_fd, fcntl.LOCK_SH)
         barrier = threading.Barrier(4)
         results: list[RingWriter | RingInUseError] = []
         threads = [threading.Thread(target=start, args=(d, barrier, results)) for _ in range(4)]
         for t in threads:
             t.start()
+        if probe_fd is not None:
+            time.sleep(0.05)  # well inside IN_USE_WAIT: all four are retrying on the old file
+            os.close(probe_fd)
         for t in threads:
             t.join()
         winners = [x for x in results if isinstance(x, RingWriter)]

@@ -117,8 +117,17 @@ class FakeRing:
     lookups: int = 0
     wrong_key: bool = False
 
+    published: int = 0
+    slots: int | None = 1024
+
     def has_ring(self) -> bool:
         return self.present
+
+    def publish_count(self) -> int:
+        return self.published
+
+    def min_slot_count(self) -> int | None:
+        return self.slots if self.present else None
 
     def lookup(self, key: bytes) -> FakeRecord | None:
         self.lookups += 1

@@ -175,7 +175,7 @@ async def test_vector_never_published_is_504(ring_dir: str, writer: RingWriter) 
         started = time.monotonic()
         response = await proxy.client.post(CHAT, json=flagged())
         elapsed = time.monotonic() - started
-        assert proxy.metrics.vector_misses == 1
+        assert proxy.metrics.vector_misses == {"overwritten": 0, "not_published": 1}
         assert proxy.metrics.vector_wait.count == 0
     assert response.status_code == 504
     error = error_of(response)
@@ -307,3 +307,30 @@ async def test_a_body_only_pythons_json_accepts_still_works_flagged(
     (forwarded,) = vllm.requests
     assert b"\\ud800" in forwarded.content
     assert "last_hidden_state" in response.json()["kv_transfer_params"]
+
+
+async def test_a_vector_overwritten_before_the_response_is_a_clear_504_at_once(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """The ring reused the slot (more flagged prefills than slots meanwhile): never a wrong
+    vector, no pointless wait, and a message that says what to change."""
+    publish_ours = publishing_handler(writer)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        response = await publish_ours(request)
+        for i in range(writer.slot_count):  # other requests' prefills fill every slot
+            other = bytes([i + 1]) * 16
+            writer.publish(other, vector_bytes(vector_for(other)), position=0, num_prompt_tokens=1)
+        return response
+
+    vllm = FakeVLLM(handle)
+    async with proxy_client(settings_for(ring_dir, vector_timeout=5.0), vllm) as proxy:
+        started = time.monotonic()
+        response = await proxy.client.post(CHAT, json=flagged())
+        elapsed = time.monotonic() - started
+        assert proxy.metrics.vector_misses == {"overwritten": 1, "not_published": 0}
+    assert response.status_code == 504
+    message = error_of(response)["message"]
+    assert "overwritten" in message and "VLLM_HIDDEN_STATE_RING_SLOTS" in message
+    assert f"{writer.slot_count} slots" in message
+    assert elapsed < 1.0  # not the 5 s vector timeout

@@ -95,7 +95,8 @@ async def test_metrics_concatenates_vllm_and_proxy_metrics(
     assert 'hidden_state_proxy_requests_total{kind="ordinary"} 1' in lines
     assert 'hidden_state_proxy_requests_total{kind="flagged"} 1' in lines
     assert "hidden_state_proxy_flagged_requests_total 1" in lines
-    assert "hidden_state_proxy_vector_misses_total 0" in lines
+    assert 'hidden_state_proxy_vector_misses_total{reason="overwritten"} 0' in lines
+    assert 'hidden_state_proxy_vector_misses_total{reason="not_published"} 0' in lines
     assert "hidden_state_proxy_upstream_errors_total 0" in lines
     assert 'hidden_state_proxy_vector_wait_seconds_bucket{le="+Inf"} 1' in lines
     assert "hidden_state_proxy_vector_wait_seconds_count 1" in lines

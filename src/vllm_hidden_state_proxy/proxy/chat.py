@@ -33,7 +33,7 @@ from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.passthrough import receive_body
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
-from vllm_hidden_state_proxy.proxy.vectors import wait_for_vector
+from vllm_hidden_state_proxy.proxy.vectors import overwritten_since, wait_for_vector
 
 #: Upstream headers not copied onto the rebuilt 200 response (the proxy sets its own).
 _REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
@@ -55,6 +55,15 @@ def vector_timeout_error(timeout: float) -> ProxyError:
         504,
         f"The hidden state did not arrive within {timeout:g} s: the request's generation is "
         "complete but the hidden state was not published by the vLLM worker hook.",
+    )
+
+
+def vector_overwritten_error(slots: int | None) -> ProxyError:
+    return ProxyError(
+        504,
+        f"The hidden state was overwritten in the shared-memory ring ({slots} slots) before the "
+        "response was complete: more flagged prompts were prefilled meanwhile than the ring "
+        "holds. Retry, or raise VLLM_HIDDEN_STATE_RING_SLOTS in vLLM's environment.",
     )
 
 
@@ -96,6 +105,7 @@ async def flagged_exchange(
     settings = state.settings
     key = new_key()
     body = flagged_request_body(document, key_to_wire(key))
+    published_before = state.ring.publish_count()
     try:
         response = await open_upstream(state, build_request(settings, scope, body))
     except ProxyError as error:
@@ -120,10 +130,16 @@ async def flagged_exchange(
             send, ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
         )
         return
-    record, waited = await wait_for_vector(state.ring, key, settings.vector_timeout)
+    record, waited = await wait_for_vector(
+        state.ring, key, settings.vector_timeout, published_before
+    )
     if record is None:
-        state.metrics.vector_misses += 1
-        await send_error(send, vector_timeout_error(settings.vector_timeout))
+        if overwritten_since(state.ring, published_before):
+            state.metrics.vector_misses["overwritten"] += 1
+            await send_error(send, vector_overwritten_error(state.ring.min_slot_count()))
+        else:
+            state.metrics.vector_misses["not_published"] += 1
+            await send_error(send, vector_timeout_error(settings.vector_timeout))
         return
     state.metrics.vector_wait.observe(waited)
     payload = completion_with_vector(completion, record.as_floats())

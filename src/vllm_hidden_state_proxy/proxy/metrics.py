@@ -57,13 +57,18 @@ class Histogram:
         return lines
 
 
+MISS_REASONS = ("overwritten", "not_published")
+
+
 class ProxyMetrics:
     """Counters and the vector-wait histogram for one app instance."""
 
     def __init__(self) -> None:
         self.requests = dict.fromkeys(KINDS, 0)
         self.flagged_received = 0
-        self.vector_misses = 0
+        #: 504s by reason: "overwritten" (the ring reused the slot before the response was
+        #: complete: raise VLLM_HIDDEN_STATE_RING_SLOTS) or "not_published".
+        self.vector_misses = dict.fromkeys(MISS_REASONS, 0)
         self.upstream_errors = 0
         self.vector_wait = Histogram(WAIT_BUCKETS)
 
@@ -81,9 +86,10 @@ class ProxyMetrics:
             "(including ones the proxy refused).",
             f"# TYPE {flagged} counter",
             f"{flagged} {self.flagged_received}",
-            f"# HELP {misses} Flagged requests whose hidden state never arrived (504).",
+            f"# HELP {misses} Flagged requests answered 504 without their hidden state, by "
+            "reason (overwritten: the ring reused the slot; not_published).",
             f"# TYPE {misses} counter",
-            f"{misses} {self.vector_misses}",
+            *(f'{misses}{{reason="{r}"}} {self.vector_misses[r]}' for r in MISS_REASONS),
             f"# HELP {errors} Failed exchanges with vLLM (connect errors, timeouts, broken "
             "streams).",
             f"# TYPE {errors} counter",

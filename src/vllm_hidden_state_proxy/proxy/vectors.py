@@ -28,7 +28,21 @@ class VectorSource(Protocol):
 
     def lookup(self, key: bytes) -> VectorRecord | None: ...
 
+    def publish_count(self) -> int: ...
+
+    def min_slot_count(self) -> int | None: ...
+
     def close(self) -> None: ...
+
+
+def overwritten_since(source: VectorSource, published_before: int) -> bool:
+    """True if enough records were published since ``published_before`` to reuse every slot.
+
+    Then a record published after that point may already be gone (FIFO overwrite); waiting
+    longer cannot bring it back.
+    """
+    slots = source.min_slot_count()
+    return slots is not None and source.publish_count() - published_before >= slots
 
 
 def _matching(source: VectorSource, key: bytes) -> VectorRecord | None:
@@ -39,7 +53,7 @@ def _matching(source: VectorSource, key: bytes) -> VectorRecord | None:
 
 
 async def wait_for_vector(
-    source: VectorSource, key: bytes, timeout: float
+    source: VectorSource, key: bytes, timeout: float, published_before: int | None = None
 ) -> tuple[VectorRecord | None, float]:
     """Look ``key`` up until it appears or ``timeout`` seconds pass.
 
@@ -51,6 +65,8 @@ async def wait_for_vector(
     record = _matching(source, key)
     if record is not None:
         return record, 0.0
+    if published_before is not None and overwritten_since(source, published_before):
+        return None, 0.0
     deadline = start + timeout
     delay = FIRST_BACKOFF
     while True:
