@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -1117,3 +1118,47 @@ def test_fuzz_base_is_readable(tmp_path_factory: pytest.TempPathFactory, tmp_pat
         assert r.lookup(key_for(0)) is None  # overwritten (4 slots, 6 records)
         for i in range(2, 6):
             assert_is_record_of(r.lookup(key_for(i)), i, 8)
+
+
+FORKING_HOLDER_SCRIPT = r"""
+import os, sys, time
+from vllm_hidden_state_proxy.ring import RingWriter
+
+w = RingWriter.create(sys.argv[1], writer_id="proc", hidden_size=8, model="m", slot_count=4)
+child = os.fork()  # like vLLM's compile workers: forked after the ring exists
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_dead_writers_ring_alive(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKING_HOLDER_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    rd = RingDirectory(tmp_path)
+    child = 0
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        assert rd.has_ring()
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        died = time.monotonic()
+        while rd.has_ring():
+            assert time.monotonic() - died < RingDirectory.LIVENESS_INTERVAL + 0.5
+            time.sleep(0.002)
+        os.kill(child, 0)  # the forked child is still running, yet the ring is not live
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        rd.close()

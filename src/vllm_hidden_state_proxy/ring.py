@@ -97,6 +97,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import itertools
 import logging
 import mmap
@@ -109,6 +110,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 import zlib
 from array import array
 from collections.abc import Iterator
@@ -365,6 +367,21 @@ class RingWriter:
         self._slots_off = _slots_offset(slot_count)
         self._count = 0
         self._lock = threading.Lock()
+        # A forked child (vLLM's compile workers, any multiprocessing fork) inherits the file
+        # descriptors, hence the lock: the ring would look alive after the writer died.
+        os.register_at_fork(after_in_child=functools.partial(_forget_in_child, weakref.ref(self)))
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: drop our copies of the descriptors (without unlocking: the
+        parent's lock is shared) so that only the writer process keeps the ring alive."""
+        mm, self._mm = self._mm, None
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(Exception):
+            if mm is not None:
+                mm.close()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @classmethod
     def create(
@@ -540,6 +557,12 @@ class RingWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _forget_in_child(ref: weakref.ReferenceType[RingWriter]) -> None:
+    writer = ref()
+    if writer is not None:
+        writer._forget_after_fork()
 
 
 def _flock_nb(fd: int, operation: int) -> bool:
