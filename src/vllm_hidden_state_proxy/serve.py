@@ -246,7 +246,8 @@ class _Children:
 def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:
     """The exit status if ``serve`` must end now (a signal came, or a child exited), else None."""
     if stop.received is not None:
-        _say(f"{stop.received}: stopping the proxy and vLLM (this can take up to 25 s)")
+        longest = PROXY_STOP_GRACE + VLLM_STOP_GRACE
+        _say(f"{stop.received}: stopping the proxy and vLLM (can take up to {longest:.0f} s)")
         return 0
     gone = children.exited()
     if gone is None:
@@ -262,7 +263,7 @@ def _wait_healthy(
     """None once ``url`` answers 200; else the exit status (signal, exited child, timeout)."""
     started = last_note = time.monotonic()
     while True:
-        status = _must_end(children, stop, f" while {name} was starting")
+        status = _must_end(children, stop, " during startup")
         if status is not None:
             return status
         if _healthy(url):
