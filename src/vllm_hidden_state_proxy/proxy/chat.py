@@ -17,7 +17,6 @@ from vllm_hidden_state_proxy.proxy.asgi import (
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, send_error
 from vllm_hidden_state_proxy.proxy.flag import (
     Flagged,
-    check_unsupported_with_flag,
     completion_with_vector,
     flagged_request_body,
     inspect_chat_body,
@@ -80,7 +79,6 @@ class ChatCompletionsApp:
             decision = inspect_chat_body(body)
             if isinstance(decision, Flagged):
                 state.metrics.flagged_received += 1
-                check_unsupported_with_flag(decision.document)
                 if not state.ring.has_ring():
                     raise no_ring_error(state.settings.ring_dir)
         except ProxyError as error:
