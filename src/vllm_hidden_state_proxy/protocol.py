@@ -17,19 +17,19 @@ XARGS_KEY = "hidden_state_proxy_key"
 KEY_BYTES = 16
 
 #: Directory holding the ring files (one per writer). Shared by vLLM and the proxy.
-RING_DIR_ENV = "VLLM_HIDDEN_STATE_RING_DIR"
+RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm/vllm-hidden-states"
 
 #: Number of slots in a ring (writer side).
-RING_SLOTS_ENV = "VLLM_HIDDEN_STATE_RING_SLOTS"
+RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
 DEFAULT_RING_SLOTS = 1024
 
 #: Set to "0" to keep the worker hook from wrapping the model runner.
-HOOK_ENABLED_ENV = "VLLM_HIDDEN_STATE_HOOK"
+HOOK_ENABLED_ENV = "HIDDEN_STATE_PROXY_HOOK"
 
 #: Octal group-readable mode for the ring directory (e.g. "0750") when proxy and vLLM run as
 #: different users in one group. Default: 0700 directory, 0600 files.
-RING_DIR_MODE_ENV = "VLLM_HIDDEN_STATE_RING_DIR_MODE"
+RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
 
 
 def ring_dir_from_env() -> str:

@@ -346,7 +346,7 @@ def chart_commands(
 # --------------------------------------------------------------------------------------------------
 # Running them locally
 
-RING_DIR_ENV = "VLLM_HIDDEN_STATE_RING_DIR"
+RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 _URL_ENV = ("PROXY_URL",)
 
 
@@ -375,7 +375,7 @@ def localize(
     - ``--port N`` and the port of every ``http(s)://host:N`` value (argv or PROXY_URL) ->
       ``ports[N]``; the host of those URLs and the value of ``--host`` -> ``host`` (everything runs
       on loopback, like the two containers of one pod);
-    - the container's ring directory (its VLLM_HIDDEN_STATE_RING_DIR, in argv and env) ->
+    - the container's ring directory (its HIDDEN_STATE_PROXY_RING_DIR, in argv and env) ->
       ``ring_dir``;
     - HF_HOME -> ``hf_home``, or removed when ``hf_home`` is None.
     """

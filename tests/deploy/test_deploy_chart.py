@@ -110,8 +110,8 @@ def test_both_containers_share_the_memory_ring_volume(rendered: dict, name: str)
     assert volumes["ring"]["emptyDir"]["medium"] == "Memory"
     mount = vllm_mounts["ring"]
     assert proxy_mounts["ring"] == mount
-    ring_dir = env_of(vllm)["VLLM_HIDDEN_STATE_RING_DIR"]
-    assert env_of(proxy)["VLLM_HIDDEN_STATE_RING_DIR"] == ring_dir
+    ring_dir = env_of(vllm)["HIDDEN_STATE_PROXY_RING_DIR"]
+    assert env_of(proxy)["HIDDEN_STATE_PROXY_RING_DIR"] == ring_dir
     assert flag_value(argv_of(proxy), "--ring-dir") == ring_dir
     # The volume is the ring directory itself: it exists before vLLM starts, so the hook keeps its
     # fsGroup ownership and setgid bit (it chmods only a directory it creates).
@@ -131,7 +131,7 @@ def test_ring_is_readable_across_users(rendered: dict, name: str) -> None:
     vllm = container(rendered[name], "vllm")
     assert spec["securityContext"]["fsGroup"] == proxy["securityContext"]["runAsGroup"]
     for c in (vllm, proxy):
-        mode = int(env_of(c)["VLLM_HIDDEN_STATE_RING_DIR_MODE"], 8)
+        mode = int(env_of(c)["HIDDEN_STATE_PROXY_RING_DIR_MODE"], 8)
         assert mode & 0o050 == 0o050, oct(mode)  # group r-x
         assert mode & 0o007 == 0, oct(mode)  # nothing for others
 

@@ -74,7 +74,7 @@ def test_compose_commands_gpu() -> None:
         "--dtype",
         "float32",
     ]
-    assert vllm_env["VLLM_HIDDEN_STATE_RING_DIR"] == "/run/vllm-hidden-states"
+    assert vllm_env["HIDDEN_STATE_PROXY_RING_DIR"] == "/run/vllm-hidden-states"
     proxy_argv, proxy_env = commands["proxy"]
     # compose gives no entrypoint: it is the image's, read from deploy/docker/proxy.Dockerfile.
     assert (
@@ -93,8 +93,8 @@ def test_compose_commands_gpu() -> None:
         "/run/vllm-hidden-states",
     ]
     assert proxy_env == {
-        "VLLM_HIDDEN_STATE_RING_DIR": "/run/vllm-hidden-states",
-        "VLLM_HIDDEN_STATE_RING_DIR_MODE": "0750",
+        "HIDDEN_STATE_PROXY_RING_DIR": "/run/vllm-hidden-states",
+        "HIDDEN_STATE_PROXY_RING_DIR_MODE": "0750",
     }
 
 
@@ -146,7 +146,7 @@ def test_chart_commands_cpu_values() -> None:
         "--vector-timeout",
         "30",
     ]
-    assert proxy_env["VLLM_HIDDEN_STATE_RING_DIR"] == vllm_env["VLLM_HIDDEN_STATE_RING_DIR"]
+    assert proxy_env["HIDDEN_STATE_PROXY_RING_DIR"] == vllm_env["HIDDEN_STATE_PROXY_RING_DIR"]
     test_argv, test_env = commands["test"]
     assert test_argv[:2] == ["python3", "-c"]
     assert test_env["MODEL"] == "/models/tiny"
@@ -181,12 +181,12 @@ def test_localize_changes_values_not_flags(source: str, tmp_path: Path) -> None:
     assert vllm[0][:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag_value(vllm[0], "--port") == "18001"
     assert flag_value(vllm[0], "--host") == "127.0.0.1"
-    assert vllm[1]["VLLM_HIDDEN_STATE_RING_DIR"] == str(ring)
+    assert vllm[1]["HIDDEN_STATE_PROXY_RING_DIR"] == str(ring)
     assert proxy[0][0] == "/venv/bin/hidden-state-proxy"
     assert flag_value(proxy[0], "--upstream") == "http://127.0.0.1:18001"
     assert flag_value(proxy[0], "--port") == "18000"
     assert flag_value(proxy[0], "--ring-dir") == str(ring)
-    assert proxy[1]["VLLM_HIDDEN_STATE_RING_DIR"] == str(ring)
+    assert proxy[1]["HIDDEN_STATE_PROXY_RING_DIR"] == str(ring)
 
 
 def test_localize_test_pod_and_hf_home(tmp_path: Path) -> None:

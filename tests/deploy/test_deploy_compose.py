@@ -107,8 +107,8 @@ def test_ring_on_shared_memory(compose: dict[str, Any], vllm: str, proxy: str) -
     volume = compose["volumes"]["ring"]
     assert volume["driver_opts"]["type"] == "tmpfs"
     commands = compose_commands(service=proxy)
-    ring_dir = commands["vllm"][1]["VLLM_HIDDEN_STATE_RING_DIR"]
-    assert commands["proxy"][1]["VLLM_HIDDEN_STATE_RING_DIR"] == ring_dir
+    ring_dir = commands["vllm"][1]["HIDDEN_STATE_PROXY_RING_DIR"]
+    assert commands["proxy"][1]["HIDDEN_STATE_PROXY_RING_DIR"] == ring_dir
     assert flag_value(commands["proxy"][0], "--ring-dir") == ring_dir
     assert ring_dir == vllm_mount["target"]  # pre-existing: keeps the volume's setgid group
     assert "shm_size" in services[vllm]
@@ -125,7 +125,7 @@ def test_ring_group_matches_the_proxy_user(compose: dict[str, Any]) -> None:
     assert mode & 0o2000 and mode & 0o070 == 0o070  # setgid, group rwx
     for _, proxy in PAIRS:
         for _, env in compose_commands(service=proxy).values():
-            assert int(env["VLLM_HIDDEN_STATE_RING_DIR_MODE"], 8) & 0o050 == 0o050
+            assert int(env["HIDDEN_STATE_PROXY_RING_DIR_MODE"], 8) & 0o050 == 0o050
 
 
 def test_settings_from_environment() -> None:

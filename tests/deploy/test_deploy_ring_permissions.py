@@ -4,7 +4,7 @@ In both compose and the chart, vLLM runs as root and the proxy as the proxy imag
 (10001:10001). The ring directory is the shared volume itself, which exists before vLLM starts:
 group 10001 with the setgid bit (compose: tmpfs `mode=2770,gid=10001`; Kubernetes: an emptyDir with
 `fsGroup: 10001`, which kubelet makes group-owned and setgid). The ring files vLLM creates there
-inherit group 10001, and VLLM_HIDDEN_STATE_RING_DIR_MODE=0750 makes them 0640. This test plays both
+inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0750 makes them 0640. This test plays both
 users (it needs root) and reads a published vector as the proxy's user.
 """
 
@@ -47,10 +47,10 @@ def proxy_ids() -> tuple[int, int]:
 
 def deployment_ring_mode() -> str:
     modes = {
-        compose_commands({})["vllm"][1]["VLLM_HIDDEN_STATE_RING_DIR_MODE"],
-        compose_commands({}, service="proxy-cpu")["vllm"][1]["VLLM_HIDDEN_STATE_RING_DIR_MODE"],
+        compose_commands({})["vllm"][1]["HIDDEN_STATE_PROXY_RING_DIR_MODE"],
+        compose_commands({}, service="proxy-cpu")["vllm"][1]["HIDDEN_STATE_PROXY_RING_DIR_MODE"],
         chart_commands(CHART_DIR / "ci" / "cpu-values.yaml")["vllm"][1][
-            "VLLM_HIDDEN_STATE_RING_DIR_MODE"
+            "HIDDEN_STATE_PROXY_RING_DIR_MODE"
         ],
     }
     assert len(modes) == 1, modes
@@ -76,7 +76,7 @@ def publish_as_vllm(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[st
     from vllm_hidden_state_proxy.ring import RingWriter
     from vllm_hidden_state_proxy.worker_hook import capture
 
-    monkeypatch.setenv("VLLM_HIDDEN_STATE_RING_DIR_MODE", deployment_ring_mode())
+    monkeypatch.setenv("HIDDEN_STATE_PROXY_RING_DIR_MODE", deployment_ring_mode())
     dir_mode, file_mode = capture._ring_modes()
     writer = RingWriter.create(
         ring_dir,

@@ -104,6 +104,17 @@ def test_health_follows_vllm(stack: RunningStack) -> None:
     assert httpx.get(stack.proxy_url + "/health", timeout=10).status_code == 200
 
 
+def test_vllm_starts_the_hook_once_without_warnings_about_our_settings(
+    stack: RunningStack, model_name: str
+) -> None:
+    flagged = body(model_name, kv_transfer_params={"return_last_hidden_state": True})
+    assert httpx.post(stack.proxy_url + CHAT, json=flagged, timeout=30).status_code == 200
+    log = stack.log_path.read_text(errors="replace")
+    assert log.count("worker hook active (v1 runner)") == 1
+    assert "Unknown vLLM environment variable" not in log
+    assert "Got kv_transfer_params, but no KVConnector" not in log  # the flag was stripped
+
+
 def test_metrics_include_vllm_and_proxy_metrics(
     stack: RunningStack, client: Any, model_name: str
 ) -> None:

@@ -331,6 +331,6 @@ async def test_a_vector_overwritten_before_the_response_is_a_clear_504_at_once(
         assert proxy.metrics.vector_misses == {"overwritten": 1, "not_published": 0}
     assert response.status_code == 504
     message = error_of(response)["message"]
-    assert "overwritten" in message and "VLLM_HIDDEN_STATE_RING_SLOTS" in message
+    assert "overwritten" in message and "HIDDEN_STATE_PROXY_RING_SLOTS" in message
     assert f"{writer.slot_count} slots" in message
     assert elapsed < 1.0  # not the 5 s vector timeout

@@ -62,7 +62,7 @@ def vector_overwritten_error(slots: int | None) -> ProxyError:
         504,
         f"The hidden state was overwritten in the shared-memory ring ({slots} slots) before the "
         "response was complete: more flagged prompts were prefilled meanwhile than the ring "
-        "holds. Retry, or raise VLLM_HIDDEN_STATE_RING_SLOTS in vLLM's environment.",
+        "holds. Retry, or raise HIDDEN_STATE_PROXY_RING_SLOTS in vLLM's environment.",
     )
 
 

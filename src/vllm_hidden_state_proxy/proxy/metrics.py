@@ -67,7 +67,7 @@ class ProxyMetrics:
         self.requests = dict.fromkeys(KINDS, 0)
         self.flagged_received = 0
         #: 504s by reason: "overwritten" (the ring reused the slot before the response was
-        #: complete: raise VLLM_HIDDEN_STATE_RING_SLOTS) or "not_published".
+        #: complete: raise HIDDEN_STATE_PROXY_RING_SLOTS) or "not_published".
         self.vector_misses = dict.fromkeys(MISS_REASONS, 0)
         self.upstream_errors = 0
         self.vector_wait = Histogram(WAIT_BUCKETS)
