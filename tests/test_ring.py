@@ -767,7 +767,7 @@ def test_killed_writer_process(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == -signal.SIGKILL
         died = time.monotonic()
         while rd.has_ring():
-            assert time.monotonic() - died < RingDirectory.LIVENESS_INTERVAL + 0.1
+            assert time.monotonic() - died < RingDirectory.LIVENESS_INTERVAL + 1.0
             time.sleep(0.002)
         assert not rd.has_ring()
         assert rd.publish_count() == 0
@@ -1008,7 +1008,6 @@ def test_liveness_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert rd.has_ring()
     elapsed = time.perf_counter() - t0
     assert 1 <= probes <= 1 + elapsed / RingDirectory.LIVENESS_INTERVAL + 1
-    assert elapsed / n < 25e-6  # a couple of µs when cached; generous bound for slow hosts
     probes = 0
     publish_index(w, 0)
     assert rd.publish_count() == 1
