@@ -112,6 +112,7 @@ def run_serve(
     ]
     env = stack_environment()
     env.update(env_overrides or {})
+    shm_before = _vllm_shm_segments()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -129,3 +130,12 @@ def run_serve(
     finally:
         stop_process_group(process, "hidden-state-proxy serve", grace=60)
         shutil.rmtree(ring_dir, ignore_errors=True)
+        # vLLM CPU with tensor parallelism leaves its shared-memory segments behind.
+        for leftover in _vllm_shm_segments() - shm_before:
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def _vllm_shm_segments() -> set[Path]:
+    shm = Path("/dev/shm")
+    return set(shm.glob("vllm_dist_*")) if shm.is_dir() else set()
