@@ -280,7 +280,7 @@ def test_exit_status() -> None:
 
 
 PROBES = r"""
-import http.server, sys, threading
+import http.server, pathlib, sys, threading
 from vllm_hidden_state_proxy import demo, serve
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -301,7 +301,7 @@ server = http.server.HTTPServer(("127.0.0.1", 0), Health)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 url = f"http://127.0.0.1:{server.server_address[1]}/health"
 assert serve._healthy(url), "serve's probe went through the proxy"
-demo._wait_ready(url, Running(), timeout=3)
+demo._wait_ready(url, Running(), timeout=3, log=pathlib.Path("unused.log"))
 print("both probes reached the server")
 """
 

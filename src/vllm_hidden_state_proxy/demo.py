@@ -2,7 +2,8 @@
 
 Builds the tiny random-weight chat model, runs ``hidden-state-proxy serve`` on it, sends the
 README's quick-start request with the official OpenAI client, prints the vector's length and
-first values, and stops everything.
+first values, and stops everything. vLLM's own log goes to a file (its path is printed); the
+console shows ``serve``'s progress lines, and the log's tail if something fails.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 from .serve import stop_process_group
 from .tiny_model import build_tiny_model
@@ -35,12 +39,32 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+#: Lines of the server's output shown on the console (the rest is in the log file).
+_SHOWN = ("[hidden-state-proxy]", "worker hook", "Traceback", "ERROR")
+
+
+def _relay(stream: IO[bytes], log: IO[bytes], quiet: threading.Event) -> None:
+    """Copy the server's output to the log file; echo progress and error lines until ``quiet``
+    (vLLM's shutdown logs alarming-looking errors when its engine is stopped)."""
+    for raw in iter(stream.readline, b""):
+        log.write(raw)
+        log.flush()
+        line = raw.decode(errors="replace").rstrip()
+        if not quiet.is_set() and any(marker in line for marker in _SHOWN):
+            print("  " + line, flush=True)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
     started = time.monotonic()  # `serve` prints progress while vLLM loads
     while True:
         if process.poll() is not None:
             raise SystemExit(
-                f"[demo] the server exited with status {process.returncode}; see above"
+                f"[demo] the server exited with status {process.returncode}. "
+                f"Last lines of {log}:\n{_tail(log)}"
             )
         try:
             with _DIRECT.open(url, timeout=2) as response:
@@ -49,7 +73,10 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float) -> N
         except OSError:
             pass
         if time.monotonic() - started > timeout:
-            raise SystemExit(f"[demo] the server was not ready after {timeout:.0f} s")
+            raise SystemExit(
+                f"[demo] the server was not ready after {timeout:.0f} s. "
+                f"Last lines of {log}:\n{_tail(log)}"
+            )
         time.sleep(0.5)
 
 
@@ -80,10 +107,23 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    log_path = Path(tempfile.gettempdir()) / "vllm-hidden-state-proxy-demo.log"
     _say("starting vLLM and the proxy (about a minute on CPU): " + " ".join(command[2:]))
-    server = subprocess.Popen(command, env=env, start_new_session=True)
+    _say(f"vLLM's log: {log_path}")
+    server = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert server.stdout is not None
+    log_file = open(log_path, "wb")  # noqa: SIM115 - closed after the relay thread ends
+    quiet = threading.Event()
+    relay = threading.Thread(target=_relay, args=(server.stdout, log_file, quiet), daemon=True)
+    relay.start()
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/health", server, timeout)
+        _wait_ready(f"http://127.0.0.1:{port}/health", server, timeout, log_path)
         from openai import OpenAI
 
         MODEL = SERVED_MODEL_NAME
@@ -113,9 +153,12 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
         print(f"  first values        : {[round(x, 5) for x in vector[:6]]}")
         print()
         _say("done; stopping the server")
+        quiet.set()
         return 0
     finally:
         stop_process_group(server, "the server", grace=60)
+        relay.join(timeout=10)
+        log_file.close()
 
 
 def main() -> None:

@@ -186,13 +186,15 @@ def _spawn(command: Sequence[str], env: dict[str, str] | None = None) -> subproc
 def stop_process_group(
     process: subprocess.Popen[bytes] | None, name: str, grace: float = VLLM_STOP_GRACE
 ) -> None:
-    """SIGTERM a process started with ``start_new_session=True`` and its whole group; SIGKILL
-    after ``grace`` seconds. Also reaps what is left of the group (vLLM's engine and workers)."""
+    """Stop a process started with ``start_new_session=True``: SIGTERM to the process itself
+    (vLLM's API server then shuts its engine and workers down in order; signalling the whole
+    group at once would kill the engine under the API server's feet), SIGKILL to the whole group
+    after ``grace`` seconds, and finally SIGKILL to whatever is left of the group."""
     if process is None:
         return
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+            process.terminate()
         try:
             process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
