@@ -117,7 +117,7 @@ class CountdownRing(FakeRing):
 async def test_wait_for_vector_backs_off_and_finds_late_record() -> None:
     ring = CountdownRing(6)
     started = time.monotonic()
-    record, waited = await wait_for_vector(ring, b"k" * 16, timeout=2.0)
+    record, waited, _ = await wait_for_vector(ring, b"k" * 16, timeout=2.0)
     assert record is not None and record.as_floats() == [2.0]
     assert ring.lookups == 6
     assert 0 < waited < 0.5
@@ -127,10 +127,14 @@ async def test_wait_for_vector_backs_off_and_finds_late_record() -> None:
 @pytest.mark.anyio
 async def test_wait_for_vector_fast_path_and_timeout() -> None:
     hit = CountdownRing(1)
-    assert await wait_for_vector(hit, b"k" * 16, timeout=1.0) == (FakeRecord(b"k" * 16, [2.0]), 0.0)
+    assert await wait_for_vector(hit, b"k" * 16, timeout=1.0) == (
+        FakeRecord(b"k" * 16, [2.0]),
+        0.0,
+        False,
+    )
     miss = CountdownRing(10**9)
-    record, waited = await wait_for_vector(miss, b"k" * 16, timeout=0.03)
-    assert record is None
+    record, waited, overwritten = await wait_for_vector(miss, b"k" * 16, timeout=0.03)
+    assert record is None and not overwritten
     assert 0.03 <= waited < 0.5
     assert 3 <= miss.lookups < 200  # polls, but with backoff rather than a busy loop
 

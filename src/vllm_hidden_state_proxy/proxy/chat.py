@@ -32,7 +32,7 @@ from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.passthrough import receive_body
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
-from vllm_hidden_state_proxy.proxy.vectors import overwritten_since, wait_for_vector
+from vllm_hidden_state_proxy.proxy.vectors import wait_for_vector
 
 #: Upstream headers not copied onto the rebuilt 200 response (the proxy sets its own).
 _REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
@@ -128,18 +128,16 @@ async def flagged_exchange(
             send, ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
         )
         return
-    record, waited = await wait_for_vector(
-        state.ring, key, settings.vector_timeout, published_before
-    )
-    if record is None:
-        if overwritten_since(state.ring, published_before):
+    wait = await wait_for_vector(state.ring, key, settings.vector_timeout, published_before)
+    if wait.record is None:
+        if wait.overwritten:
             state.metrics.vector_misses["overwritten"] += 1
             await send_error(send, vector_overwritten_error(state.ring.min_slot_count()))
         else:
             state.metrics.vector_misses["not_published"] += 1
             await send_error(send, vector_timeout_error(settings.vector_timeout))
         return
-    state.metrics.vector_wait.observe(waited)
-    payload = completion_with_vector(completion, record.as_floats())
+    state.metrics.vector_wait.observe(wait.waited)
+    payload = completion_with_vector(completion, wait.record.as_floats())
     headers = downstream_response_headers(response.headers.raw, drop=_REBUILT_DROP)
     await send_response(send, 200, payload, b"application/json", headers)

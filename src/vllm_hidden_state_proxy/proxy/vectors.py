@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import anyio
 
@@ -52,29 +52,44 @@ def _matching(source: VectorSource, key: bytes) -> VectorRecord | None:
     return record
 
 
+class VectorWait(NamedTuple):
+    """How the wait for one vector ended."""
+
+    record: VectorRecord | None
+    #: Seconds from the first lookup until the record was found (or the wait gave up).
+    waited: float
+    #: On a miss: the ring reused every slot since the request was forwarded, so the record
+    #: may have been overwritten (waiting longer cannot bring it back).
+    overwritten: bool = False
+
+
 async def wait_for_vector(
     source: VectorSource, key: bytes, timeout: float, published_before: int | None = None
-) -> tuple[VectorRecord | None, float]:
-    """Look ``key`` up until it appears or ``timeout`` seconds pass.
+) -> VectorWait:
+    """Look ``key`` up until it appears, its slot is known to be reused, or ``timeout`` passes.
 
-    Returns the record (``None`` on timeout) and the seconds spent waiting. The first lookup is
-    immediate (the worker usually published during prefill, long before vLLM answered); after
-    that the poll interval doubles from ``FIRST_BACKOFF`` to ``MAX_BACKOFF``.
+    The first lookup is immediate (the worker publishes during prefill, long before vLLM
+    answers); after that the poll interval doubles from ``FIRST_BACKOFF`` to ``MAX_BACKOFF``.
+    ``published_before`` is the ring's publish counter when the request was forwarded.
     """
+
+    def overwritten() -> bool:
+        return published_before is not None and overwritten_since(source, published_before)
+
     start = time.monotonic()
     record = _matching(source, key)
     if record is not None:
-        return record, 0.0
-    if published_before is not None and overwritten_since(source, published_before):
-        return None, 0.0
+        return VectorWait(record, 0.0)
+    if overwritten():
+        return VectorWait(None, 0.0, overwritten=True)
     deadline = start + timeout
     delay = FIRST_BACKOFF
     while True:
         now = time.monotonic()
         if now >= deadline:
-            return None, now - start
+            return VectorWait(None, now - start, overwritten=overwritten())
         await anyio.sleep(min(delay, deadline - now))
         record = _matching(source, key)
         if record is not None:
-            return record, time.monotonic() - start
+            return VectorWait(record, time.monotonic() - start)
         delay = min(delay * 2, MAX_BACKOFF)
