@@ -19,7 +19,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from vllm_hidden_state_proxy.protocol import XARGS_KEY
-from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerView
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    V1RunnerView,
+    V2RunnerView,
+    step_hidden_states,
+)
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest, last_prompt_row
 
 CPU = torch.device("cpu")
@@ -251,13 +255,12 @@ def test_v1_wanted_but_not_scheduled_is_skipped(v1: V1Harness) -> None:
 def test_v1_hidden_states_come_from_execute_model_state(v1: V1Harness) -> None:
     from vllm.v1.worker.gpu_model_runner import ExecuteModelState
 
-    view = V1RunnerView()
-    assert view.hidden_states(v1) is None  # between steps / after sample_tokens()
+    assert step_hidden_states(v1) is None  # between steps / after sample_tokens()
     hidden = torch.zeros(5, 4)
     fields = dict.fromkeys(ExecuteModelState._fields)
     fields["hidden_states"] = hidden
     v1.execute_model_state = ExecuteModelState(**fields)
-    assert view.hidden_states(v1) is hidden
+    assert step_hidden_states(v1) is hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,8 +454,8 @@ def test_v2_mixed_batch_with_resumed_request(v2: V2Harness) -> None:
 
 def test_v2_hidden_states_and_no_state(v2: V2Harness) -> None:
     view = V2RunnerView()
-    assert view.hidden_states(v2) is None
+    assert step_hidden_states(v2) is None
     assert view.scheduled(v2, None, ["a"]) == []
     v2.step(scheduler_output(new=[new_request("a", 3)], scheduled={"a": 3}))
-    assert view.hidden_states(v2) is v2.execute_model_state.hidden_states
+    assert step_hidden_states(v2) is v2.execute_model_state.hidden_states
     assert view.scheduled(v2, None, ["a"]) == [ScheduledRequest("a", 0, 0, 3, 3)]

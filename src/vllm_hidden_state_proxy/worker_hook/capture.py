@@ -17,7 +17,7 @@ from ..protocol import (
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
-from .runners import RunnerView
+from .runners import RunnerView, UnsupportedRunner, step_hidden_states
 from .selection import ScheduledRequest, SelectedRequests, last_prompt_row
 
 logger = logging.getLogger("vllm.hidden_state_hook")
@@ -48,8 +48,6 @@ def _is_publishing_rank() -> bool:
 
 def _check_parallelism(vllm_config: Any) -> None:
     """Refuse layouts where a rank's step state is not the whole batch."""
-    from .runners import UnsupportedRunner
-
     size = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
     if size > 1:
         raise UnsupportedRunner(
@@ -98,10 +96,11 @@ class StepCapture:
 
         dir_mode, file_mode = _ring_modes()
         slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
+        hidden_size = int(model_config.get_hidden_size())
         writer = RingWriter.create(
             ring_dir_from_env(),
             writer_id=f"dp{_data_parallel_rank(vllm_config)}",
-            hidden_size=int(model_config.get_hidden_size()),
+            hidden_size=hidden_size,
             model=model_name,
             slot_count=slots,
             dir_mode=dir_mode,
@@ -111,7 +110,7 @@ class StepCapture:
             "vllm-hidden-state-proxy: worker hook active (%s runner), publishing %d-d vectors "
             "to %s (%d slots)",
             view.name,
-            int(model_config.get_hidden_size()),
+            hidden_size,
             writer.path,
             slots,
         )
@@ -143,7 +142,7 @@ class StepCapture:
             selected.drop(wanted)
 
     def _publish_step(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
-        hidden_states = self.view.hidden_states(runner)
+        hidden_states = step_hidden_states(runner)
         if hidden_states is None:
             return
         rows: list[tuple[ScheduledRequest, int]] = []

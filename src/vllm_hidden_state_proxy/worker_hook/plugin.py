@@ -80,11 +80,7 @@ def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = N
         module = sys.modules.get(module_name)
         if module is not None:
             patch_runner_class(getattr(module, class_name), view)
-    waiting = {
-        name: target
-        for name, target in targets.items()
-        if name not in sys.modules or not _is_patched(sys.modules[name], target[0])
-    }
+    waiting = {name: target for name, target in targets.items() if name not in sys.modules}
     if not waiting:
         return
     for finder in sys.meta_path:
@@ -92,11 +88,6 @@ def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = N
             finder.targets.update(waiting)
             return
     sys.meta_path.insert(0, _PatchOnImport(waiting))
-
-
-def _is_patched(module: ModuleType, class_name: str) -> bool:
-    cls = getattr(module, class_name, None)
-    return cls is not None and getattr(cls.execute_model, _WRAPPED_ATTR, False)
 
 
 def patch_runner_class(cls: Any, view: RunnerView) -> None:

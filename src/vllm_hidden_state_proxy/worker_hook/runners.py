@@ -37,8 +37,6 @@ class RunnerView(Protocol):
         """
         ...
 
-    def hidden_states(self, runner: Any) -> Any | None: ...
-
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
     ) -> list[ScheduledRequest]: ...
@@ -62,7 +60,8 @@ def _require_fields(cls: Any, where: str, names: Collection[str]) -> None:
 
 
 def step_hidden_states(runner: Any) -> Any | None:
-    """The last step's full hidden states, kept by both runners until ``sample_tokens()``.
+    """The last step's full hidden states: both runners keep them in ``execute_model_state``
+    between ``execute_model()`` and ``sample_tokens()``.
 
     ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling, a non-last
     pipeline stage), since then no state is kept.
@@ -83,9 +82,6 @@ class V1RunnerView:
             ["req_id_to_index", "num_computed_tokens_cpu", "num_prompt_tokens"],
         )
         _require_fields(_v1_state_class(), "ExecuteModelState (V1)", ["hidden_states"])
-
-    def hidden_states(self, runner: Any) -> Any | None:
-        return step_hidden_states(runner)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
@@ -136,9 +132,6 @@ class V2RunnerView:
         _require_fields(
             ExecuteModelState, "ExecuteModelState (V2)", ["input_batch", "hidden_states"]
         )
-
-    def hidden_states(self, runner: Any) -> Any | None:
-        return step_hidden_states(runner)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
