@@ -300,7 +300,7 @@ class Running:
 server = http.server.HTTPServer(("127.0.0.1", 0), Health)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 url = f"http://127.0.0.1:{server.server_address[1]}/health"
-assert serve._healthy(url), "serve's probe went through the proxy"
+assert serve.healthy(url), "serve's probe went through the proxy"
 demo._wait_ready(url, Running(), timeout=3, log=pathlib.Path("unused.log"))
 print("both probes reached the server")
 """

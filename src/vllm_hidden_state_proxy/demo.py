@@ -15,18 +15,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import IO
 
-from .serve import stop_process_group
+from .serve import NotHealthy, stop_process_group, wait_until_healthy
 from .tiny_model import build_tiny_model
 
 SERVED_MODEL_NAME = "tiny-chat"
-
-#: Probes go straight to our local server, never through an HTTP proxy from the environment.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _free_port() -> int:
@@ -59,25 +54,10 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
-    started = time.monotonic()  # `serve` prints progress while vLLM loads
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(
-                f"[demo] the server exited with status {process.returncode}. "
-                f"Last lines of {log}:\n{_tail(log)}"
-            )
-        try:
-            with _DIRECT.open(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() - started > timeout:
-            raise SystemExit(
-                f"[demo] the server was not ready after {timeout:.0f} s. "
-                f"Last lines of {log}:\n{_tail(log)}"
-            )
-        time.sleep(0.5)
+    try:
+        wait_until_healthy(url, process, timeout)  # `serve` prints progress while vLLM loads
+    except NotHealthy as problem:
+        raise SystemExit(f"[demo] {problem}. Last lines of {log}:\n{_tail(log)}") from None
 
 
 def run_demo(model_dir: Path | None, timeout: float) -> int:

@@ -102,7 +102,23 @@ def _default_ring_dir() -> str:
     return tempfile.mkdtemp(prefix=RING_DIR_PREFIX, dir=base)
 
 
-def _healthy(url: str, timeout: float = 2.0) -> bool:
+class NotHealthy(Exception):
+    """A server did not become healthy (it exited, or the time ran out)."""
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Poll ``url`` until it answers 200; raise ``NotHealthy`` if ``process`` exits first or
+    ``timeout`` seconds pass (for callers that run ``serve`` as a child: demo, tests)."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if process.poll() is not None:
+            raise NotHealthy(f"the server exited with status {process.returncode}")
+        if time.monotonic() > deadline:
+            raise NotHealthy(f"{url} was not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
     try:
         with _DIRECT.open(url, timeout=timeout) as response:
             return bool(response.status == 200)
@@ -268,7 +284,7 @@ def _wait_healthy(
         status = _must_end(children, stop, " during startup")
         if status is not None:
             return status
-        if _healthy(url):
+        if healthy(url):
             _say(f"{name} is ready after {time.monotonic() - started:.0f} s")
             return None
         now = time.monotonic()

@@ -8,13 +8,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hidden_state_proxy.serve import stop_process_group
+from vllm_hidden_state_proxy.serve import NotHealthy, stop_process_group, wait_until_healthy
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
 MAX_NUM_BATCHED_TOKENS = 128
@@ -59,18 +57,11 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {process.returncode} before it was healthy:\n"
-                + "\n".join(log.read_text(errors="replace").splitlines()[-80:])
-            )
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s; see {log}")
+    try:
+        wait_until_healthy(url, process, timeout)
+    except NotHealthy as problem:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-80:])
+        raise RuntimeError(f"{problem}; last lines of {log}:\n{tail}") from None
 
 
 def stack_environment() -> dict[str, str]:
