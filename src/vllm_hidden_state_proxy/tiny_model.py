@@ -145,16 +145,3 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool 
     (target / _MARKER).write_text(json.dumps({"revision": TINY_MODEL_REVISION}))
     return target
 
-
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Build the tiny offline chat model.")
-    parser.add_argument("path", nargs="?", default=None)
-    parser.add_argument("--force", action="store_true")
-    args = parser.parse_args()
-    print(build_tiny_model(args.path, force=args.force))
-
-
-if __name__ == "__main__":
-    main()

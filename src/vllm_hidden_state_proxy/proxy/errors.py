@@ -32,25 +32,17 @@ class ProxyError(Exception):
     def __str__(self) -> str:
         return f"{self.status}: {self.message}"
 
-    @property
-    def type(self) -> str:
-        return _TYPES.get(self.status, "proxy_error")
-
     def body(self) -> bytes:
-        return error_body(self.status, self.message, self.param)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": _TYPES.get(status, "proxy_error"),
-                "param": param,
-                "code": status,
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": _TYPES.get(self.status, "proxy_error"),
+                    "param": self.param,
+                    "code": self.status,
+                }
             }
-        }
-    )
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
