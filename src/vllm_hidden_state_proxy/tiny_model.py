@@ -144,4 +144,3 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool 
         generation_config.unlink()
     (target / _MARKER).write_text(json.dumps({"revision": TINY_MODEL_REVISION}))
     return target
-
