@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -33,6 +34,19 @@ TEST_VLLM_ARGS = [
 ]
 SERVED_MODEL_NAME = "tiny-chat"
 STARTUP_TIMEOUT = 420.0
+#: Held (flock) while a test's vLLM server runs: this machine runs one vLLM server at a time,
+#: across pytest sessions and the benchmark too.
+VLLM_LOCK_PATH = Path("/tmp/vllm-hidden-state-proxy-vllm.lock")
+
+
+@contextlib.contextmanager
+def one_vllm_at_a_time() -> Iterator[None]:
+    with open(VLLM_LOCK_PATH, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -83,6 +97,16 @@ def run_serve(
     env_overrides: dict[str, str] | None = None,
 ) -> Iterator[RunningStack]:
     """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL)."""
+    with one_vllm_at_a_time():
+        yield from _run_serve(model_dir, work_dir, extra_args, env_overrides)
+
+
+def _run_serve(
+    model_dir: Path,
+    work_dir: Path,
+    extra_args: Sequence[str],
+    env_overrides: dict[str, str] | None,
+) -> Iterator[RunningStack]:
     proxy_port, vllm_port = free_port(), free_port()
     ring_dir = Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
     log_path = work_dir / f"serve-{vllm_port}.log"

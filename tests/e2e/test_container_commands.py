@@ -29,6 +29,7 @@ from .server import (
     STARTUP_TIMEOUT,
     TEST_VLLM_ARGS,
     free_port,
+    one_vllm_at_a_time,
     stack_environment,
     wait_healthy,
 )
@@ -59,7 +60,10 @@ def _run_pair(commands: dict[str, Any], work: Path, reference: Reference) -> dic
     )
     proxy_url = f"http://127.0.0.1:{ports[8000]}"
     try:
-        with _process(vllm_argv, {**stack_environment(), **vllm_env}, work / "vllm.log") as vllm:
+        with (
+            one_vllm_at_a_time(),
+            _process(vllm_argv, {**stack_environment(), **vllm_env}, work / "vllm.log") as vllm,
+        ):
             wait_healthy(
                 f"http://127.0.0.1:{ports[8001]}/health", vllm, STARTUP_TIMEOUT, work / "vllm.log"
             )
