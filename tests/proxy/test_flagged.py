@@ -181,7 +181,7 @@ async def test_vector_never_published_is_504(ring_dir: str, writer: RingWriter) 
     error = error_of(response)
     assert error["type"] == "gateway_timeout"
     assert "0.05 s" in error["message"]
-    assert "generation is complete" in error["message"]
+    assert "not published by the vLLM worker hook" in error["message"]
     assert 0.05 <= elapsed < 1.0
 
 

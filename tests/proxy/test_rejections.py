@@ -50,10 +50,51 @@ BAD_REQUESTS = [
         b'{"kv_transfer_params": ["return_last_hidden_state"]}',
         "kv_transfer_params",
     ),
-    ("stream-true", CHAT, b'{"stream": true, ' + FLAG + b"}", "stream"),
     ("stream-not-bool", CHAT, b'{"stream": 1, ' + FLAG + b"}", "stream"),
-    ("n-2", CHAT, b'{"n": 2, ' + FLAG + b"}", "n"),
-    ("n-float", CHAT, b'{"n": 2.0, ' + FLAG + b"}", "n"),
+    (
+        "format-not-string",
+        CHAT,
+        b'{"kv_transfer_params": {"return_last_hidden_state": true, '
+        b'"last_hidden_state_format": 1}}',
+        "kv_transfer_params.last_hidden_state_format",
+    ),
+    (
+        "format-unknown",
+        CHAT,
+        b'{"kv_transfer_params": {"return_last_hidden_state": true, '
+        b'"last_hidden_state_format": "float16"}}',
+        "kv_transfer_params.last_hidden_state_format",
+    ),
+    (
+        # Checked even when the flag is off: a typo should not pass silently.
+        "format-unknown-unflagged",
+        "/v1/completions",
+        b'{"kv_transfer_params": {"last_hidden_state_format": "b64"}}',
+        "kv_transfer_params.last_hidden_state_format",
+    ),
+    (
+        "info-not-bool",
+        CHAT,
+        b'{"kv_transfer_params": {"return_last_hidden_state": true, '
+        b'"last_hidden_state_info": "yes"}}',
+        "kv_transfer_params.last_hidden_state_info",
+    ),
+    ("prompt-empty-list", "/v1/completions", b'{"prompt": [], ' + FLAG + b"}", "prompt"),
+    ("prompt-bad-item", "/v1/completions", b'{"prompt": ["a", 3.5], ' + FLAG + b"}", "prompt"),
+    ("prompt-empty-ids", "/v1/completions", b'{"prompt": ["a", []], ' + FLAG + b"}", "prompt"),
+    ("prompt-object", "/v1/completions", b'{"prompt": {"a": 1}, ' + FLAG + b"}", "prompt"),
+    (
+        "prompt-list-stream",
+        "/v1/completions",
+        b'{"prompt": ["a", "b"], "stream": true, ' + FLAG + b"}",
+        "stream",
+    ),
+    (
+        "prompt-embeds-list",
+        "/v1/completions",
+        b'{"prompt_embeds": ["AAAA", "AAAA"], ' + FLAG + b"}",
+        "prompt_embeds",
+    ),
     (
         "internal-key-flagged",
         CHAT,
@@ -80,10 +121,10 @@ BAD_REQUESTS = [
         "vllm_xargs",
     ),
     (
-        # Only chat supports the flag so far: refuse it elsewhere rather than a 200 without vector.
-        "flag-on-completions",
-        "/v1/completions",
-        b'{"prompt": "x", ' + FLAG + b"}",
+        # Endpoints without vector support refuse the flag rather than a 200 without vector.
+        "flag-on-responses",
+        "/v1/responses",
+        b'{"input": "x", ' + FLAG + b"}",
         "kv_transfer_params.return_last_hidden_state",
     ),
     (
@@ -108,11 +149,12 @@ BAD_REQUESTS = [
     ),
     ("xargs-not-object", CHAT, b'{"vllm_xargs": [1], ' + FLAG + b"}", "vllm_xargs"),
     (
-        # Escaped flag name: still recognised as flagged (and then refused for stream).
-        "escaped-flag-stream",
+        # Escaped flag name: still recognised as flagged (and then refused for beam search).
+        "escaped-flag-beam-search",
         CHAT,
-        b'{"stream": true, "kv_transfer_params": {"return_last_hidden_stat\\u0065": true}}',
-        "stream",
+        b'{"use_beam_search": true, '
+        b'"kv_transfer_params": {"return_last_hidden_stat\\u0065": true}}',
+        "use_beam_search",
     ),
 ]
 
@@ -145,7 +187,8 @@ async def test_reserved_key_message_says_it_is_reserved() -> None:
 
 
 async def test_unparseable_body_on_other_paths_is_left_to_vllm() -> None:
-    """Outside the chat path the proxy only guards its reserved key; vLLM judges the rest."""
+    """Outside the generation paths the proxy only guards its reserved key; vLLM judges the
+    rest."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
         return httpx.Response(422, content=b"vllm says no")
@@ -153,7 +196,7 @@ async def test_unparseable_body_on_other_paths_is_left_to_vllm() -> None:
     vllm = FakeVLLM(handle)
     body = b'{"vllm_xargs": {"' + KEY + b'": [}'
     async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
-        response = await proxy.client.post("/v1/completions", content=body)
+        response = await proxy.client.post("/v1/responses", content=body)
     assert (response.status_code, response.content) == (422, b"vllm says no")
     assert vllm.requests[0].content == body
 

@@ -16,10 +16,10 @@ from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
 from vllm_hidden_state_proxy.proxy.flag import (
     Flagged,
     Forward,
-    completion_with_vector,
     flagged_request_body,
-    inspect_chat_body,
+    inspect_body,
     needs_inspection,
+    with_kv_fields,
 )
 from vllm_hidden_state_proxy.proxy.vectors import wait_for_vector
 
@@ -42,11 +42,11 @@ def test_needs_inspection(body: bytes, expected: bool) -> None:
 
 def test_unflagged_body_with_marker_is_forwarded_as_is() -> None:
     body = b'{"messages": [], "kv_transfer_params": {"x": "return_last_hidden_state"}}'
-    assert inspect_chat_body(body) == Forward(body)
+    assert inspect_body(body) == Forward(body)
 
 
 def test_flagged_document_is_stripped() -> None:
-    decision = inspect_chat_body(
+    decision = inspect_body(
         b'{"n": 1, "stream": false, "kv_transfer_params": {"return_last_hidden_state": true}}'
     )
     assert decision == Flagged({"n": 1, "stream": False})
@@ -68,8 +68,8 @@ def test_flagged_request_body_merges_xargs() -> None:
         ({"last_hidden_state": "stale"}, {"last_hidden_state": [1.5]}),
     ],
 )
-def test_completion_with_vector(kv: Any, expected: dict[str, Any]) -> None:
-    out = orjson.loads(completion_with_vector({"id": "x", "kv_transfer_params": kv}, [1.5]))
+def test_with_kv_fields(kv: Any, expected: dict[str, Any]) -> None:
+    out = with_kv_fields({"id": "x", "kv_transfer_params": kv}, {"last_hidden_state": [1.5]})
     assert out == {"id": "x", "kv_transfer_params": expected}
 
 

@@ -9,7 +9,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from vllm_hidden_state_proxy.proxy.chat import ChatCompletionsApp
+from vllm_hidden_state_proxy.proxy.chat import GenerationApp
 from vllm_hidden_state_proxy.proxy.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough import PassthroughApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
@@ -54,7 +54,8 @@ def create_app(
     routes = [
         Route("/health", HealthApp(state), methods=["GET"]),
         Route("/metrics", MetricsApp(state), methods=["GET"]),
-        Route("/v1/chat/completions", ChatCompletionsApp(state), methods=["POST"]),
+        Route("/v1/chat/completions", GenerationApp(state, completions=False), methods=["POST"]),
+        Route("/v1/completions", GenerationApp(state, completions=True), methods=["POST"]),
         Route("/{path:path}", PassthroughApp(state)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -21,11 +21,24 @@ from vllm_hidden_state_proxy.protocol import XARGS_KEY
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 
 FLAG = "return_last_hidden_state"
+FORMAT = "last_hidden_state_format"
+INFO = "last_hidden_state_info"
 KV = "kv_transfer_params"
 XARGS = "vllm_xargs"
-VECTOR_FIELD = "last_hidden_state"
+#: The client-facing keys the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
+OWN_KEYS = (FLAG, FORMAT, INFO)
+FORMATS = ("float", "base64")
 
-_MARKERS = (FLAG.encode("ascii"), XARGS_KEY.encode("ascii"), b"\\u")
+# Every own key contains "last_hidden_state", so one marker covers them all.
+_MARKERS = (b"last_hidden_state", XARGS_KEY.encode("ascii"), b"\\u")
+
+
+@dataclass(frozen=True)
+class VectorOptions:
+    """How the client wants its vector: ``format`` ("float" | "base64"), ``info`` fields."""
+
+    format: str = "float"
+    info: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,12 +50,13 @@ class Forward:
 
 @dataclass(frozen=True)
 class Flagged:
-    """A valid flagged chat request; ``document`` already has the flag stripped."""
+    """A valid flagged request; ``document`` already has the proxy's own keys stripped."""
 
     document: dict[str, Any]
+    options: VectorOptions = VectorOptions()
 
 
-ChatDecision = Forward | Flagged
+Decision = Forward | Flagged
 
 
 def _maybe_not_utf8(body: bytes) -> bool:
@@ -101,27 +115,40 @@ def _reserved_key_error() -> ProxyError:
 
 
 def check_unsupported_with_flag(document: dict[str, Any]) -> None:
-    """The single place for request options that cannot be combined with the flag (yet)."""
+    """The single place for request options that cannot be combined with the flag."""
     stream = document.get("stream")
-    if stream is True:
-        raise bad_request(f"'stream': true is not supported together with {KV}.{FLAG}.", "stream")
-    if stream is not None and stream is not False:
+    if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", "stream")
     if document.get("use_beam_search") is True:  # vLLM's beam search drops vllm_xargs
         raise bad_request(
             f"'use_beam_search': true is not supported together with {KV}.{FLAG}.",
             "use_beam_search",
         )
-    n = document.get("n")
-    if n is not None:
-        if not isinstance(n, int) or isinstance(n, bool):
-            raise bad_request("'n' must be an integer.", "n")
-        if n > 1:
-            raise bad_request(f"'n' > 1 is not supported together with {KV}.{FLAG}.", "n")
 
 
-def inspect_chat_body(body: bytes) -> ChatDecision:
-    """Decide what to do with a ``POST /v1/chat/completions`` body.
+def _options(kv: dict[str, Any]) -> tuple[bool, VectorOptions]:
+    """The flag and the vector options, type-checked (each error names its field)."""
+    flag = kv.get(FLAG, False)
+    if not isinstance(flag, bool):
+        raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
+    fmt = kv.get(FORMAT, "float")
+    if not isinstance(fmt, str):
+        raise bad_request(
+            f"'{KV}.{FORMAT}' must be a string: one of {', '.join(FORMATS)}.", f"{KV}.{FORMAT}"
+        )
+    if fmt not in FORMATS:
+        raise bad_request(
+            f"'{KV}.{FORMAT}' must be one of {', '.join(FORMATS)}, not {fmt!r}.",
+            f"{KV}.{FORMAT}",
+        )
+    info = kv.get(INFO, False)
+    if not isinstance(info, bool):
+        raise bad_request(f"'{KV}.{INFO}' must be a boolean.", f"{KV}.{INFO}")
+    return flag, VectorOptions(format=fmt, info=info)
+
+
+def inspect_body(body: bytes) -> Decision:
+    """Decide what to do with a ``POST /v1/chat/completions`` or ``/v1/completions`` body.
 
     Raises ``ProxyError`` (400) for bodies the proxy refuses.
     """
@@ -134,22 +161,20 @@ def inspect_chat_body(body: bytes) -> ChatDecision:
         return Forward(body)
     if not isinstance(kv, dict):
         raise bad_request(f"'{KV}' must be a JSON object.", KV)
-    if FLAG not in kv:
+    if not any(key in kv for key in OWN_KEYS):
         return Forward(body)
-    flag = kv[FLAG]
-    if not isinstance(flag, bool):
-        raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
-    stripped = _without_flag(document, kv)
+    flag, options = _options(kv)
+    stripped = _without_own_keys(document, kv)
     if not flag:
         return Forward(_dumps(stripped))
     check_unsupported_with_flag(stripped)
-    return Flagged(stripped)
+    return Flagged(stripped, options)
 
 
 def check_reserved_key(body: bytes) -> ProxyError | None:
-    """For non-chat requests: refuse a client-set reserved key, and the flag (which only
-    ``/v1/chat/completions`` supports so far: a flagged request must never get a 200 without its
-    vector); otherwise stay out of the way. Bodies that are not JSON objects are left for vLLM.
+    """For other endpoints: refuse a client-set reserved key, and the flag (a flagged request
+    must never get a 200 without its vector); otherwise stay out of the way. Bodies that are not
+    JSON objects are left for vLLM.
     """
     if not needs_inspection(body):
         return None
@@ -165,15 +190,17 @@ def check_reserved_key(body: bytes) -> ProxyError | None:
     kv = document.get(KV)
     if isinstance(kv, dict) and kv.get(FLAG, False) is not False:
         return bad_request(
-            f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions only.", f"{KV}.{FLAG}"
+            f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions and POST /v1/completions "
+            "only (and /v1/embeddings returns vectors by design).",
+            f"{KV}.{FLAG}",
         )
     return None
 
 
-def _without_flag(document: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
-    """A shallow copy without the flag; ``kv_transfer_params`` dropped if left empty."""
+def _without_own_keys(document: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy without the proxy's keys; ``kv_transfer_params`` dropped if left empty."""
     result = dict(document)
-    rest = {k: v for k, v in kv.items() if k != FLAG}
+    rest = {k: v for k, v in kv.items() if k not in OWN_KEYS}
     if rest:
         result[KV] = rest
     else:
@@ -190,7 +217,7 @@ def flagged_request_body(document: dict[str, Any], wire_key: str) -> bytes:
 
 
 def parse_completion(body: bytes) -> dict[str, Any] | None:
-    """vLLM's 200 chat response as a dict, or ``None`` if it is not a JSON object."""
+    """vLLM's 200 JSON response as a dict, or ``None`` if it is not a JSON object."""
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -198,9 +225,9 @@ def parse_completion(body: bytes) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def completion_with_vector(completion: dict[str, Any], vector: list[float]) -> bytes:
-    """Serialise the response with ``kv_transfer_params.last_hidden_state`` joined in."""
-    kv = completion.get(KV)
+def with_kv_fields(document: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``document`` with ``fields`` merged into its ``kv_transfer_params`` (others kept)."""
+    kv = document.get(KV)
     merged = dict(kv) if isinstance(kv, dict) else {}
-    merged[VECTOR_FIELD] = vector
-    return orjson.dumps({**completion, KV: merged})
+    merged.update(fields)
+    return {**document, KV: merged}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
@@ -44,8 +45,13 @@ async def relay_response(state: ProxyState, send: Send, response: httpx.Response
             "headers": downstream_response_headers(response.headers.raw),
         }
     )
+    await relay_body(state, send, response.aiter_raw())
+
+
+async def relay_body(state: ProxyState, send: Send, chunks: AsyncIterator[bytes]) -> None:
+    """Relay the (rest of the) body chunks as they arrive, then end the response."""
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except httpx.TransportError as exc:
         # Headers are out; all that is left is to cut the connection so the client sees a

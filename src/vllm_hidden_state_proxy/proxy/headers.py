@@ -34,7 +34,9 @@ def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[byte
 
 
 def upstream_request_headers(
-    client_headers: Iterable[tuple[bytes, bytes]], body_length: int
+    client_headers: Iterable[tuple[bytes, bytes]],
+    body_length: int,
+    drop: frozenset[bytes] = frozenset(),
 ) -> RawHeaders:
     """Client headers to send to vLLM: hop-by-hop removed, ``Host`` left for httpx to set.
 
@@ -42,7 +44,7 @@ def upstream_request_headers(
     it is sent whenever the body is non-empty or the client declared a body.
     """
     items = [(k.lower(), v) for k, v in client_headers]
-    drop = _REQUEST_DROP
+    drop = _REQUEST_DROP | drop
     declared_body = False
     for name, _ in items:
         if name == b"connection":

@@ -31,6 +31,9 @@ class ProxySettings:
     api_key: str | None = None
     #: Seconds ``GET /health`` waits for vLLM's own ``/health``.
     health_timeout: float = 2.0
+    #: Most upstream requests one client request fans out to at a time (a flagged list of
+    #: completions prompts, embeddings inputs).
+    fan_out_limit: int = 64
 
     def __post_init__(self) -> None:
         if not self.upstream_url.startswith(("http://", "https://")):
@@ -41,6 +44,8 @@ class ProxySettings:
             raise ValueError("vector_timeout must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
+        if self.fan_out_limit <= 0:
+            raise ValueError("fan_out_limit must be > 0")
         if self.max_connections <= 0:
             raise ValueError("max_connections must be > 0")
         if self.connect_timeout <= 0 or self.health_timeout <= 0:

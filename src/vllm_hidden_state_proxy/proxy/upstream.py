@@ -64,7 +64,9 @@ def upstream_url(settings: ProxySettings, scope: Scope) -> str:
     return settings.upstream_base + path
 
 
-def build_request(settings: ProxySettings, scope: Scope, body: bytes) -> httpx.Request:
+def build_request(
+    settings: ProxySettings, scope: Scope, body: bytes, drop: frozenset[bytes] = frozenset()
+) -> httpx.Request:
     """The request to vLLM: same method, path, query and headers (minus hop-by-hop).
 
     Built as a bare ``httpx.Request`` (not ``client.build_request``) so that no client default
@@ -73,7 +75,7 @@ def build_request(settings: ProxySettings, scope: Scope, body: bytes) -> httpx.R
     return httpx.Request(
         scope["method"],
         upstream_url(settings, scope),
-        headers=upstream_request_headers(scope["headers"], len(body)),
+        headers=upstream_request_headers(scope["headers"], len(body), drop),
         content=body,
     )
 

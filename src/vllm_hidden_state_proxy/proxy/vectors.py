@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 import anyio
@@ -10,6 +11,9 @@ import anyio
 #: First poll interval after a miss, and the cap it doubles up to (seconds).
 FIRST_BACKOFF = 50e-6
 MAX_BACKOFF = 5e-3
+#: While a response is still being generated: first look after this long, then at this interval.
+EARLY_DELAY = 0.05
+EARLY_INTERVAL = 0.02
 
 
 class VectorRecord(Protocol):
@@ -17,6 +21,18 @@ class VectorRecord(Protocol):
 
     @property
     def key(self) -> bytes: ...
+
+    @property
+    def vector(self) -> bytes: ...  # little-endian float32
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
     def as_floats(self) -> list[float]: ...
 
@@ -93,3 +109,46 @@ async def wait_for_vector(
         if record is not None:
             return VectorWait(record, time.monotonic() - start)
         delay = min(delay * 2, MAX_BACKOFF)
+
+
+class EarlyCapture:
+    """Picks a vector up while its (long) generation is still running.
+
+    The worker publishes at prefill; a response with many output tokens completes much later,
+    and meanwhile other flagged prefills advance the ring. Taking the record early means its
+    slot cannot be reused before the proxy reads it. Short requests never get past the first
+    sleep: they finish first and look the vector up directly (``wait_for_vector``).
+    """
+
+    def __init__(self, source: VectorSource, key: bytes, published_before: int) -> None:
+        self.source = source
+        self.key = key
+        self.published_before = published_before
+        self.record: VectorRecord | None = None
+
+    async def run(self) -> None:
+        await anyio.sleep(EARLY_DELAY)
+        while True:
+            try:
+                record = _matching(self.source, self.key)
+            except Exception:  # the direct lookup afterwards reports ring trouble
+                return
+            if record is not None:
+                self.record = record
+                return
+            if overwritten_since(self.source, self.published_before):
+                return
+            await anyio.sleep(EARLY_INTERVAL)
+
+
+async def capturing_early(
+    source: VectorSource, key: bytes, published_before: int, work: Callable[[], Awaitable[None]]
+) -> VectorRecord | None:
+    """Run ``work`` (which must not raise) with an :class:`EarlyCapture` beside it; the record
+    if it was captured meanwhile."""
+    capture = EarlyCapture(source, key, published_before)
+    async with anyio.create_task_group() as group:
+        group.start_soon(capture.run)
+        await work()
+        group.cancel_scope.cancel()
+    return capture.record

@@ -1,0 +1,152 @@
+"""``POST /v1/completions`` with the flag and a list of prompts: one vector per prompt.
+
+vLLM runs every prompt of a list as its own engine request but with one shared
+``SamplingParams``, so one key cannot tell the prompts apart. The proxy therefore fans the list
+out: one upstream request per prompt, each with its own key (exact under any concurrency),
+at most ``settings.fan_out_limit`` in flight per client request, then merges the answers the
+way vLLM would have (choices numbered in prompt order, usage summed). If any prompt fails, the
+client gets that failure (the first in prompt order) and never a partial list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, send_error
+from vllm_hidden_state_proxy.proxy.flag import FLAG, KV, VectorOptions
+from vllm_hidden_state_proxy.proxy.flagged import (
+    JsonAnswer,
+    fetch_flagged_json,
+    send_answer_unchanged,
+    send_joined,
+)
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.vector_fields import prompt_list_fields
+
+_PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
+_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def prompt_list(document: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a flagged completions request if it has a list of them, ``None`` for a
+    single prompt. Raises ``ProxyError`` 400 for shapes the flag cannot serve."""
+    prompt = document.get("prompt")
+    embeds = document.get("prompt_embeds")
+    single_embeds = not isinstance(embeds, list) or len(embeds) == 1
+    if embeds is not None and (prompt is not None or not single_embeds):
+        raise bad_request(
+            f"{KV}.{FLAG} with 'prompt_embeds' needs exactly one prompt: send one per request.",
+            "prompt_embeds",
+        )
+    if prompt is None or isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):
+        raise bad_request(f"'prompt' must be {_PROMPT_TYPES}.", "prompt")
+    if not prompt:
+        raise bad_request("'prompt' must not be empty.", "prompt")
+    if _is_token_ids(prompt):
+        return None
+    for index, item in enumerate(prompt):
+        if not (isinstance(item, str) or (_is_token_ids(item) and item)):
+            raise bad_request(
+                f"'prompt[{index}]' must be a string or a non-empty list of token ids.", "prompt"
+            )
+    if document.get("stream") is True:
+        raise bad_request(
+            f"'stream': true with a list of prompts is not supported together with {KV}.{FLAG}: "
+            "stream one prompt per request, or set 'stream': false.",
+            "stream",
+        )
+    return list(prompt)
+
+
+def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One completions response from per-prompt ones, as vLLM builds it for a prompt list:
+    the first part's id and metadata, choices renumbered in prompt order, usage summed."""
+    merged = dict(parts[0])
+    choices: list[Any] = []
+    for part in parts:
+        for choice in part.get("choices") or []:
+            renumbered = {**choice, "index": len(choices)} if isinstance(choice, dict) else choice
+            choices.append(renumbered)
+    merged["choices"] = choices
+    usages: list[dict[str, Any]] = [p["usage"] for p in parts if isinstance(p.get("usage"), dict)]
+    if usages:
+        usage = dict(usages[0])
+        for name in _USAGE_COUNTS:
+            if any(name in u for u in usages):
+                usage[name] = sum(int(u.get(name) or 0) for u in usages)
+        cached = [
+            u["prompt_tokens_details"].get("cached_tokens")
+            for u in usages
+            if isinstance(u.get("prompt_tokens_details"), dict)
+        ]
+        if cached and all(isinstance(c, int) for c in cached):
+            usage["prompt_tokens_details"] = {
+                **usages[0]["prompt_tokens_details"],
+                "cached_tokens": sum(cached),
+            }
+        merged["usage"] = usage
+    if merged.get("metrics") is not None:  # per-request metrics describe one stream (vLLM)
+        merged["metrics"] = None
+    return merged
+
+
+async def _fan_out(
+    state: ProxyState, scope: Scope, document: dict[str, Any], prompts: list[Any]
+) -> list[JsonAnswer | ProxyError | None]:
+    results: list[JsonAnswer | ProxyError | None] = [None] * len(prompts)
+    limiter = anyio.CapacityLimiter(state.settings.fan_out_limit)
+
+    async with anyio.create_task_group() as group:
+
+        async def one(index: int, prompt: Any) -> None:
+            async with limiter:
+                try:
+                    answer = await fetch_flagged_json(state, scope, {**document, "prompt": prompt})
+                except ProxyError as error:
+                    results[index] = error
+                    group.cancel_scope.cancel()
+                    return
+                results[index] = answer
+                if answer.status != 200:
+                    group.cancel_scope.cancel()
+
+        for index, prompt in enumerate(prompts):
+            group.start_soon(one, index, prompt)
+    return results
+
+
+async def completions_exchange(
+    state: ProxyState,
+    scope: Scope,
+    send: Send,
+    document: dict[str, Any],
+    options: VectorOptions,
+    prompts: list[Any],
+) -> None:
+    """Fan a flagged list of prompts out, answer with ``last_hidden_states`` in prompt order."""
+    results = await _fan_out(state, scope, document, prompts)
+    for result in results:
+        if isinstance(result, ProxyError):
+            await send_error(send, result)
+            return
+        if isinstance(result, JsonAnswer) and result.status != 200:
+            await send_answer_unchanged(send, result)  # vLLM's own error for that prompt
+            return
+    answers = [r for r in results if isinstance(r, JsonAnswer)]
+    assert len(answers) == len(prompts)
+    completions = [a.completion for a in answers if a.completion is not None]
+    records = [a.record for a in answers if a.record is not None]
+    assert len(completions) == len(records) == len(prompts)
+    fields = prompt_list_fields(records, options)
+    await send_joined(send, answers[0].headers, merge_completions(completions), fields)
