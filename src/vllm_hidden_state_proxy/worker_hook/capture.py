@@ -1,8 +1,52 @@
 """Per-runner capture: after each step, copy the selected rows and publish them to the ring.
 
-It never raises into vLLM. An exception inside a wrapped ``execute_model`` would kill the engine
-and every request with it, so every entry point here catches, logs once, drops the keys of the
-affected step (those requests then get a clear 504 from the proxy) and carries on.
+It never raises into vLLM. An exception inside a wrapped ``execute_model``/``sample_tokens``
+would kill the engine and every request with it, so every entry point here catches, logs once,
+drops the keys of the affected step (those requests then get a clear 504 from the proxy) and
+carries on.
+
+**CPU** (``device_copy.SyncRowCopier``): the rows are copied and published before
+``execute_model`` returns; there is no device work to overlap.
+
+**GPU and other devices** (``device_copy.AsyncRowCopier``): after ``execute_model`` of step N the
+gather and a non-blocking copy into pinned host memory are enqueued on the current stream, behind
+step N's forward, and an event is recorded; nothing waits. Each key is fixed to its row when the
+copy starts (``publication_queue.RecordTarget``). The vectors are published as soon as one of
+these sees the copy complete:
+
+1. the output of step N on its way out of the worker (below) -- the deadline;
+2. any later ``execute_model`` on the main thread (``event.query()``, never waits);
+3. more than a few unpublished steps (a safeguard; vLLM's output path drains every step).
+
+*Why (1) is in time, and costs no overlap.* The proxy looks for the vector as soon as vLLM
+answers (with streaming, at the first chunk), so it must be in the ring before vLLM can emit the
+request's first token -- the token sampled in the step that computed its last prompt token.
+In vLLM 0.32 that token leaves the worker only as the output of ``sample_tokens()`` of that same
+step, and only after its ``get_output()``:
+
+- V1 runner (``vllm/v1/worker/gpu_model_runner.py``), async scheduling: ``sample_tokens``
+  returns an ``AsyncGPUModelRunnerOutput`` whose ``get_output()`` blocks on
+  ``async_copy_ready_event``, recorded on a copy stream that first ``wait_stream``-ed the main
+  stream after sampling. Without async scheduling it returns a plain ``ModelRunnerOutput``,
+  built after ``_to_list`` synchronized the stream.
+- V2 runner (``vllm/v1/worker/gpu/model_runner.py``): ``sample_tokens`` always returns an
+  ``AsyncOutput`` (``gpu/async_utils.py``) whose ``get_output()`` waits on ``copy_event``,
+  recorded the same way.
+- ``get_output()`` is called by whoever forwards the output: ``WorkerProc.enqueue_output`` on the
+  worker's async output thread (``vllm/v1/executor/multiproc_executor.py``; the output rank is
+  TP rank 0 of the last PP stage, the rank that publishes), ``AsyncOutputFuture.result``
+  (``uniproc_executor.py``), or ``execute_model_ray`` (``ray_utils.py``). The engine core turns
+  it into request outputs only after that (``EngineCore.step`` / ``step_with_batch_queue`` in
+  ``vllm/v1/engine/core.py``: ``future.result()``, then ``scheduler.update_from_output``).
+
+So the wrapped ``sample_tokens`` of step N (:meth:`StepCapture.after_sample_tokens`) gives the
+returned output a ``get_output`` that first waits for the copies of steps <= N and publishes
+them, then runs vLLM's own. That wait adds no device time: those copies sit on the main stream
+ahead of step N's sampling, which vLLM's own event already waits for; what it adds is the host
+work of writing the ring records, on the thread that forwards the output. The main thread does
+not wait (only safeguard 3 does), so async scheduling keeps overlapping the next step's
+scheduling and launch with this step's GPU work. For a plain ``ModelRunnerOutput`` (no async scheduling) the stream is already
+synchronized, and the copies are published before ``sample_tokens`` returns.
 """
 
 from __future__ import annotations
@@ -17,8 +61,10 @@ from ..protocol import (
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
+from .device_copy import RowCopier, copier_for, gather_rows_as_float32
+from .publication_queue import PublicationQueue, RecordTarget
 from .runners import RunnerView, UnsupportedRunner, step_hidden_states
-from .selection import ScheduledRequest, SelectedRequests, last_prompt_row
+from .selection import SelectedRequests, last_prompt_row
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -73,12 +119,23 @@ def _ring_modes() -> tuple[int, int]:
 class StepCapture:
     """Selects flagged requests and publishes their last prompt hidden state, once per key."""
 
-    def __init__(self, view: RunnerView, writer: Any | None, model_name: str) -> None:
+    def __init__(
+        self,
+        view: RunnerView,
+        writer: Any | None,
+        model_name: str,
+        *,
+        copier: RowCopier | None = None,
+    ) -> None:
         self.view = view
         self.writer = writer  # a RingWriter, or None on ranks that do not publish
         self.model_name = model_name
         self.selected = SelectedRequests()
+        self.copier = copier  # chosen from the hidden states' device on first use if None
         self._errors = _LogOnce()
+        self.publications = (
+            None if writer is None else PublicationQueue(writer, self._errors.exception)
+        )
 
     @classmethod
     def for_runner(cls, runner: Any, view: RunnerView) -> StepCapture:
@@ -122,8 +179,12 @@ class StepCapture:
 
     def after_execute_model(self, runner: Any, scheduler_output: Any) -> None:
         """Called after every ``execute_model``; cheap unless a selected request is in the step."""
-        if self.writer is None:
+        if self.publications is None:
             return
+        try:
+            self.publications.publish_ready()  # earlier steps' copies that have completed
+        except Exception:  # the queue contains its own errors; belt and braces
+            self._errors.exception("publishing earlier steps' hidden states")
         selected = self.selected
         try:
             selected.observe(scheduler_output.scheduled_new_reqs, scheduler_output.finished_req_ids)
@@ -136,42 +197,72 @@ class StepCapture:
         if not wanted:
             return
         try:
-            self._publish_step(runner, scheduler_output, wanted)
+            self._start_copy(runner, scheduler_output, wanted)
         except Exception:
             self._errors.exception("publishing a step's hidden states")
             selected.drop(wanted)
 
-    def _publish_step(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
+    def after_sample_tokens(self, output: Any) -> None:
+        """Called with what ``sample_tokens`` returns: the step's copies go out before it does.
+
+        The output is not replaced. If it is an async output, its ``get_output`` is shadowed by
+        one that first publishes the copies started so far (see the module docstring); otherwise
+        they are published here, before ``sample_tokens`` returns.
+        """
+        publications = self.publications
+        if publications is None or not len(publications):
+            return
+        through = publications.last_number
+        get_output = getattr(output, "get_output", None)
+        if callable(get_output):
+            try:
+                output.get_output = _publishing_first(get_output, publications, through)
+                return
+            except Exception:
+                self._errors.exception("attaching the publication to vLLM's output")
+        publications.publish_through(through)
+
+    def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
         hidden_states = step_hidden_states(runner)
         if hidden_states is None:
             return
-        rows: list[tuple[ScheduledRequest, int]] = []
+        assert self.publications is not None
+        rows: list[int] = []
+        targets: list[RecordTarget] = []
         for request in self.view.scheduled(runner, scheduler_output, wanted):
             row = last_prompt_row(request)
-            if row is not None:
-                rows.append((request, row))
+            key = self.selected.pending.get(request.req_id)
+            if row is None or key is None:  # not this step, or a sibling took the key
+                continue
+            rows.append(row)
+            targets.append(
+                RecordTarget(
+                    key,
+                    position=request.num_prompt_tokens - 1,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
+            # The key is claimed now: whether or not the copy succeeds, it is not taken again.
+            self.selected.mark_published(request.req_id, key)
         if not rows:
             return
-        vectors = _gather_rows_as_float32(hidden_states, [row for _, row in rows])
-        assert self.writer is not None
-        for (request, _), vector in zip(rows, vectors, strict=True):
-            key = self.selected.pending.get(request.req_id)
-            if key is None:  # a sibling published this key earlier in this loop
-                continue
-            self.writer.publish(
-                key,
-                vector,
-                position=request.num_prompt_tokens - 1,
-                num_prompt_tokens=request.num_prompt_tokens,
-            )
-            self.selected.mark_published(request.req_id, key)
+        if self.copier is None:
+            self.copier = copier_for(hidden_states.device)
+        self.publications.add(self.copier.start(hidden_states, rows), targets)
 
 
-def _gather_rows_as_float32(hidden_states: Any, rows: list[int]) -> list[bytes]:
-    """One gather and one device-to-host copy for all rows; little-endian float32 bytes each."""
-    import torch
+def _publishing_first(get_output: Any, publications: PublicationQueue, through: int) -> Any:
+    """vLLM's ``get_output``, preceded by publishing the copies numbered up to ``through``."""
 
-    index = torch.tensor(rows, dtype=torch.long, device=hidden_states.device)
-    selected = hidden_states.index_select(0, index).to(device="cpu", dtype=torch.float32)
-    array = selected.contiguous().numpy().astype("<f4", copy=False)
-    return [array[i].tobytes() for i in range(len(rows))]
+    def get_output_after_publishing() -> Any:
+        try:
+            publications.publish_through(through)
+        except Exception:  # the queue contains its own errors; never fail vLLM's output
+            logger.exception("vllm-hidden-state-proxy: unexpected error publishing hidden states")
+        return get_output()
+
+    return get_output_after_publishing
+
+
+#: The synchronous gather the CPU path uses (kept under its former name for callers and tests).
+_gather_rows_as_float32 = gather_rows_as_float32

@@ -3,11 +3,14 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers). The
 hook must act only where a model runner exists, so it does not import the runner modules itself:
 it installs an import hook that wraps the runner classes when (and only when) a process imports
-them. Two methods are wrapped on each runner class:
+them. Three methods are wrapped on each runner class:
 
 - ``initialize_kv_cache``: creates the capture (and, on the publishing rank, the ring file) once
   the model is loaded, so the ring exists before the first request;
-- ``execute_model``: after each step, publishes the selected requests' vectors.
+- ``execute_model``: after each step, starts copying the selected requests' vectors (on CPU,
+  publishes them);
+- ``sample_tokens``: makes sure those vectors are published before the step's output leaves the
+  worker, without waiting for the device (see :mod:`.capture`).
 
 It uses neither ``--kv-transfer-config`` nor ``--worker-extension-cls``, so users keep those for
 LMCache/NIXL, and it does not depend on the API server, so vLLM's Rust frontend is fine.
@@ -91,10 +94,12 @@ def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = N
 
 
 def patch_runner_class(cls: Any, view: RunnerView) -> None:
-    """Wrap ``execute_model`` and ``initialize_kv_cache`` of a runner class (idempotent)."""
+    """Wrap ``execute_model``, ``sample_tokens`` and ``initialize_kv_cache`` (idempotent)."""
     if getattr(cls.execute_model, _WRAPPED_ATTR, False):
         return
     cls.execute_model = _wrap_execute_model(cls.execute_model, view)  # type: ignore[attr-defined]
+    if hasattr(cls, "sample_tokens"):
+        cls.sample_tokens = _wrap_sample_tokens(cls.sample_tokens)  # type: ignore[attr-defined]
     if hasattr(cls, "initialize_kv_cache"):
         cls.initialize_kv_cache = _wrap_initialize_kv_cache(  # type: ignore[attr-defined]
             cls.initialize_kv_cache, view
@@ -144,6 +149,23 @@ def _wrap_execute_model(original: Callable[..., Any], view: RunnerView) -> Calla
 
     setattr(execute_model, _WRAPPED_ATTR, True)
     return execute_model
+
+
+def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is None:
+            return output
+        try:
+            capture.after_sample_tokens(output)
+        except Exception:  # after_sample_tokens catches its own errors; belt and braces
+            logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+        return output
+
+    setattr(sample_tokens, _WRAPPED_ATTR, True)
+    return sample_tokens
 
 
 def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:

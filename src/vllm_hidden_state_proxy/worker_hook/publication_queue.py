@@ -1,0 +1,135 @@
+"""Started host copies waiting to be published to the ring, oldest first.
+
+Each entry pairs one step's :class:`~.device_copy.PendingRows` with the record each row becomes
+(key, position, prompt length), fixed when the copy was started: a vector can only be published
+under the key of the row it was copied from, whenever and on whichever thread it is published.
+
+Two threads drain the queue: the worker's main thread (:meth:`publish_ready`, which never waits
+for the device) and the thread that forwards a step's output to the engine
+(:meth:`publish_through`, which waits for the copies of that step and earlier ones). Entries are
+published in the order they were added, one drainer at a time.
+
+A failing entry (the copy, or reading it back) is logged once through ``on_error`` and dropped:
+its keys get no vector (the proxy answers 504), the other entries are unaffected, and its host
+buffers are not reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .device_copy import PendingRows
+
+
+@dataclass(frozen=True, slots=True)
+class RecordTarget:
+    """What one copied row is published as."""
+
+    key: bytes
+    position: int
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    number: int
+    rows: PendingRows
+    targets: list[RecordTarget]
+
+
+class PublicationQueue:
+    def __init__(
+        self,
+        writer: Any,
+        on_error: Callable[[str], None],
+        *,
+        max_entries: int = 8,
+    ) -> None:
+        self._writer = writer
+        self._on_error = on_error
+        self._max_entries = max_entries
+        self._entries: deque[_Entry] = deque()
+        self._last_number = 0
+        self._entries_lock = threading.Lock()  # guards _entries and _last_number; held briefly
+        self._drain_lock = threading.Lock()  # one drainer at a time, so entries go out in order
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def last_number(self) -> int:
+        """Number of the newest entry added so far (0 before the first)."""
+        return self._last_number
+
+    def add(self, rows: PendingRows, targets: list[RecordTarget]) -> int:
+        """Queue a started copy; returns its number. Publishes at once what is already done.
+
+        Safeguard: beyond ``max_entries`` unpublished entries (vLLM's output path should drain
+        them every step), the oldest are waited for here.
+        """
+        with self._entries_lock:
+            self._last_number += 1
+            number = self._last_number
+            self._entries.append(_Entry(number, rows, targets))
+            overflow = len(self._entries) - self._max_entries
+            force_through = self._entries[overflow - 1].number if overflow > 0 else 0
+        if force_through:
+            self.publish_through(force_through)
+        self.publish_ready()
+        return number
+
+    def publish_ready(self) -> None:
+        """Publish the oldest entries whose copy has completed. Never waits."""
+        if not self._drain_lock.acquire(blocking=False):
+            return  # another thread is draining, in order, and will publish them
+        try:
+            self._drain(through=None, wait=False)
+        finally:
+            self._drain_lock.release()
+
+    def publish_through(self, number: int) -> None:
+        """Wait for the copies of entries up to ``number`` and publish them."""
+        with self._drain_lock:
+            self._drain(through=number, wait=True)
+
+    def _drain(self, *, through: int | None, wait: bool) -> None:
+        while True:
+            with self._entries_lock:
+                if not self._entries:
+                    return
+                entry = self._entries[0]
+            if through is not None and entry.number > through:
+                return
+            try:
+                if wait:
+                    entry.rows.wait()
+                elif not entry.rows.done():
+                    return
+                vectors: list[bytes] | None = entry.rows.vectors()
+                entry.rows.release()
+            except Exception:
+                self._on_error("copying a step's hidden states to the host")
+                vectors = None
+            with self._entries_lock:
+                self._entries.popleft()
+            if vectors is not None:
+                self._publish(entry.targets, vectors)
+
+    def _publish(self, targets: list[RecordTarget], vectors: list[bytes]) -> None:
+        if len(vectors) != len(targets):
+            self._on_error("matching copied rows to their keys")
+            return
+        for target, vector in zip(targets, vectors, strict=True):
+            try:
+                self._writer.publish(
+                    target.key,
+                    vector,
+                    position=target.position,
+                    num_prompt_tokens=target.num_prompt_tokens,
+                )
+            except Exception:
+                self._on_error("publishing a hidden state to the ring")
