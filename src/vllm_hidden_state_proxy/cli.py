@@ -1,4 +1,4 @@
-"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model``."""
+"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model|bench``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .bench.options import add_arguments as add_bench_arguments
 from .protocol import RING_DIR_ENV, ring_dir_from_env
 
 DEFAULT_PORT = 8000
@@ -106,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("path", nargs="?", default=None)
     tiny.add_argument("--force", action="store_true")
+
+    bench = commands.add_parser(
+        "bench",
+        allow_abbrev=False,
+        help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
+        description="Start the tiny offline stack (or target running servers) and measure "
+        "latency, streaming, throughput, memory and the ring; write bench.md, bench.json and "
+        "bench.png.",
+    )
+    add_bench_arguments(bench)
     return parser
 
 
@@ -135,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(build_tiny_model(args.path, force=args.force))
         return 0
+    if args.command == "bench":
+        from .bench.main import run_bench
+
+        return run_bench(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

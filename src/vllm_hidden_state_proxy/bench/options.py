@@ -1,0 +1,170 @@
+"""``hidden-state-proxy bench`` options: the argparse side and the settled values of a run."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_REQUESTS = 200
+DEFAULT_CONCURRENCY = (1, 4, 16, 64)
+DEFAULT_STREAM_TOKENS = 64
+DEFAULT_OUTPUT_DIR = Path("bench-results")
+#: --smoke: requests per latency arm, streams per streaming arm, ring operations per size.
+SMOKE_REQUESTS = 3
+SMOKE_STREAMS = 2
+SMOKE_RING_OPS = 200
+RING_OPS = 3000
+THROUGHPUT_ROUNDS = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--proxy-url",
+        metavar="URL",
+        help="measure this running proxy instead of starting the tiny stack (needs --vllm-url)",
+    )
+    parser.add_argument(
+        "--vllm-url", metavar="URL", help="the vLLM server behind --proxy-url (direct arms)"
+    )
+    parser.add_argument(
+        "--pooling-url",
+        metavar="URL",
+        help="with --proxy-url: a running vLLM pooling server (--runner pooling, LAST pooling) "
+        "of the same model to compare against; without --proxy-url the bench starts one itself",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="where the tiny offline model is built and cached (default: the user cache)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=DEFAULT_OUTPUT_DIR,
+        help=f"where bench.json, bench.md, bench.png and server logs go (default "
+        f"{DEFAULT_OUTPUT_DIR})",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"requests per latency arm (default {DEFAULT_REQUESTS}; the other phases scale "
+        "with it)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=",".join(map(str, DEFAULT_CONCURRENCY)),
+        metavar="LIST",
+        help="throughput sweep, comma-separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=DEFAULT_STREAM_TOKENS,
+        metavar="N",
+        help="tokens per streamed request (default %(default)s)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds, not minutes: tiny counts, no pooling server, no nginx, no plot",
+    )
+    parser.add_argument("--no-pooling", action="store_true", help="skip the pooling-server arm")
+    parser.add_argument("--no-nginx", action="store_true", help="skip the nginx anchor arm")
+    parser.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="give up on a server that is not healthy after this long (default %(default)s)",
+    )
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    output_dir: Path
+    model_dir: Path | None
+    proxy_url: str | None
+    vllm_url: str | None
+    pooling_url: str | None
+    smoke: bool
+    #: Per latency arm.
+    requests: int
+    warmup: int
+    #: Per streaming arm.
+    streams: int
+    stream_tokens: int
+    concurrency: tuple[int, ...]
+    #: Rounds of the throughput sweep (each arm runs once per round and level).
+    throughput_rounds: int
+    ring_ops: int
+    pooling: bool
+    nginx: bool
+    plot: bool
+    startup_timeout: float
+
+    @property
+    def targets_running_stack(self) -> bool:
+        return self.proxy_url is not None
+
+    def throughput_burst(self, concurrency: int) -> int:
+        """Requests per arm in one round at ``concurrency``: enough to fill every connection
+        a few times (once in smoke mode), and ``requests`` spread over the rounds."""
+        if self.smoke:
+            return max(concurrency, 2)
+        return max(4 * concurrency, self.requests // self.throughput_rounds)
+
+
+class OptionsError(ValueError):
+    pass
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise OptionsError(
+            f"--concurrency must be comma-separated integers, got {text!r}"
+        ) from None
+    if not levels or any(level < 1 for level in levels):
+        raise OptionsError(f"--concurrency needs positive integers, got {text!r}")
+    return levels
+
+
+def from_args(args: argparse.Namespace) -> BenchOptions:
+    if (args.proxy_url is None) != (args.vllm_url is None):
+        raise OptionsError("--proxy-url and --vllm-url go together (the direct arms need vLLM)")
+    if args.requests is not None and args.requests < 1:
+        raise OptionsError("--requests must be at least 1")
+    if args.stream_tokens < 2:
+        raise OptionsError("--stream-tokens must be at least 2 (inter-token latency needs two)")
+    smoke = bool(args.smoke)
+    requests = args.requests or (SMOKE_REQUESTS if smoke else DEFAULT_REQUESTS)
+    target = args.proxy_url is not None
+    return BenchOptions(
+        output_dir=args.output_dir,
+        model_dir=args.model_dir,
+        proxy_url=_strip(args.proxy_url),
+        vllm_url=_strip(args.vllm_url),
+        pooling_url=_strip(args.pooling_url),
+        smoke=smoke,
+        requests=requests,
+        warmup=1 if smoke else 5,
+        streams=SMOKE_STREAMS if smoke else max(5, requests // 8),
+        stream_tokens=args.stream_tokens,
+        concurrency=parse_concurrency(args.concurrency),
+        throughput_rounds=1 if smoke else THROUGHPUT_ROUNDS,
+        ring_ops=SMOKE_RING_OPS if smoke else RING_OPS,
+        pooling=not smoke and not args.no_pooling and (not target or args.pooling_url is not None),
+        nginx=not smoke and not args.no_nginx,
+        plot=not smoke and not args.no_plot,
+        startup_timeout=args.startup_timeout,
+    )
+
+
+def _strip(url: str | None) -> str | None:
+    return None if url is None else url.rstrip("/")

@@ -1,0 +1,99 @@
+"""bench.png: the latency ratios against their targets, and throughput ratios over the sweep.
+Needs matplotlib (the ``bench`` extra: ``pip install 'vllm-hidden-state-proxy[bench]'``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .results import BenchResults, ThroughputArm
+from .stats import ratio
+from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
+
+#: Target checks drawn in the left panel (ratios below a limit).
+_LATENCY_LABELS = (
+    ("passthrough / direct, latency p50", "passthrough\n/ direct"),
+    ("flagged / direct, latency p50", "flagged\n/ direct"),
+    ("flagged / passthrough, latency p50", "flagged\n/ passthrough"),
+    ("streaming inter-token latency (mean), proxy / direct", "stream ITL\nproxy / direct"),
+)
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def draw(results: BenchResults, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    checks = {check.label: check for check in results.targets}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+
+    names, values, limits = [], [], []
+    for label, short in _LATENCY_LABELS:
+        check = checks.get(label)
+        if check is not None and check.value is not None:
+            names.append(short)
+            values.append(check.value)
+            limits.append(check.limit)
+    extra = results.ratios.get("nginx / direct, latency p50")
+    if extra is not None:
+        names.append("nginx\n/ direct")
+        values.append(extra)
+        limits.append(float("nan"))
+    colours = [
+        "tab:green" if value <= limit else ("tab:grey" if limit != limit else "tab:red")
+        for value, limit in zip(values, limits, strict=True)
+    ]
+    positions = range(len(names))
+    left.bar(positions, values, color=colours)
+    for position, limit in zip(positions, limits, strict=True):
+        if limit == limit:  # not NaN
+            left.hlines(limit, position - 0.4, position + 0.4, colors="black", linestyles="dashed")
+    for position, value in zip(positions, values, strict=True):
+        left.annotate(f"{value:.3f}", (position, value), ha="center", va="bottom", fontsize=8)
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    left.set_xticks(list(positions), names, fontsize=8)
+    left.set_ylabel("ratio (p50); dashed: target")
+    left.set_title("Latency ratios (lower is better)")
+    left.set_ylim(bottom=min([0.9, *values]) - 0.02)
+
+    arms = {n: a for n, a in results.arms.items() if isinstance(a, ThroughputArm)}
+    direct = arms.get(THROUGHPUT_DIRECT)
+    if direct is not None:
+        levels = [p.concurrency for p in direct.points]
+        for name, label in (
+            (THROUGHPUT_FLAGGED, "flagged / direct"),
+            (THROUGHPUT_PASSTHROUGH, "passthrough / direct"),
+        ):
+            arm = arms.get(name)
+            if arm is None:
+                continue
+            series = []
+            for point in direct.points:
+                other = arm.at(point.concurrency)
+                series.append(
+                    ratio(other.requests_per_second if other else None, point.requests_per_second)
+                    or float("nan")
+                )
+            right.plot(levels, series, marker="o", label=label)
+        right.axhline(0.95, color="black", linestyle="dashed", label="target 0.95 (flagged, c=16)")
+        right.axhline(1.0, color="grey", linewidth=0.8)
+        right.set_xscale("log", base=2)
+        right.set_xticks(levels, [str(level) for level in levels])
+        right.set_xlabel("requests in flight")
+        right.set_ylabel("requests/s ratio")
+        right.set_title("Throughput ratios (higher is better)")
+        right.legend(fontsize=8)
+    figure.suptitle(f"hidden-state-proxy bench — {results.meta.get('machine', '')}", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

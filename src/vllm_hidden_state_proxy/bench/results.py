@@ -1,0 +1,177 @@
+"""What a run found, as plain dataclasses (JSON via ``dataclasses.asdict``).
+
+Every measured thing is an *arm* with a ``status``: ``ok`` (measured), ``unsupported`` (the
+server refused what the arm asks for, e.g. a vector format it does not know yet) or
+``skipped`` (not run: nginx absent, ``--smoke``...), and a ``note`` saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Literal
+
+from .stats import Summary
+
+Status = Literal["ok", "unsupported", "skipped"]
+
+
+@dataclass
+class LatencyArm:
+    """One-token chat requests, one at a time."""
+
+    name: str
+    description: str
+    status: Status = "ok"
+    note: str = ""
+    latency_ms: Summary | None = None
+
+    kind: ClassVar[str] = "latency"
+
+
+@dataclass
+class StreamArm:
+    """Streamed requests: time to first token, the gaps between tokens, time to last token."""
+
+    name: str
+    description: str
+    status: Status = "ok"
+    note: str = ""
+    ttft_ms: Summary | None = None
+    #: Every gap between consecutive token events, pooled over the arm's streams.
+    itl_ms: Summary | None = None
+    #: Mean inter-token latency: all (last - first token) time over all gaps.
+    itl_mean_ms: float | None = None
+    #: Time to the last token.
+    ttlt_ms: Summary | None = None
+    #: Streams whose tokens arrived in one burst (see ``client.StreamTiming.burst``).
+    burst_streams: int = 0
+    tokens_per_request: int = 0
+
+    kind: ClassVar[str] = "streaming"
+
+
+@dataclass
+class ThroughputPoint:
+    concurrency: int
+    requests: int
+    seconds: float
+    requests_per_second: float
+    latency_ms: Summary
+
+
+@dataclass
+class ThroughputArm:
+    """Requests per second with N requests in flight, for each N of the sweep."""
+
+    name: str
+    description: str
+    status: Status = "ok"
+    note: str = ""
+    points: list[ThroughputPoint] = field(default_factory=list)
+
+    kind: ClassVar[str] = "throughput"
+
+    def at(self, concurrency: int) -> ThroughputPoint | None:
+        return next((p for p in self.points if p.concurrency == concurrency), None)
+
+
+@dataclass
+class PoolingArm:
+    """A second vLLM server (``--runner pooling``, LAST pooling) serving the same model."""
+
+    name: str
+    description: str
+    status: Status = "ok"
+    note: str = ""
+    latency_ms: Summary | None = None
+    rss_mib: float | None = None
+    pss_mib: float | None = None
+    startup_seconds: float | None = None
+    prompts_compared: int = 0
+    cosine_min: float | None = None
+    cosine_mean: float | None = None
+    #: |ours| / |theirs|: 1.0 when neither side normalises.
+    norm_ratio_mean: float | None = None
+    prompt_tokens_match: bool | None = None
+
+    kind: ClassVar[str] = "pooling"
+
+
+Arm = LatencyArm | StreamArm | ThroughputArm | PoolingArm
+
+
+@dataclass
+class RingPoint:
+    """Ring microbenchmark for one hidden size, in µs per operation."""
+
+    hidden_size: int
+    publish_us: Summary
+    lookup_us: Summary
+    #: The proxy's work after a lookup: record -> floats, floats -> JSON, or bytes -> base64.
+    as_floats_us: Summary
+    json_us: Summary
+    base64_us: Summary
+
+    @property
+    def publish_lookup_p50(self) -> float:
+        return self.publish_us.p50 + self.lookup_us.p50
+
+
+@dataclass
+class Memory:
+    """Resident memory in MiB (None: not measurable, e.g. a proxy on another machine)."""
+
+    proxy_rss_idle_mib: float | None = None
+    proxy_rss_peak_mib: float | None = None
+    vllm_rss_mib: float | None = None
+    vllm_pss_mib: float | None = None
+
+
+@dataclass
+class TargetCheck:
+    label: str
+    value: float | None
+    op: Literal["<=", ">="]
+    limit: float
+    unit: str = ""
+    #: Why the value may not mean what its label says (e.g. every stream came in one burst).
+    note: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+
+
+@dataclass
+class BenchResults:
+    meta: dict[str, Any]
+    arms: dict[str, Arm] = field(default_factory=dict)
+    ring: list[RingPoint] = field(default_factory=list)
+    memory: Memory = field(default_factory=Memory)
+    targets: list[TargetCheck] = field(default_factory=list)
+    #: Informative ratios (no target), label -> value.
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+    def add(self, arm: Arm) -> None:
+        self.arms[arm.name] = arm
+
+    def latency(self, name: str) -> Summary | None:
+        arm = self.arms.get(name)
+        if isinstance(arm, LatencyArm) and arm.status == "ok":
+            return arm.latency_ms
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "arms": {name: {"kind": arm.kind, **asdict(arm)} for name, arm in self.arms.items()},
+            "ring": [
+                {**asdict(point), "publish_lookup_p50_us": point.publish_lookup_p50}
+                for point in self.ring
+            ],
+            "memory": asdict(self.memory),
+            "targets": [{**asdict(check), "passed": check.passed} for check in self.targets],
+            "ratios": self.ratios,
+        }

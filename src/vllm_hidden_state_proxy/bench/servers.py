@@ -1,0 +1,205 @@
+"""Servers the bench starts itself: the chat stack (``hidden-state-proxy serve`` on the tiny
+offline model) and, later and alone, the vLLM pooling server users run today for vectors.
+
+Each holds the machine-wide vLLM lock (:mod:`.lock`) for as long as it runs, and writes its
+output to a log file in the output directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..protocol import HOOK_ENABLED_ENV
+from ..serve import NotHealthy, stop_process_group, wait_until_healthy
+from .client import BenchError
+from .lock import one_vllm_at_a_time
+from .progress import Progress
+
+SERVED_MODEL_NAME = "tiny-chat"
+#: vLLM options of both servers: as the e2e tests' server (float32, eager mode: what a 2-core
+#: CPU runs), with room for the sweep's 64 requests in flight in one batch.
+VLLM_ARGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "64",
+    "--served-model-name",
+    SERVED_MODEL_NAME,
+)
+#: The alternative: the same model converted to an embedding model, last-token pooling, raw
+#: hidden state (no normalisation: ``use_activation`` false).
+POOLER_CONFIG = {"pooling_type": "LAST", "use_activation": False}
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--pooler-config")
+STOP_GRACE = 60.0
+
+
+@dataclass(frozen=True)
+class ChatStack:
+    proxy_url: str
+    vllm_url: str
+    model: str
+
+
+@dataclass(frozen=True)
+class PoolingServer:
+    url: str
+    model: str
+    pid: int
+    startup_seconds: float
+
+
+def port_of(url: str) -> int | None:
+    parts = urlsplit(url)
+    if parts.port is not None:
+        return parts.port
+    return {"http": 80, "https": 443}.get(parts.scheme)
+
+
+def is_local(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_environment() -> dict[str, str]:
+    """Offline, quiet: no hub, no usage statistics; a small CPU KV cache unless one is set."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    return env
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def _running(
+    command: Sequence[str],
+    env: dict[str, str],
+    log_path: Path,
+    health_url: str,
+    timeout: float,
+    name: str,
+    progress: Progress,
+) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """Hold the vLLM lock, start ``command`` (its own session, output to ``log_path``), wait
+    for ``health_url``; yield the process and its startup seconds; stop it at the end."""
+    with one_vllm_at_a_time(
+        on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
+    ):
+        progress.say(f"starting {name} (log: {log_path})")
+        started = time.monotonic()
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        try:
+            try:
+                wait_until_healthy(health_url, process, timeout)
+            except NotHealthy as problem:
+                raise BenchError(
+                    f"{name}: {problem}; last lines of {log_path}:\n{_tail(log_path)}"
+                ) from None
+            startup = time.monotonic() - started
+            progress.say(f"{name} is ready after {startup:.0f} s")
+            yield process, startup
+        finally:
+            progress.say(f"stopping {name}")
+            stop_process_group(process, name, grace=STOP_GRACE)
+
+
+@contextlib.contextmanager
+def chat_stack(
+    model_dir: Path, log_dir: Path, timeout: float, progress: Progress
+) -> Iterator[ChatStack]:
+    """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports."""
+    proxy_port, vllm_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_hidden_state_proxy.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(proxy_port),
+        "--vllm-port",
+        str(vllm_port),
+        *VLLM_ARGS,
+    ]
+    stack = ChatStack(
+        proxy_url=f"http://127.0.0.1:{proxy_port}",
+        vllm_url=f"http://127.0.0.1:{vllm_port}",
+        model=SERVED_MODEL_NAME,
+    )
+    with _running(
+        command,
+        server_environment(),
+        log_dir / "serve.log",
+        stack.proxy_url + "/health",
+        timeout,
+        "vLLM and the proxy (hidden-state-proxy serve)",
+        progress,
+    ):
+        yield stack
+
+
+@contextlib.contextmanager
+def pooling_server(
+    model_dir: Path, log_dir: Path, timeout: float, progress: Progress
+) -> Iterator[PoolingServer]:
+    """Plain vLLM (our worker hook switched off) as an embedding server with LAST pooling."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *VLLM_ARGS,
+        *POOLING_ARGS,
+        json.dumps(POOLER_CONFIG),
+    ]
+    env = server_environment()
+    env[HOOK_ENABLED_ENV] = "0"
+    url = f"http://127.0.0.1:{port}"
+    with _running(
+        command,
+        env,
+        log_dir / "pooling-server.log",
+        url + "/health",
+        timeout,
+        "the vLLM pooling server (--runner pooling, LAST pooling)",
+        progress,
+    ) as (process, startup):
+        yield PoolingServer(
+            url=url, model=SERVED_MODEL_NAME, pid=process.pid, startup_seconds=startup
+        )

@@ -1,0 +1,161 @@
+"""The goals of issue #6 as ratios against limits, and further ratios that explain them."""
+
+from __future__ import annotations
+
+from .latency import DIRECT, FLAGGED_BASE64, FLAGGED_FLOAT, NGINX, PASSTHROUGH
+from .pooling import POOLING
+from .results import BenchResults, PoolingArm, StreamArm, TargetCheck, ThroughputArm
+from .stats import ratio
+from .streaming import STREAM_DIRECT, STREAM_PROXY
+from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
+
+TARGET_CONCURRENCY = 16
+TARGET_RING_HIDDEN_SIZE = 4096
+
+
+def _p50(results: BenchResults, name: str) -> float | None:
+    summary = results.latency(name)
+    return None if summary is None else summary.p50
+
+
+def _stream(results: BenchResults, name: str) -> StreamArm | None:
+    arm = results.arms.get(name)
+    return arm if isinstance(arm, StreamArm) and arm.status == "ok" else None
+
+
+def _itl_mean(results: BenchResults, name: str) -> float | None:
+    arm = _stream(results, name)
+    return None if arm is None else arm.itl_mean_ms
+
+
+def _stream_p50(results: BenchResults, name: str, field: str) -> float | None:
+    arm = _stream(results, name)
+    summary = None if arm is None else getattr(arm, field)
+    return None if summary is None else float(summary.p50)
+
+
+def _rps(results: BenchResults, name: str, concurrency: int) -> float | None:
+    arm = results.arms.get(name)
+    if isinstance(arm, ThroughputArm):
+        point = arm.at(concurrency)
+        if point is not None:
+            return point.requests_per_second
+    return None
+
+
+def _ring_us(results: BenchResults, hidden_size: int) -> float | None:
+    point = next((p for p in results.ring if p.hidden_size == hidden_size), None)
+    return None if point is None else point.publish_lookup_p50
+
+
+def _burst_note(results: BenchResults) -> str:
+    """A warning when most streams of an arm came in one burst: their gaps are ~0 and the
+    ratio compares two near-zero numbers (time to last token is the number to read then)."""
+    for name in (STREAM_DIRECT, STREAM_PROXY):
+        arm = _stream(results, name)
+        if arm is not None and arm.ttft_ms is not None and 2 * arm.burst_streams > arm.ttft_ms.n:
+            return (
+                f"{arm.burst_streams} of {arm.ttft_ms.n} {name} streams came in one burst; "
+                "read the time-to-last-token ratio instead"
+            )
+    return ""
+
+
+def target_checks(results: BenchResults) -> list[TargetCheck]:
+    c = TARGET_CONCURRENCY
+    return [
+        TargetCheck(
+            "flagged / direct, latency p50",
+            ratio(_p50(results, FLAGGED_FLOAT), _p50(results, DIRECT)),
+            "<=",
+            1.10,
+        ),
+        TargetCheck(
+            "passthrough / direct, latency p50",
+            ratio(_p50(results, PASSTHROUGH), _p50(results, DIRECT)),
+            "<=",
+            1.08,
+        ),
+        TargetCheck(
+            "flagged / passthrough, latency p50",
+            ratio(_p50(results, FLAGGED_FLOAT), _p50(results, PASSTHROUGH)),
+            "<=",
+            1.02,
+        ),
+        TargetCheck(
+            f"flagged / direct, throughput at concurrency {c}",
+            ratio(_rps(results, THROUGHPUT_FLAGGED, c), _rps(results, THROUGHPUT_DIRECT, c)),
+            ">=",
+            0.95,
+        ),
+        TargetCheck(
+            "streaming inter-token latency (mean), proxy / direct",
+            ratio(_itl_mean(results, STREAM_PROXY), _itl_mean(results, STREAM_DIRECT)),
+            "<=",
+            1.02,
+            note=_burst_note(results),
+        ),
+        TargetCheck(
+            f"ring publish + lookup p50, {TARGET_RING_HIDDEN_SIZE}-d",
+            _ring_us(results, TARGET_RING_HIDDEN_SIZE),
+            "<=",
+            50.0,
+            "µs",
+        ),
+        TargetCheck(
+            "proxy resident memory under load (peak RSS)",
+            results.memory.proxy_rss_peak_mib,
+            "<=",
+            150.0,
+            "MiB",
+        ),
+    ]
+
+
+def informative_ratios(results: BenchResults) -> dict[str, float | None]:
+    """Ratios with no target, for reading the ones with a target."""
+    found: dict[str, float | None] = {
+        "flagged base64 / direct, latency p50": ratio(
+            _p50(results, FLAGGED_BASE64), _p50(results, DIRECT)
+        ),
+        "nginx / direct, latency p50": ratio(_p50(results, NGINX), _p50(results, DIRECT)),
+        "streaming time to first token p50, proxy / direct": ratio(
+            _stream_p50(results, STREAM_PROXY, "ttft_ms"),
+            _stream_p50(results, STREAM_DIRECT, "ttft_ms"),
+        ),
+        "streaming inter-token latency p50 (pooled gaps), proxy / direct": ratio(
+            _stream_p50(results, STREAM_PROXY, "itl_ms"),
+            _stream_p50(results, STREAM_DIRECT, "itl_ms"),
+        ),
+        "streaming time to last token p50, proxy / direct": ratio(
+            _stream_p50(results, STREAM_PROXY, "ttlt_ms"),
+            _stream_p50(results, STREAM_DIRECT, "ttlt_ms"),
+        ),
+    }
+    levels = sorted(
+        {
+            p.concurrency
+            for arm in results.arms.values()
+            if isinstance(arm, ThroughputArm)
+            for p in arm.points
+        }
+    )
+    for level in levels:
+        direct = _rps(results, THROUGHPUT_DIRECT, level)
+        found[f"flagged / direct, throughput at concurrency {level}"] = ratio(
+            _rps(results, THROUGHPUT_FLAGGED, level), direct
+        )
+        found[f"passthrough / direct, throughput at concurrency {level}"] = ratio(
+            _rps(results, THROUGHPUT_PASSTHROUGH, level), direct
+        )
+    pooling = results.arms.get(POOLING)
+    if isinstance(pooling, PoolingArm) and pooling.latency_ms is not None:
+        found["pooling server / flagged, latency p50"] = ratio(
+            pooling.latency_ms.p50, _p50(results, FLAGGED_FLOAT)
+        )
+    return found
+
+
+def evaluate(results: BenchResults) -> None:
+    results.targets = target_checks(results)
+    results.ratios = informative_ratios(results)
