@@ -45,8 +45,9 @@ them, then runs vLLM's own. That wait adds no device time: those copies sit on t
 ahead of step N's sampling, which vLLM's own event already waits for; what it adds is the host
 work of writing the ring records, on the thread that forwards the output. The main thread does
 not wait (only safeguard 3 does), so async scheduling keeps overlapping the next step's
-scheduling and launch with this step's GPU work. For a plain ``ModelRunnerOutput`` (no async scheduling) the stream is already
-synchronized, and the copies are published before ``sample_tokens`` returns.
+scheduling and launch with this step's GPU work. For a plain ``ModelRunnerOutput`` (no async
+scheduling) the stream is already synchronized, and the copies are published before
+``sample_tokens`` returns.
 """
 
 from __future__ import annotations
