@@ -25,7 +25,12 @@ from vllm_hidden_state_proxy.bench.client import (
 )
 from vllm_hidden_state_proxy.bench.nginx import nginx_config
 from vllm_hidden_state_proxy.bench.pooling import cosine, norm
-from vllm_hidden_state_proxy.bench.procs import listening_pid, rss_bytes, tree_memory
+from vllm_hidden_state_proxy.bench.procs import (
+    listening_pid,
+    rss_bytes,
+    tree_cpu_seconds,
+    tree_memory,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.cli import build_parser
 
@@ -41,8 +46,8 @@ def test_default_run_starts_everything_and_measures_every_arm() -> None:
     assert options.requests == bench_options.DEFAULT_REQUESTS
     assert options.concurrency == (1, 4, 16, 64)
     assert options.pooling and options.nginx and options.plot
-    assert options.throughput_burst(64) == 256  # four times the connections
-    assert options.throughput_burst(1) == options.requests // options.throughput_rounds
+    assert options.throughput_burst(64) == 128  # every connection twice a round
+    assert options.throughput_burst(1) * options.throughput_rounds >= options.requests
 
 
 def test_smoke_is_tiny_and_skips_the_slow_extras() -> None:
@@ -172,6 +177,9 @@ def test_proc_readings_of_this_very_process() -> None:
         server.listen()
         assert listening_pid(server.getsockname()[1]) == os.getpid()
     assert rss_bytes(2**22 + 12345) is None  # no such process
+    before = tree_cpu_seconds(os.getpid())
+    sum(i * i for i in range(200_000))  # burn a little CPU
+    assert tree_cpu_seconds(os.getpid()) > before > 0
 
 
 def test_the_bench_subcommand_is_wired_into_the_cli() -> None:

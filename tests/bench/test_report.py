@@ -10,6 +10,7 @@ import pytest
 from vllm_hidden_state_proxy.bench.report import render_markdown, table, write_reports
 from vllm_hidden_state_proxy.bench.results import (
     BenchResults,
+    CpuCost,
     LatencyArm,
     Memory,
     PoolingArm,
@@ -54,6 +55,7 @@ def sample_results() -> BenchResults:
     results.ring = [
         RingPoint(4096, flat(10.0), flat(15.0), flat(50.0), flat(100.0), flat(17.0)),
     ]
+    results.cpu = [CpuCost("direct", 50, 0.01, 9.0), CpuCost("passthrough", 50, 1.5, 9.1)]
     results.memory = Memory(proxy_rss_idle_mib=45.0, proxy_rss_peak_mib=60.0, vllm_rss_mib=4000.0)
     evaluate(results)
     return results
@@ -104,6 +106,7 @@ def test_markdown_has_every_section_and_the_verdicts() -> None:
         "## Streaming: 64 tokens",
         "## Throughput",
         "## Ring microbenchmark",
+        "## CPU time per request",
         "## Resident memory (MiB)",
         "## The alternative",
         "## Other ratios",
@@ -116,6 +119,7 @@ def test_markdown_has_every_section_and_the_verdicts() -> None:
     assert "| nginx | nginx | skipped: nginx is not installed |" in text
     assert "| 16 | 200.0 | 196.0 | 180.0 | 0.980 | 0.900 |" in text
     assert "| direct | to vLLM | 10.00 | 10.00 | 10.00 | 10.00 | 10 |" in text
+    assert "| passthrough | 1.500 | 9.100 | 50 |" in text
 
 
 def test_table_escapes_pipes_and_has_a_separator_row() -> None:
@@ -141,6 +145,8 @@ def test_json_has_every_arm_with_its_kind_and_the_checks(tmp_path: Path) -> None
     assert arms["throughput_flagged"]["points"][1]["requests_per_second"] == 180.0
     assert arms["pooling"]["cosine_min"] == 0.9999999
     assert document["ring"][0]["publish_lookup_p50_us"] == 25.0
+    assert document["cpu"][1] == {"arm": "passthrough", "requests": 50, "proxy_ms": 1.5,
+                                  "vllm_ms": 9.1}  # fmt: skip
     assert {check["passed"] for check in document["targets"]} == {True, False}
 
 

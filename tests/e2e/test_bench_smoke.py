@@ -83,13 +83,18 @@ def test_throughput_sweep_covers_every_level(report: dict[str, Any]) -> None:
             positive_summary(point["latency_ms"])
 
 
-def test_ring_memory_and_targets(report: dict[str, Any]) -> None:
+def test_ring_cpu_memory_and_targets(report: dict[str, Any]) -> None:
     assert [p["hidden_size"] for p in report["ring"]] == [1024, 4096, 8192]
     for point in report["ring"]:
         assert point["publish_us"]["p50"] > 0 and point["lookup_us"]["p50"] > 0
     memory = report["memory"]
     assert memory["proxy_rss_peak_mib"] > 0 and memory["proxy_rss_idle_mib"] > 0
     assert memory["vllm_rss_mib"] > 0
+    cpu = {cost["arm"]: cost for cost in report["cpu"]}
+    assert set(LATENCY_ARMS) <= set(cpu)
+    for name in LATENCY_ARMS:
+        assert cpu[name]["vllm_ms"] > 0
+    assert cpu["passthrough"]["proxy_ms"] > 0 and cpu["flagged_float"]["proxy_ms"] > 0
     assert len(report["targets"]) == 7
     for check in report["targets"]:  # each measured (no thresholds: CI timing is noise)
         assert check["value"] is not None and check["value"] > 0, check

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import httpx
 
 from .client import BenchError
+from .cpu import measure_cpu
 from .latency import NGINX, LatencyOutcome, measure_latency, routes
 from .nginx import nginx_binary, nginx_proxy
 from .options import BenchOptions, OptionsError, from_args
@@ -137,6 +138,18 @@ def measure_chat(
         )
     for arm in outcome.arms:
         results.add(arm)
+    vllm_pid = _local_pid(stack.vllm_url)
+    supported = {arm.name for arm in outcome.arms if arm.status == "ok"}
+    results.cpu = run_async(
+        measure_cpu(
+            [r for r in routes(stack.vllm_url, stack.proxy_url, None) if r.name in supported],
+            stack.model,
+            options.cpu_requests,
+            proxy_pid,
+            vllm_pid,
+            progress,
+        )
+    )
     if nginx_url is None:
         reason = "--smoke or --no-nginx" if not options.nginx else "nginx is not installed"
         results.add(LatencyArm(NGINX, "straight to vLLM through nginx", "skipped", reason))
@@ -165,7 +178,6 @@ def measure_chat(
             results.add(load_arm)
     if isinstance(sampler, PeakRss):
         results.memory.proxy_rss_peak_mib = sampler.peak_mib
-    vllm_pid = _local_pid(stack.vllm_url)
     memory = tree_memory(vllm_pid) if vllm_pid is not None else None
     if memory is not None:
         results.memory.vllm_rss_mib = memory.rss_mib

@@ -15,7 +15,7 @@ SMOKE_REQUESTS = 3
 SMOKE_STREAMS = 2
 SMOKE_RING_OPS = 200
 RING_OPS = 3000
-THROUGHPUT_ROUNDS = 3
+THROUGHPUT_ROUNDS = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,15 +108,21 @@ class BenchOptions:
     startup_timeout: float
 
     @property
+    def cpu_requests(self) -> int:
+        """Requests per arm of the CPU-time phase."""
+        return max(3, self.requests // 2)
+
+    @property
     def targets_running_stack(self) -> bool:
         return self.proxy_url is not None
 
     def throughput_burst(self, concurrency: int) -> int:
-        """Requests per arm in one round at ``concurrency``: enough to fill every connection
-        a few times (once in smoke mode), and ``requests`` spread over the rounds."""
+        """Requests per arm in one round at ``concurrency``: every connection used at least
+        twice (once in smoke mode), and at least ``requests`` per arm over all rounds. Many
+        short rounds interleave the arms finely, so bursts of machine noise hit all of them."""
         if self.smoke:
             return max(concurrency, 2)
-        return max(4 * concurrency, self.requests // self.throughput_rounds)
+        return max(2 * concurrency, -(-self.requests // self.throughput_rounds))
 
 
 class OptionsError(ValueError):

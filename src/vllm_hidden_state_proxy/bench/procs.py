@@ -131,6 +131,22 @@ def listening_pid(port: int) -> int | None:
     return min(owners) if owners else None
 
 
+def _task_cpu_ns(pid: int) -> int:
+    """On-CPU nanoseconds of every live thread of one process (``schedstat``, exact)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in (PROC / str(pid) / "task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """On-CPU seconds so far of ``pid``, its descendants and all their threads (threads that
+    already exited are not counted: compare two readings across a stretch where none exits)."""
+    return sum(_task_cpu_ns(member) for member in [pid, *descendants(pid)]) / 1e9
+
+
 class PeakRss:
     """Samples one process's RSS from a background thread; ``peak_mib`` is the largest seen."""
 

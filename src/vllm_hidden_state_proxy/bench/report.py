@@ -199,6 +199,21 @@ def ring_section(results: BenchResults) -> list[str]:
     return ["## Ring microbenchmark (µs per call)", "", *table(header, rows)]
 
 
+def cpu_section(results: BenchResults) -> list[str]:
+    if not results.cpu:
+        return []
+    rows = [
+        [cost.arm, number(cost.proxy_ms, 3), number(cost.vllm_ms, 3), str(cost.requests)]
+        for cost in results.cpu
+    ]
+    header = ["arm", "proxy ms", "vLLM ms (all its processes)", "requests"]
+    return [
+        "## CPU time per request (kernel accounting; arms one after the other)",
+        "",
+        *table(header, rows),
+    ]
+
+
 def memory_section(results: BenchResults) -> list[str]:
     m = results.memory
     rows = [
@@ -273,6 +288,7 @@ def render_markdown(results: BenchResults) -> str:
         streaming_section(results),
         throughput_section(results),
         ring_section(results),
+        cpu_section(results),
         memory_section(results),
         pooling_section(results),
         ratios_section(results),

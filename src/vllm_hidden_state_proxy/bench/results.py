@@ -118,6 +118,17 @@ class RingPoint:
 
 
 @dataclass
+class CpuCost:
+    """CPU milliseconds per request of one arm (None: that process is not on this machine)."""
+
+    arm: str
+    requests: int
+    proxy_ms: float | None
+    #: vLLM's API server, engine core and workers together.
+    vllm_ms: float | None
+
+
+@dataclass
 class Memory:
     """Resident memory in MiB (None: not measurable, e.g. a proxy on another machine)."""
 
@@ -150,6 +161,7 @@ class BenchResults:
     arms: dict[str, Arm] = field(default_factory=dict)
     ring: list[RingPoint] = field(default_factory=list)
     memory: Memory = field(default_factory=Memory)
+    cpu: list[CpuCost] = field(default_factory=list)
     targets: list[TargetCheck] = field(default_factory=list)
     #: Informative ratios (no target), label -> value.
     ratios: dict[str, float | None] = field(default_factory=dict)
@@ -172,6 +184,7 @@ class BenchResults:
                 for point in self.ring
             ],
             "memory": asdict(self.memory),
+            "cpu": [asdict(cost) for cost in self.cpu],
             "targets": [{**asdict(check), "passed": check.passed} for check in self.targets],
             "ratios": self.ratios,
         }
