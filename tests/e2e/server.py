@@ -29,10 +29,15 @@ TEST_VLLM_ARGS = [
     "--max-num-seqs",
     "32",
     "--enable-prefix-caching",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
     "--served-model-name",
     "tiny-chat",
 ]
 SERVED_MODEL_NAME = "tiny-chat"
+#: The proxy's request size limit in the shared test stack (413 above it).
+MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0
 #: Held (flock) while a test's vLLM server runs: this machine runs one vLLM server at a time,
 #: across pytest sessions and the benchmark too.
@@ -122,6 +127,8 @@ def _run_serve(
         str(vllm_port),
         "--ring-dir",
         str(ring_dir),
+        "--max-body-size",
+        str(MAX_BODY_SIZE),
         *TEST_VLLM_ARGS,
         *extra_args,
     ]

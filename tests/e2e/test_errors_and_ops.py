@@ -10,7 +10,7 @@ import pytest
 from vllm_hidden_state_proxy.protocol import XARGS_KEY
 
 from .reference import Reference, assert_matches
-from .server import RunningStack
+from .server import MAX_BODY_SIZE, MAX_MODEL_LEN, RunningStack
 
 CHAT = "/v1/chat/completions"
 
@@ -40,8 +40,34 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
             {"kv_transfer_params": {"return_last_hidden_state": "yes"}},
             "kv_transfer_params.return_last_hidden_state",
         ),
-        ({"kv_transfer_params": {"return_last_hidden_state": True}, "stream": True}, "stream"),
-        ({"kv_transfer_params": {"return_last_hidden_state": True}, "n": 2}, "n"),
+        (
+            {
+                "kv_transfer_params": {
+                    "return_last_hidden_state": True,
+                    "last_hidden_state_format": "float16",
+                }
+            },
+            "kv_transfer_params.last_hidden_state_format",
+        ),
+        (
+            {
+                "kv_transfer_params": {
+                    "return_last_hidden_state": True,
+                    "last_hidden_state_format": ["base64"],
+                }
+            },
+            "kv_transfer_params.last_hidden_state_format",
+        ),
+        (
+            {
+                "kv_transfer_params": {
+                    "return_last_hidden_state": True,
+                    "last_hidden_state_info": 1,
+                }
+            },
+            "kv_transfer_params.last_hidden_state_info",
+        ),
+        ({"kv_transfer_params": {"return_last_hidden_state": True}, "stream": "yes"}, "stream"),
         (
             {
                 "kv_transfer_params": {"return_last_hidden_state": True},
@@ -59,7 +85,20 @@ def test_bad_flagged_input_is_a_400_naming_the_field(
     assert_openai_error(response, 400, param)
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2]", b"{not json", b'"return_last_hidden_state"'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[1, 2]",
+        b"{not json",
+        b'"return_last_hidden_state"',
+        b'{"kv_transfer_params": {"return_last_hidden_state": true}, "x": "\xff\xfe"}',
+        b'{"kv_transfer_params": {"return_last_hidden_state": true}, "x": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}",
+    ],
+    ids=["array", "invalid-json", "string", "invalid-utf8", "nesting-too-deep"],
+)
 def test_a_body_that_is_not_a_json_object_is_a_400(stack: RunningStack, raw: bytes) -> None:
     response = httpx.post(
         stack.proxy_url + CHAT,
@@ -67,7 +106,29 @@ def test_a_body_that_is_not_a_json_object_is_a_400(stack: RunningStack, raw: byt
         headers={"content-type": "application/json"},
         timeout=30,
     )
-    assert response.status_code == 400
+    assert_openai_error(response, 400, None)
+
+
+def test_a_body_over_the_limit_is_a_413(stack: RunningStack, model_name: str) -> None:
+    padding = "x" * (MAX_BODY_SIZE + 1)
+    payload = body(model_name, kv_transfer_params={"return_last_hidden_state": True}, pad=padding)
+    response = httpx.post(stack.proxy_url + CHAT, json=payload, timeout=30)
+    assert_openai_error(response, 413, None)
+
+
+def test_a_prompt_longer_than_the_context_is_vllms_400_unchanged(
+    stack: RunningStack, model_name: str
+) -> None:
+    long_text = "word " * (MAX_MODEL_LEN * 2)
+    for path, payload in (
+        (CHAT, body(model_name, messages=[{"role": "user", "content": long_text}])),
+        ("/v1/completions", {"model": model_name, "prompt": long_text, "max_tokens": 1}),
+    ):
+        direct = httpx.post(stack.vllm_url + path, json=payload, timeout=60)
+        flagged = {**payload, "kv_transfer_params": {"return_last_hidden_state": True}}
+        via_proxy = httpx.post(stack.proxy_url + path, json=flagged, timeout=60)
+        assert direct.status_code == via_proxy.status_code == 400
+        assert via_proxy.json() == direct.json()
 
 
 def test_vllm_errors_pass_through_unchanged(stack: RunningStack) -> None:

@@ -69,7 +69,7 @@ class CompletionsVLLM:
 async def test_a_list_of_prompts_gets_one_vector_each_in_prompt_order(
     ring_dir: str, writer: RingWriter
 ) -> None:
-    prompts: list[Any] = ["a", "b", [5, 6, 7], "c", "d", "e", "f", "g"]
+    prompts: list[Any] = ["a", "b", "h", "c", "d", "e", "f", "g"]
     handler = CompletionsVLLM(writer)
     async with proxy_client(settings_for(ring_dir), FakeVLLM(handler)) as proxy:
         response = await proxy.client.post(
@@ -154,7 +154,7 @@ async def test_missing_vector_for_one_prompt_is_504(ring_dir: str, writer: RingW
         ({"prompt": "x"}, None),
         ({"prompt": [1, 2]}, None),
         ({"prompt": ["x"]}, ["x"]),
-        ({"prompt": ["x", [1, 2]]}, ["x", [1, 2]]),
+        ({"prompt": [[3], [1, 2]]}, [[3], [1, 2]]),
         ({"prompt_embeds": "AAAA"}, None),
         ({"prompt_embeds": ["AAAA"]}, None),
     ],
@@ -169,6 +169,8 @@ def test_prompt_list(document: dict[str, Any], expected: list[Any] | None) -> No
         {"prompt": []},
         {"prompt": [True, 1]},
         {"prompt": ["a", {"x": 1}]},
+        {"prompt": ["a", [1, 2]]},  # vLLM takes no mixed lists either
+        {"prompt": [[1], "a"]},
         {"prompt": ["a", "b"], "stream": True},
         {"prompt": "a", "prompt_embeds": "AAAA"},
     ],

@@ -55,10 +55,13 @@ def prompt_list(document: dict[str, Any]) -> list[Any] | None:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if _is_token_ids(prompt):
         return None
+    strings = isinstance(prompt[0], str)
     for index, item in enumerate(prompt):
-        if not (isinstance(item, str) or (_is_token_ids(item) and item)):
-            raise bad_request(
-                f"'prompt[{index}]' must be a string or a non-empty list of token ids.", "prompt"
+        if not (isinstance(item, str) if strings else (_is_token_ids(item) and item)):
+            raise bad_request(  # vLLM takes a list of strings or a list of token-id lists
+                f"'prompt[{index}]' must be a {'string' if strings else 'non-empty token-id list'}"
+                f" like 'prompt[0]': {_PROMPT_TYPES}.",
+                "prompt",
             )
     if document.get("stream") is True:
         raise bad_request(
