@@ -22,6 +22,10 @@ Flag = Literal["float", "base64"] | None
 #: that both render the very same prompt).
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 REQUEST_TIMEOUT = 300.0
+#: Seconds an idle keep-alive connection is kept. The servers (uvicorn: vLLM and the proxy)
+#: close idle connections after 5 s; a request sent just as they do fails (a read error).
+#: While the other arms take their turn a connection can idle that long: retire it first.
+KEEPALIVE_EXPIRY = 2.0
 #: Two token events closer than this came in one burst (one read), not one by one.
 BURST_GAP = 1e-4
 
@@ -89,7 +93,11 @@ def new_client(base_url: str, connections: int) -> httpx.AsyncClient:
     """A client whose pool holds ``connections`` keep-alive connections (one per worker)."""
     return httpx.AsyncClient(
         base_url=base_url,
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        limits=httpx.Limits(
+            max_connections=connections,
+            max_keepalive_connections=connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY,
+        ),
         timeout=httpx.Timeout(REQUEST_TIMEOUT),
         trust_env=False,  # loopback only: never through an HTTP proxy from the environment
         headers={"content-type": "application/json"},
@@ -117,7 +125,10 @@ class Timed:
 
 async def timed_post(client: httpx.AsyncClient, path: str, body: bytes) -> Timed:
     start = time.perf_counter()
-    response = await client.post(path, content=body)
+    try:
+        response = await client.post(path, content=body)
+    except httpx.TransportError as error:
+        raise BenchError(f"POST {client.base_url}{path}: {type(error).__name__}: {error}") from None
     seconds = time.perf_counter() - start
     return Timed(seconds, response.status_code, response.content)
 
@@ -189,16 +200,21 @@ async def timed_stream(client: httpx.AsyncClient, body: bytes, expected: int) ->
     """Stream a chat request and time each token event as it arrives."""
     arrivals: list[float] = []
     start = time.perf_counter()
-    async with client.stream("POST", CHAT_PATH, content=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread())[:500].decode(errors="replace")
-            raise BenchError(f"streaming request: HTTP {response.status_code}: {text}")
-        async for line in response.aiter_lines():
-            now = time.perf_counter()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            # Tokens that came in one event came at once: each gets the event's arrival time.
-            arrivals.extend([now] * tokens_in_event(line[6:].encode()))
+    try:
+        async with client.stream("POST", CHAT_PATH, content=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:500].decode(errors="replace")
+                raise BenchError(f"streaming request: HTTP {response.status_code}: {text}")
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                # Tokens that came in one event came at once: each gets the event's arrival.
+                arrivals.extend([now] * tokens_in_event(line[6:].encode()))
+    except httpx.TransportError as error:
+        raise BenchError(
+            f"streaming from {client.base_url}: {type(error).__name__}: {error}"
+        ) from None
     if len(arrivals) != expected:
         raise BenchError(f"streaming request: {len(arrivals)} tokens, expected {expected}")
     gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]

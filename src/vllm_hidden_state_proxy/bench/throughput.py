@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
 import httpx
 
 from .client import CHAT_PATH, BenchError, Flag, chat_body, new_client, timed_post
@@ -65,24 +66,32 @@ async def _burst(
     """``count`` requests by ``concurrency`` workers; (wall seconds, per-request latencies)."""
     remaining = count
     latencies: list[float] = []
+    failures: list[BenchError] = []
 
-    async def worker() -> None:
+    async def worker(group: anyio.abc.TaskGroup) -> None:
         nonlocal remaining
-        while remaining > 0:
+        while remaining > 0 and not failures:
             remaining -= 1
-            timed = await timed_post(
-                client, CHAT_PATH, chat_body(model, next(indices), flag=route.flag)
-            )
-            timed.require_ok(f"{route.name} request")
-            # A byte search, not a parse: the client's work stays the same for every arm.
-            if route.flag is not None and VECTOR_MARKER not in timed.body:
-                raise BenchError(f"{route.name}: a flagged response without its vector")
+            try:
+                timed = await timed_post(
+                    client, CHAT_PATH, chat_body(model, next(indices), flag=route.flag)
+                )
+                timed.require_ok(f"{route.name} request")
+                # A byte search, not a parse: the client's work stays the same for every arm.
+                if route.flag is not None and VECTOR_MARKER not in timed.body:
+                    raise BenchError(f"{route.name}: a flagged response without its vector")
+            except BenchError as failure:
+                failures.append(failure)
+                group.cancel_scope.cancel()
+                return
             latencies.append(timed.seconds)
 
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
         for _ in range(min(concurrency, count)):
-            group.start_soon(worker)
+            group.start_soon(worker, group)
+    if failures:
+        raise BenchError(f"{route.name} at concurrency {concurrency}: {failures[0]}")
     return time.perf_counter() - start, latencies
 
 
