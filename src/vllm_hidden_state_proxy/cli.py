@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from .bench.options import add_arguments as add_bench_arguments
 from .protocol import RING_DIR_ENV, ring_dir_from_env
+from .proxy.embeddings_request import DEFAULT_TEMPLATE, check_template
 
 DEFAULT_PORT = 8000
 DEFAULT_VLLM_PORT = 8001
 DEFAULT_VECTOR_TIMEOUT = 5.0
+#: Read by the proxy (compose and the Helm chart set it): the embedding template.
+EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
 
 
 def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) -> None:
@@ -33,6 +37,28 @@ def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) ->
         default=32 * 1024 * 1024,
         metavar="BYTES",
         help="largest request body accepted; larger bodies get 413 (default 32 MiB)",
+    )
+    parser.add_argument(
+        "--embedding-template",
+        default=os.environ.get(EMBEDDING_TEMPLATE_ENV) or DEFAULT_TEMPLATE,
+        metavar="TEMPLATE",
+        help="/v1/embeddings: prompt template for text inputs, with a {text} placeholder "
+        f"(default ${EMBEDDING_TEMPLATE_ENV} or {DEFAULT_TEMPLATE!r})",
+    )
+    parser.add_argument(
+        "--max-embedding-inputs",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="/v1/embeddings: most inputs per request; more get 400 (default 2048)",
+    )
+    parser.add_argument(
+        "--fan-out-limit",
+        type=int,
+        default=64,
+        metavar="N",
+        help="most vLLM requests one client request keeps in flight (an embeddings input list, "
+        "a flagged list of completions prompts; default 64)",
     )
     parser.add_argument(
         "--log-level",
@@ -125,6 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command != "serve" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("serve", "proxy"):
+        try:
+            check_template(args.embedding_template)
+        except ValueError as problem:
+            parser.error(f"--embedding-template: {problem}")
     if args.command == "proxy":
         from .proxy.server import run_proxy
         from .proxy.settings import ProxySettings
@@ -134,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ring_dir=args.ring_dir or ring_dir_from_env(),
             vector_timeout=args.vector_timeout,
             max_body_bytes=args.max_body_size,
+            embedding_template=args.embedding_template,
+            max_embedding_inputs=args.max_embedding_inputs,
+            fan_out_limit=args.fan_out_limit,
         )
         run_proxy(settings, host=args.host, port=args.port, log_level=args.log_level)
         return 0

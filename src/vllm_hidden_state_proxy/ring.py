@@ -1204,6 +1204,13 @@ class RingDirectory:
                 return record  # found in a file that is still current
             return self._search(key)[0]
 
+    def hidden_size(self) -> int | None:
+        """The vector length of the live rings (all serve one model); ``None`` if none is live."""
+        with self._lock:
+            if self._closed:
+                return None
+            return next((reader.hidden_size for reader in self._live_readers()), None)
+
     @property
     def epochs(self) -> dict[str, int]:
         with self._lock:

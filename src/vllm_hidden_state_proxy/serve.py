@@ -80,6 +80,12 @@ def proxy_command(args: argparse.Namespace, upstream: str, ring_dir: str) -> lis
         str(args.vector_timeout),
         "--max-body-size",
         str(args.max_body_size),
+        "--embedding-template",
+        args.embedding_template,
+        "--max-embedding-inputs",
+        str(args.max_embedding_inputs),
+        "--fan-out-limit",
+        str(args.fan_out_limit),
         "--log-level",
         args.log_level,
     ]

@@ -237,7 +237,7 @@ def test_embedding_template_and_vector_timeout_only_when_set(rendered: dict) -> 
     assert "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE" not in env_of(default_proxy)
     assert flag_value(argv_of(default_proxy), "--vector-timeout") is None
     gpu_proxy = container(rendered["gpu"], "proxy")
-    assert env_of(gpu_proxy)["HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"] == "query: {prompt}"
+    assert env_of(gpu_proxy)["HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"] == "query: {text}"
     assert flag_value(argv_of(gpu_proxy), "--vector-timeout") == "10"
     assert flag_value(argv_of(container(rendered["cpu"], "proxy")), "--vector-timeout") == "30"
     for name in SETS:
@@ -323,6 +323,7 @@ BAD_VALUES = [
     pytest.param({"gpuMemoryUtilization": 1.5}, "gpuMemoryUtilization", id="out-of-range"),
     pytest.param({"modelCache": {"type": "hostPath"}}, "type", id="not-in-enum"),
     pytest.param({"ringDir": "ring"}, "ringDir", id="relative-ring-dir"),
+    pytest.param({"embeddingTemplate": "query:"}, "embeddingTemplate", id="template-no-text"),
 ]
 
 

@@ -181,9 +181,9 @@ def test_embedding_template_only_when_set() -> None:
             not in compose_commands(service=proxy)["proxy"][1]
         )
         commands = compose_commands(
-            {"HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE": "q: {p}"}, service=proxy
+            {"HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE": "q: {text}"}, service=proxy
         )
-        assert commands["proxy"][1]["HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"] == "q: {p}"
+        assert commands["proxy"][1]["HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"] == "q: {text}"
         assert "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE" not in commands["vllm"][1]
 
 

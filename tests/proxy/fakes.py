@@ -129,6 +129,9 @@ class FakeRing:
     def min_slot_count(self) -> int | None:
         return self.slots if self.present else None
 
+    def hidden_size(self) -> int | None:
+        return HIDDEN_SIZE if self.present else None
+
     def lookup(self, key: bytes) -> FakeRecord | None:
         self.lookups += 1
         if self.wrong_key:

@@ -55,7 +55,7 @@ async def test_flagged_happy_path_joins_this_requests_vector(
             headers={"x-request-id": "r1"},
         )
         metrics = proxy.metrics
-        assert metrics.requests == {"ordinary": 0, "flagged": 1}
+        assert metrics.requests == {"ordinary": 0, "flagged": 1, "embeddings": 0}
         assert metrics.flagged_received == 1
         assert metrics.vector_wait.count == 1
 
@@ -134,7 +134,7 @@ async def test_flag_false_is_stripped_and_forwarded_as_ordinary(
         response = await proxy.client.post(
             CHAT, json={"messages": MESSAGES, "kv_transfer_params": kv, "vllm_xargs": {"a": "b"}}
         )
-        assert proxy.metrics.requests == {"ordinary": 1, "flagged": 0}
+        assert proxy.metrics.requests == {"ordinary": 1, "flagged": 0, "embeddings": 0}
     assert response.status_code == 200
     assert response.content == upstream_body
     sent = orjson.loads(vllm.requests[0].content)

@@ -89,7 +89,7 @@ async def test_post_body_forwarded_byte_identical(path: str, body: bytes) -> Non
     vllm = FakeVLLM(handle)
     async with proxy_client(settings_for("/nonexistent"), vllm, FakeRing()) as proxy:
         response = await proxy.client.post(path, content=body)
-        assert proxy.metrics.requests == {"ordinary": 1, "flagged": 0}
+        assert proxy.metrics.requests == {"ordinary": 1, "flagged": 0, "embeddings": 0}
 
     assert response.status_code == 200
     assert response.content == b"echo:" + body

@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from vllm_hidden_state_proxy.proxy.chat import GenerationApp
+from vllm_hidden_state_proxy.proxy.embeddings import EmbeddingsApp
 from vllm_hidden_state_proxy.proxy.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough import PassthroughApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
@@ -56,6 +57,7 @@ def create_app(
         Route("/metrics", MetricsApp(state), methods=["GET"]),
         Route("/v1/chat/completions", GenerationApp(state, completions=False), methods=["POST"]),
         Route("/v1/completions", GenerationApp(state, completions=True), methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingsApp(state), methods=["POST"]),
         Route("/{path:path}", PassthroughApp(state)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
-
 from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, send_error
+from vllm_hidden_state_proxy.proxy.fan_out import answers, fetch_all, first_failure
 from vllm_hidden_state_proxy.proxy.flag import FLAG, KV, VectorOptions
-from vllm_hidden_state_proxy.proxy.flagged import (
-    JsonAnswer,
-    fetch_flagged_json,
-    send_answer_unchanged,
-    send_joined,
-)
+from vllm_hidden_state_proxy.proxy.flagged import send_answer_unchanged, send_joined
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vector_fields import prompt_list_fields
 
@@ -104,31 +98,6 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-async def _fan_out(
-    state: ProxyState, scope: Scope, document: dict[str, Any], prompts: list[Any]
-) -> list[JsonAnswer | ProxyError | None]:
-    results: list[JsonAnswer | ProxyError | None] = [None] * len(prompts)
-    limiter = anyio.CapacityLimiter(state.settings.fan_out_limit)
-
-    async with anyio.create_task_group() as group:
-
-        async def one(index: int, prompt: Any) -> None:
-            async with limiter:
-                try:
-                    answer = await fetch_flagged_json(state, scope, {**document, "prompt": prompt})
-                except ProxyError as error:
-                    results[index] = error
-                    group.cancel_scope.cancel()
-                    return
-                results[index] = answer
-                if answer.status != 200:
-                    group.cancel_scope.cancel()
-
-        for index, prompt in enumerate(prompts):
-            group.start_soon(one, index, prompt)
-    return results
-
-
 async def completions_exchange(
     state: ProxyState,
     scope: Scope,
@@ -138,18 +107,17 @@ async def completions_exchange(
     prompts: list[Any],
 ) -> None:
     """Fan a flagged list of prompts out, answer with ``last_hidden_states`` in prompt order."""
-    results = await _fan_out(state, scope, document, prompts)
-    for result in results:
-        if isinstance(result, ProxyError):
-            await send_error(send, result)
-            return
-        if isinstance(result, JsonAnswer) and result.status != 200:
-            await send_answer_unchanged(send, result)  # vLLM's own error for that prompt
-            return
-    answers = [r for r in results if isinstance(r, JsonAnswer)]
-    assert len(answers) == len(prompts)
-    completions = [a.completion for a in answers if a.completion is not None]
-    records = [a.record for a in answers if a.record is not None]
-    assert len(completions) == len(records) == len(prompts)
+    results = await fetch_all(state, [(scope, {**document, "prompt": p}) for p in prompts])
+    failure = first_failure(results)
+    if failure is not None:
+        _, failed = failure
+        if isinstance(failed, ProxyError):
+            await send_error(send, failed)
+        else:
+            await send_answer_unchanged(send, failed)  # vLLM's own error for that prompt
+        return
+    complete = answers(results)
+    completions = [a.completion for a in complete if a.completion is not None]
+    records = [a.record for a in complete if a.record is not None]
     fields = prompt_list_fields(records, options)
-    await send_joined(send, answers[0].headers, merge_completions(completions), fields)
+    await send_joined(send, complete[0].headers, merge_completions(completions), fields)

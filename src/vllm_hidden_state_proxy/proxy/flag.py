@@ -88,7 +88,7 @@ def _dumps(document: dict[str, Any]) -> bytes:
         return json.dumps(document).encode("ascii")
 
 
-def _parse_object(body: bytes) -> dict[str, Any]:
+def parse_object(body: bytes) -> dict[str, Any]:
     try:
         document = _load(body)
     except ValueError as exc:
@@ -154,7 +154,7 @@ def inspect_body(body: bytes) -> Decision:
     """
     if not needs_inspection(body):
         return Forward(body)
-    document = _parse_object(body)
+    document = parse_object(body)
     _check_xargs(document)
     kv = document.get(KV)
     if kv is None:

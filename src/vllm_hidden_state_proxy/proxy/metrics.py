@@ -30,7 +30,7 @@ WAIT_BUCKETS = (
     10.0,
 )
 
-KINDS = ("ordinary", "flagged")
+KINDS = ("ordinary", "flagged", "embeddings")
 
 
 class Histogram:
@@ -79,7 +79,8 @@ class ProxyMetrics:
         errors = f"{PREFIX}upstream_errors_total"
         wait = f"{PREFIX}vector_wait_seconds"
         lines = [
-            f"# HELP {requests} Requests forwarded to vLLM, by kind.",
+            f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
+            "/v1/embeddings).",
             f"# TYPE {requests} counter",
             *(f'{requests}{{kind="{kind}"}} {self.requests[kind]}' for kind in KINDS),
             f"# HELP {flagged} Chat requests received with return_last_hidden_state: true "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_hidden_state_proxy.protocol import ring_dir_from_env
+from vllm_hidden_state_proxy.proxy.embeddings_request import DEFAULT_TEMPLATE, check_template
 
 MIB = 1024 * 1024
 
@@ -34,6 +35,10 @@ class ProxySettings:
     #: Most upstream requests one client request fans out to at a time (a flagged list of
     #: completions prompts, embeddings inputs).
     fan_out_limit: int = 64
+    #: ``/v1/embeddings``: the prompt template for text inputs (must contain ``{text}``).
+    embedding_template: str = DEFAULT_TEMPLATE
+    #: ``/v1/embeddings``: most inputs per request (more get 400).
+    max_embedding_inputs: int = 2048
 
     def __post_init__(self) -> None:
         if not self.upstream_url.startswith(("http://", "https://")):
@@ -44,6 +49,9 @@ class ProxySettings:
             raise ValueError("vector_timeout must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
+        check_template(self.embedding_template)
+        if self.max_embedding_inputs <= 0:
+            raise ValueError("max_embedding_inputs must be > 0")
         if self.fan_out_limit <= 0:
             raise ValueError("fan_out_limit must be > 0")
         if self.max_connections <= 0:
