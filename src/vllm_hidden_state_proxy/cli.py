@@ -16,6 +16,10 @@ DEFAULT_VLLM_PORT = 8001
 DEFAULT_VECTOR_TIMEOUT = 5.0
 #: Read by the proxy (compose and the Helm chart set it): the embedding template.
 EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
+#: Read by the proxy: its API key, and vLLM's (when vLLM has a different one). Environment
+#: variables keep secrets out of process listings.
+API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
+UPSTREAM_API_KEY_ENV = "HIDDEN_STATE_PROXY_UPSTREAM_API_KEY"
 
 
 def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) -> None:
@@ -59,6 +63,34 @@ def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) ->
         metavar="N",
         help="most vLLM requests one client request keeps in flight (an embeddings input list, "
         "a flagged list of completions prompts; default 64)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"clients must send 'Authorization: Bearer KEY' (default ${API_KEY_ENV}; prefer "
+        "the variable: arguments are visible in process listings); /health stays open",
+    )
+    parser.add_argument(
+        "--ring-owner-uid",
+        type=int,
+        action="append",
+        default=None,
+        metavar="UID",
+        help="trust ring files owned by this user (repeatable; default: the proxy's own user "
+        "and root); ring files of other users are refused",
+    )
+    parser.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="with an API key, /metrics needs it too",
+    )
+    parser.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get(UPSTREAM_API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"vLLM's own --api-key, if it differs from the proxy's: sent to vLLM instead of "
+        f"the client's Authorization header (default ${UPSTREAM_API_KEY_ENV})",
     )
     parser.add_argument(
         "--log-level",
@@ -158,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--embedding-template: {problem}")
     if args.command == "proxy":
         from .proxy.server import run_proxy
-        from .proxy.settings import ProxySettings
+        from .proxy.settings import ProxySettings, default_ring_owners
 
         settings = ProxySettings(
             upstream_url=args.upstream,
@@ -168,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             embedding_template=args.embedding_template,
             max_embedding_inputs=args.max_embedding_inputs,
             fan_out_limit=args.fan_out_limit,
+            api_key=args.api_key,
+            ring_owner_uids=tuple(args.ring_owner_uid or default_ring_owners()),
+            protect_metrics=args.protect_metrics,
+            upstream_api_key=args.upstream_api_key,
         )
         run_proxy(settings, host=args.host, port=args.port, log_level=args.log_level)
         return 0

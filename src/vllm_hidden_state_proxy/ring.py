@@ -113,7 +113,7 @@ import time
 import weakref
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -324,6 +324,16 @@ class Record:
         if sys.byteorder == "big":
             values.byteswap()
         return values.tolist()
+
+
+#: Who may own a ring file a reader accepts: one uid, several, or ``None`` (anyone).
+Owners = int | Collection[int] | None
+
+
+def _owners(expected: Owners) -> frozenset[int] | None:
+    if expected is None:
+        return None
+    return frozenset((expected,)) if isinstance(expected, int) else frozenset(expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,8 +712,11 @@ class RingReader:
         self._probe_error_logged = False
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, expected_uid: int | None = None) -> RingReader:
-        """Open and validate a ring file; :class:`RingFormatError` on any problem."""
+    def open(cls, path: str | os.PathLike[str], *, expected_uid: Owners = None) -> RingReader:
+        """Open and validate a ring file; :class:`RingFormatError` on any problem.
+
+        ``expected_uid``: the uid (or uids) the file must belong to; ``None`` accepts any.
+        """
         p = Path(path)
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -716,7 +729,7 @@ class RingReader:
             raise
 
     @classmethod
-    def _open_fd(cls, p: Path, fd: int, expected_uid: int | None) -> RingReader:
+    def _open_fd(cls, p: Path, fd: int, expected_uid: Owners) -> RingReader:
         def bad(reason: str) -> RingFormatError:
             return RingFormatError(f"{p}: {reason}")
 
@@ -728,8 +741,10 @@ class RingReader:
                 raise bad(
                     f"mode {stat.S_IMODE(st.st_mode):#o} is writable by group/others; refusing"
                 )
-            if expected_uid is not None and st.st_uid != expected_uid:
-                raise bad(f"owned by uid {st.st_uid}, expected uid {expected_uid}; refusing")
+            owners = _owners(expected_uid)
+            if owners is not None and st.st_uid not in owners:
+                expected = " or ".join(str(uid) for uid in sorted(owners))
+                raise bad(f"owned by uid {st.st_uid}, expected uid {expected}; refusing")
             raw = os.pread(fd, HEADER_SIZE, 0)
             if len(raw) < HEADER_SIZE:
                 raise bad(f"truncated header ({len(raw)} of {HEADER_SIZE} bytes)")
@@ -996,9 +1011,7 @@ class RingDirectory:
     #: Seconds a "some ring is live" answer is reused before the writers are probed again.
     LIVENESS_INTERVAL = 0.1
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, expected_uid: int | None = None
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, expected_uid: Owners = None) -> None:
         self.directory = Path(directory)
         self._expected_uid = expected_uid
         self._readers: dict[str, RingReader] = {}

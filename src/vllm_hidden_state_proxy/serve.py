@@ -86,9 +86,22 @@ def proxy_command(args: argparse.Namespace, upstream: str, ring_dir: str) -> lis
         str(args.max_embedding_inputs),
         "--fan-out-limit",
         str(args.fan_out_limit),
+        *(["--protect-metrics"] if args.protect_metrics else []),
+        *(arg for uid in args.ring_owner_uid or () for arg in ("--ring-owner-uid", str(uid))),
         "--log-level",
         args.log_level,
     ]
+
+
+def proxy_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The proxy's environment: API keys travel here, not in its (visible) command line."""
+    from .cli import API_KEY_ENV, UPSTREAM_API_KEY_ENV
+
+    env = dict(os.environ)
+    for name, value in ((API_KEY_ENV, args.api_key), (UPSTREAM_API_KEY_ENV, args.upstream_api_key)):
+        if value:
+            env[name] = value
+    return env
 
 
 def vllm_environment(ring_dir: str) -> dict[str, str]:
@@ -328,7 +341,7 @@ def _run(
         return status
     proxy_url = _local_url(args.host, args.port)
     _say(f"starting the proxy on {args.host}:{args.port}")
-    children.proxy = _spawn(proxy_command(args, upstream, ring_dir))
+    children.proxy = _spawn(proxy_command(args, upstream, ring_dir), proxy_environment(args))
     status = _wait_healthy(
         proxy_url + "/health", "the proxy", PROXY_STARTUP_TIMEOUT, children, stop
     )

@@ -7,8 +7,10 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 from vllm_hidden_state_proxy.proxy.chat import GenerationApp
 from vllm_hidden_state_proxy.proxy.embeddings import EmbeddingsApp
 from vllm_hidden_state_proxy.proxy.ops import HealthApp, MetricsApp
@@ -39,7 +41,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         owned = ring is None
-        state.vectors = RingDirectory(settings.ring_dir) if ring is None else ring
+        if ring is None:
+            state.vectors = RingDirectory(settings.ring_dir, expected_uid=settings.ring_owner_uids)
+        else:
+            state.vectors = ring
         state.http = create_client(settings, transport)
         state.ops_http = create_ops_client(settings, transport)
         try:
@@ -60,6 +65,13 @@ def create_app(
         Route("/v1/embeddings", EmbeddingsApp(state), methods=["POST"]),
         Route("/{path:path}", PassthroughApp(state)),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = []
+    if settings.api_key:
+        middleware.append(
+            Middleware(
+                ApiKeyGuard, api_key=settings.api_key, protect_metrics=settings.protect_metrics
+            )
+        )
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.proxy = state
     return app

@@ -12,6 +12,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 RawHeaders = list[tuple[bytes, bytes]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class ClientDisconnected(Exception):

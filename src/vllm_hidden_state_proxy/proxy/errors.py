@@ -13,6 +13,7 @@ from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
 #: Error ``type`` per HTTP status for the statuses the proxy produces.
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     413: "invalid_request_error",
     502: "bad_gateway",
     503: "service_unavailable",

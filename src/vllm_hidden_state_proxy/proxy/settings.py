@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from vllm_hidden_state_proxy.protocol import ring_dir_from_env
 from vllm_hidden_state_proxy.proxy.embeddings_request import DEFAULT_TEMPLATE, check_template
 
 MIB = 1024 * 1024
+
+
+def default_ring_owners() -> tuple[int, ...]:
+    return tuple(sorted({os.getuid(), 0}))
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,9 @@ class ProxySettings:
     upstream_url: str
     #: Directory holding the worker hook's shared-memory rings (same as vLLM's).
     ring_dir: str = field(default_factory=ring_dir_from_env)
+    #: Users whose ring files the proxy trusts (a ring file owned by anyone else is refused);
+    #: by default the proxy's own user and root.
+    ring_owner_uids: tuple[int, ...] = field(default_factory=lambda: default_ring_owners())
     #: Seconds to wait, after vLLM answered 200, for the hidden state to show up in the ring.
     vector_timeout: float = 5.0
     #: Largest request body accepted (bytes); larger bodies get 413.
@@ -28,8 +36,13 @@ class ProxySettings:
     connect_timeout: float = 5.0
     #: Read/write timeout towards vLLM in seconds; ``None`` waits forever (long generations).
     request_timeout: float | None = None
-    #: Reserved for a later issue (proxy-side auth); not used yet.
+    #: If set, clients must send ``Authorization: Bearer <api_key>`` (401 otherwise).
     api_key: str | None = None
+    #: With ``api_key``: ``/metrics`` needs the key too (``/health`` never does).
+    protect_metrics: bool = False
+    #: Sent to vLLM as ``Authorization: Bearer ...`` instead of the client's header (when vLLM's
+    #: own ``--api-key`` differs from the proxy's).
+    upstream_api_key: str | None = None
     #: Seconds ``GET /health`` waits for vLLM's own ``/health``.
     health_timeout: float = 2.0
     #: Most upstream requests one client request fans out to at a time (a flagged list of
@@ -50,6 +63,8 @@ class ProxySettings:
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
         check_template(self.embedding_template)
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None disables it)")
         if self.max_embedding_inputs <= 0:
             raise ValueError("max_embedding_inputs must be > 0")
         if self.fan_out_limit <= 0:

@@ -72,11 +72,12 @@ def build_request(
     Built as a bare ``httpx.Request`` (not ``client.build_request``) so that no client default
     headers (User-Agent, Accept-Encoding, cookies) are added to what the client sent.
     """
+    headers = upstream_request_headers(scope["headers"], len(body), drop)
+    if settings.upstream_api_key:  # vLLM has a key of its own: it replaces the client's
+        headers = [(k, v) for k, v in headers if k != b"authorization"]
+        headers.append((b"authorization", f"Bearer {settings.upstream_api_key}".encode()))
     return httpx.Request(
-        scope["method"],
-        upstream_url(settings, scope),
-        headers=upstream_request_headers(scope["headers"], len(body), drop),
-        content=body,
+        scope["method"], upstream_url(settings, scope), headers=headers, content=body
     )
 
 

@@ -1,0 +1,60 @@
+"""Optional API key for the proxy: ``Authorization: Bearer <key>``, compared in constant time.
+
+Every path needs the key except ``GET /health`` (probes) and, unless ``protect_metrics`` is
+set, ``GET /metrics`` (scrapers). A missing or wrong key gets 401 in the OpenAI error shape.
+The client's ``Authorization`` header is forwarded to vLLM unchanged, so vLLM's own
+``--api-key`` keeps working when it is the same key; ``upstream_api_key`` replaces it on the way
+to vLLM when vLLM's key differs (see ``upstream.build_request``).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from vllm_hidden_state_proxy.proxy.asgi import ASGIApp, Receive, Scope, Send, header_value
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+
+_BEARER = b"bearer "
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    value = header_value(scope, b"authorization")
+    if value is None or value[: len(_BEARER)].lower() != _BEARER:
+        return None
+    return value[len(_BEARER) :].strip()
+
+
+class ApiKeyGuard:
+    """ASGI middleware: refuse HTTP requests without the right Bearer token."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, protect_metrics: bool = False) -> None:
+        self.app = app
+        self._key = api_key.encode("utf-8")
+        self._open_paths = frozenset({"/health"} if protect_metrics else {"/health", "/metrics"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope)
+        # compare_digest takes time independent of where the first difference is.
+        if token is None or not hmac.compare_digest(token, self._key):
+            error = ProxyError(
+                401,
+                "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                "proxy was started with (--api-key / HIDDEN_STATE_PROXY_API_KEY).",
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(error.body())).encode("ascii")),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": error.body(), "more_body": False})
+            return
+        await self.app(scope, receive, send)
