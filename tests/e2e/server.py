@@ -161,3 +161,38 @@ def _run_serve(
 def _vllm_shm_segments() -> set[Path]:
     shm = Path("/dev/shm")
     return set(shm.glob("vllm_dist_*")) if shm.is_dir() else set()
+
+
+@contextlib.contextmanager
+def proxy_process(
+    upstream: str,
+    ring_dir: Path,
+    log: Path,
+    extra_args: Sequence[str] = (),
+    env_overrides: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A ``hidden-state-proxy proxy`` process (no vLLM of its own) until the block ends."""
+    port = port or free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_hidden_state_proxy.cli",
+        "proxy",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--ring-dir",
+        str(ring_dir),
+        *extra_args,
+    ]
+    env = {**os.environ, **(env_overrides or {})}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+    try:
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        stop_process_group(process, "proxy", grace=10)

@@ -3,48 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.serve import stop_process_group
-
-from .server import RunningStack, free_port, wait_healthy
+from .server import RunningStack, free_port, proxy_process, wait_healthy
 
 CHAT = "/v1/chat/completions"
-
-
-@contextlib.contextmanager
-def proxy_process(
-    upstream: str, ring_dir: Path, log: Path
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_hidden_state_proxy.cli",
-        "proxy",
-        "--upstream",
-        upstream,
-        "--port",
-        str(port),
-        "--ring-dir",
-        str(ring_dir),
-    ]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield f"http://127.0.0.1:{port}", process
-    finally:
-        stop_process_group(process, "proxy", grace=10)
 
 
 def chat(model: str, flagged: bool) -> dict[str, Any]:
@@ -100,3 +68,77 @@ def test_vllm_unreachable_is_a_502_and_health_turns_503(
     for response in (flagged, ordinary):
         assert response.status_code == 502, response.text
         assert dead in response.json()["error"]["message"]
+
+
+def _garbage_rings(directory: Path) -> dict[str, bytes]:
+    """Ring files a proxy must refuse: wrong magic, truncated, unknown layout version."""
+    from vllm_hidden_state_proxy.ring import HEADER_SIZE, MAGIC
+
+    directory.mkdir(mode=0o700)
+    files = {
+        "ring-dp0.bin": b"NOTARING" + bytes(4096),
+        "ring-dp1.bin": MAGIC + bytes(10),  # truncated header
+        "ring-dp2.bin": MAGIC + (999).to_bytes(4, "little") + bytes(HEADER_SIZE + 4096),
+    }
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
+        (directory / name).chmod(0o600)
+    return files
+
+
+def test_corrupt_ring_files_are_refused_with_a_log_line_and_a_503(
+    stack: RunningStack, model_name: str, tmp_path: Path
+) -> None:
+    import fcntl
+
+    rings = tmp_path / "rings"
+    files = _garbage_rings(rings)
+    log = tmp_path / "proxy.log"
+    # A "live" writer (the lock held) does not make a corrupt file acceptable.
+    with open(rings / "ring-dp0.bin", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with proxy_process(stack.vllm_url, rings, log) as (url, process):
+            wait_healthy(url + "/health", process, 30, log)
+            responses = [httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)]
+            responses.append(httpx.post(url + CHAT, json=chat(model_name, True), timeout=30))
+            ordinary = httpx.post(url + CHAT, json=chat(model_name, False), timeout=30)
+            assert process.poll() is None, "the proxy must not crash"
+    for response in responses:
+        assert response.status_code == 503, response.text
+    assert ordinary.status_code == 200
+    text = log.read_text(errors="replace")
+    for name in files:
+        assert name in text, f"no log line about {name}:\n{text[-3000:]}"
+
+
+def test_api_key_guards_the_proxy_and_health_stays_open(
+    stack: RunningStack, model_name: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "proxy.log"
+    key = "e2e-proxy-key"
+    env = {"HIDDEN_STATE_PROXY_API_KEY": key}
+    with proxy_process(stack.vllm_url, stack.ring_dir, log, env_overrides=env) as (url, process):
+        wait_healthy(url + "/health", process, 30, log)
+        denied = httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)
+        wrong = httpx.post(
+            url + CHAT,
+            json=chat(model_name, True),
+            headers={"authorization": "Bearer nope"},
+            timeout=30,
+        )
+        from openai import OpenAI
+
+        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        response = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "hello"}],
+            max_completion_tokens=1,
+            extra_body={"kv_transfer_params": {"return_last_hidden_state": True}},
+        )
+        metrics = httpx.get(url + "/metrics", timeout=30)
+    for refused in (denied, wrong):
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "authentication_error"
+    assert len(response.model_dump()["kv_transfer_params"]["last_hidden_state"]) > 0
+    assert metrics.status_code == 200
+    assert key not in log.read_text(errors="replace")
