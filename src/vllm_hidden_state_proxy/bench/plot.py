@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .results import BenchResults, ThroughputArm
-from .stats import ratio
+from .results import BenchResults, ThroughputArm, paired_ratio
 from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
 
 #: Target checks drawn in the left panel (ratios below a limit).
@@ -42,11 +41,15 @@ def draw(results: BenchResults, path: Path) -> Path:
             names.append(short)
             values.append(check.value)
             limits.append(check.limit)
-    extra = results.ratios.get("nginx / direct, latency p50")
-    if extra is not None:
-        names.append("nginx\n/ direct")
-        values.append(extra)
-        limits.append(float("nan"))
+    for key, short in (
+        ("streaming time to last token p50, proxy / direct", "stream last token\nproxy / direct"),
+        ("nginx / direct, latency p50", "nginx\n/ direct"),
+    ):
+        extra = results.ratios.get(key)
+        if extra is not None:
+            names.append(short)
+            values.append(extra)
+            limits.append(float("nan"))
     colours = [
         "tab:green" if value <= limit else ("tab:grey" if limit != limit else "tab:red")
         for value, limit in zip(values, limits, strict=True)
@@ -75,20 +78,14 @@ def draw(results: BenchResults, path: Path) -> Path:
             arm = arms.get(name)
             if arm is None:
                 continue
-            series = []
-            for point in direct.points:
-                other = arm.at(point.concurrency)
-                series.append(
-                    ratio(other.requests_per_second if other else None, point.requests_per_second)
-                    or float("nan")
-                )
+            series = [paired_ratio(arm, direct, level) or float("nan") for level in levels]
             right.plot(levels, series, marker="o", label=label)
         right.axhline(0.95, color="black", linestyle="dashed", label="target 0.95 (flagged, c=16)")
         right.axhline(1.0, color="grey", linewidth=0.8)
         right.set_xscale("log", base=2)
         right.set_xticks(levels, [str(level) for level in levels])
         right.set_xlabel("requests in flight")
-        right.set_ylabel("requests/s ratio")
+        right.set_ylabel("requests/s ratio (median of rounds)")
         right.set_title("Throughput ratios (higher is better)")
         right.legend(fontsize=8)
     figure.suptitle(f"hidden-state-proxy bench — {results.meta.get('machine', '')}", fontsize=9)

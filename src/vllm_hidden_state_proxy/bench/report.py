@@ -14,8 +14,8 @@ from .results import (
     StreamArm,
     TargetCheck,
     ThroughputArm,
+    paired_ratio,
 )
-from .stats import ratio
 from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
 
 
@@ -151,8 +151,8 @@ def throughput_section(results: BenchResults) -> list[str]:
                 number(point.requests_per_second, 1),
                 number(p.requests_per_second if p else None, 1),
                 number(f.requests_per_second if f else None, 1),
-                number(ratio(p.requests_per_second if p else None, point.requests_per_second), 3),
-                number(ratio(f.requests_per_second if f else None, point.requests_per_second), 3),
+                number(paired_ratio(passthrough, direct, c) if passthrough else None, 3),
+                number(paired_ratio(flagged, direct, c) if flagged else None, 3),
                 number(point.latency_ms.p50),
                 number(f.latency_ms.p50 if f else None),
                 str(point.requests),
@@ -169,7 +169,14 @@ def throughput_section(results: BenchResults) -> list[str]:
         "flagged p50 ms",
         "requests per arm",
     ]
-    return ["## Throughput: one-token chats, N in flight", "", *table(header, rows)]
+    return [
+        "## Throughput: one-token chats, N in flight",
+        "",
+        *table(header, rows),
+        "",
+        "Rates: all of an arm's requests over all its seconds. Ratios: the median over rounds "
+        "of the two arms' rates in the same round (they ran side by side).",
+    ]
 
 
 def ring_section(results: BenchResults) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .stats import Summary
+from .stats import Summary, percentile
 
 Status = Literal["ok", "unsupported", "skipped"]
 
@@ -57,6 +57,8 @@ class ThroughputPoint:
     seconds: float
     requests_per_second: float
     latency_ms: Summary
+    #: Requests per second in each round, in round order.
+    rounds_rps: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +75,15 @@ class ThroughputArm:
 
     def at(self, concurrency: int) -> ThroughputPoint | None:
         return next((p for p in self.points if p.concurrency == concurrency), None)
+
+
+def paired_ratio(arm: ThroughputArm, baseline: ThroughputArm, concurrency: int) -> float | None:
+    """Median over rounds of (``arm``'s rate / ``baseline``'s rate in the same round)."""
+    mine, theirs = arm.at(concurrency), baseline.at(concurrency)
+    if mine is None or theirs is None:
+        return None
+    pairs = [a / b for a, b in zip(mine.rounds_rps, theirs.rounds_rps, strict=False) if b > 0]
+    return percentile(pairs, 50) if pairs else None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Throughput arms: requests per second with N one-token requests in flight, for each N of the
 sweep, ``throughput_direct`` (vLLM), ``throughput_passthrough`` and ``throughput_flagged``
 (through the proxy). For every level the arms take turns in rounds (round-robin, rotating
-start); an arm's rate is all its requests over all its seconds at that level.
+start); an arm's rate is all its requests over all its seconds at that level, and its rate in
+each round is kept too: a ratio of two arms' rates in the same round compares them under the
+same conditions, and the median of those paired ratios shrugs off a noisy round.
 
 The load client is Python on the same 2 cores as vLLM and the proxy: at high concurrency it
 competes with them for CPU alike for every arm.
@@ -53,6 +55,7 @@ class _Tally:
     requests: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
+    rounds_rps: list[float] = field(default_factory=list)
 
 
 async def _burst(
@@ -123,6 +126,7 @@ async def measure_throughput(
                 tally.requests += count
                 tally.seconds += seconds
                 tally.latencies.extend(latencies)
+                tally.rounds_rps.append(count / seconds)
                 task.advance(count)
         finally:
             for client in clients.values():
@@ -136,6 +140,7 @@ async def measure_throughput(
                     seconds=tally.seconds,
                     requests_per_second=tally.requests / tally.seconds,
                     latency_ms=summarize(tally.latencies, 1e3),
+                    rounds_rps=tally.rounds_rps,
                 )
             )
     task.done()
