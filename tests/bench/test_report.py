@@ -167,3 +167,11 @@ def test_summaries_round_trip_through_json() -> None:
     results.add(LatencyArm("direct", "d", latency_ms=summary))
     again = json.loads(json.dumps(results.to_json()))
     assert again["arms"]["direct"]["latency_ms"]["p50"] == 2.0
+
+
+def test_the_plot_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from vllm_hidden_state_proxy.bench.plot import draw
+
+    path = draw(sample_results(), tmp_path / "bench.png")
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

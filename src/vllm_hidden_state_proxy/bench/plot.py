@@ -38,7 +38,9 @@ def draw(results: BenchResults, path: Path) -> Path:
     for label, short in _LATENCY_LABELS:
         check = checks.get(label)
         if check is not None and check.value is not None:
-            names.append(short)
+            # A check with a note (e.g. the streams came in bursts) is not to be taken at
+            # face value: say so under its bar.
+            names.append(short + ("\n(see note)" if check.note else ""))
             values.append(check.value)
             limits.append(check.limit)
     for key, short in (
