@@ -1,0 +1,281 @@
+"""Faults with real processes: vLLM killed mid-flight and restarted, the proxy restarted, the
+ring wrapping around under load, ``serve`` exiting when its vLLM dies (issue #7).
+
+Own servers (``own_server``): vLLM is started here directly, with the proxy as a separate
+process in front of it, so each can be killed and restarted on its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from vllm_hidden_state_proxy.ring import RingReader
+from vllm_hidden_state_proxy.serve import stop_process_group, vllm_command, vllm_environment
+
+from .reference import Reference, assert_matches
+from .server import (
+    SERVED_MODEL_NAME,
+    STARTUP_TIMEOUT,
+    TEST_VLLM_ARGS,
+    free_port,
+    one_vllm_at_a_time,
+    proxy_process,
+    run_serve,
+    stack_environment,
+    wait_healthy,
+)
+
+pytestmark = pytest.mark.own_server
+
+CHAT = "/v1/chat/completions"
+VLLM_KEY = "vllm-own-key"
+#: How long a fault may take to reach the client (it must not hang).
+PROMPT_FAULT_SECONDS = 30
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendant pids of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_engine(vllm_pid: int) -> int:
+    """SIGKILL vLLM's engine-core process (the model lives there and in its workers)."""
+    for pid in descendants(vllm_pid):
+        with contextlib.suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes() or "EngineCore" in (
+                Path(f"/proc/{pid}/comm").read_text()
+            ):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+    raise AssertionError(f"no EngineCore process under vLLM pid {vllm_pid}")
+
+
+@contextlib.contextmanager
+def vllm_process(
+    model_dir: Path, ring_dir: Path, port: int, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    args = [*TEST_VLLM_ARGS, "--api-key", VLLM_KEY]
+    environment = {**stack_environment(), **vllm_environment(str(ring_dir)), **(env or {})}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            vllm_command(str(model_dir), port, args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        stop_process_group(process, "vLLM", grace=30)
+
+
+def chat_body(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": SERVED_MODEL_NAME,
+        "messages": [{"role": "user", "content": text}],
+        "max_completion_tokens": 1,
+        "kv_transfer_params": {"return_last_hidden_state": True},
+        **extra,
+    }
+
+
+def check_vector(reference: Reference, response: httpx.Response, text: str) -> None:
+    assert response.status_code == 200, response.text
+    vector = response.json()["kv_transfer_params"]["last_hidden_state"]
+    messages = [{"role": "user", "content": text}]
+    assert_matches(vector, reference.last_hidden_state(reference.chat_token_ids(messages)))
+
+
+def ring_epoch(ring_dir: Path) -> int:
+    reader = RingReader.open(ring_dir / "ring-dp0.bin")
+    try:
+        return reader.epoch
+    finally:
+        reader.close()
+
+
+def wait_status(url: str, status: int, timeout: float) -> float:
+    """Seconds until GET ``url`` answers ``status``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == status:
+                return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer {status} within {timeout} s")
+
+
+def in_flight(url: str, kind: str) -> tuple[str, int | str, float]:
+    """A long request; returns (kind, status or how the stream ended, when it ended)."""
+    body = chat_body(f"in flight {kind}", max_completion_tokens=1000, ignore_eos=True)
+    if kind == "ordinary":
+        body.pop("kv_transfer_params")
+    if kind == "stream":
+        body["stream"] = True
+        try:
+            with httpx.stream("POST", url + CHAT, json=body, timeout=120) as response:
+                tail = b""
+                with contextlib.suppress(httpx.HTTPError):
+                    for chunk in response.iter_raw():
+                        tail = (tail + chunk)[-400:]
+            ended = "error-event" if b'"error"' in tail else "cut"
+            return (
+                kind,
+                ended if response.status_code == 200 else response.status_code,
+                (time.monotonic()),
+            )
+        except httpx.HTTPError:
+            return kind, "cut", time.monotonic()
+    try:
+        response = httpx.post(url + CHAT, json=body, timeout=120)
+        return kind, response.status_code, time.monotonic()
+    except httpx.HTTPError:
+        return kind, "connection-error", time.monotonic()
+
+
+def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
+    tiny_model_dir: Path, reference: Reference, tmp_path: Path
+) -> None:
+    ring_dir = Path("/dev/shm") / f"hsp-faults-{os.getpid()}"
+    vllm_port, proxy_port = free_port(), free_port()
+    vllm_url = f"http://127.0.0.1:{vllm_port}"
+    proxy_log, vllm_log = tmp_path / "proxy.log", tmp_path / "vllm.log"
+    upstream_key = {"HIDDEN_STATE_PROXY_UPSTREAM_API_KEY": VLLM_KEY}
+    try:
+        with (
+            one_vllm_at_a_time(),
+            proxy_process(vllm_url, ring_dir, proxy_log, (), upstream_key, proxy_port) as (
+                url,
+                proxy,
+            ),
+        ):
+            with vllm_process(tiny_model_dir, ring_dir, vllm_port, vllm_log) as vllm:
+                wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
+                check_vector(
+                    reference,
+                    httpx.post(url + CHAT, json=chat_body("before"), timeout=60),
+                    "before",
+                )
+                first_epoch = ring_epoch(ring_dir)
+
+                # vLLM's own --api-key works through a proxy that has none of its own.
+                with proxy_process(vllm_url, ring_dir, tmp_path / "plain.log") as (plain, p2):
+                    wait_healthy(plain + "/health", p2, 30, tmp_path / "plain.log")
+                    headers = {"authorization": f"Bearer {VLLM_KEY}"}
+                    ok = httpx.post(
+                        plain + CHAT, json=chat_body("key"), headers=headers, timeout=60
+                    )
+                    check_vector(reference, ok, "key")
+                    denied = httpx.post(plain + CHAT, json=chat_body("key"), timeout=60)
+                    assert denied.status_code == 401  # vLLM's own answer, passed through
+
+                # Kill the engine while long requests are in flight.
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    kinds = ["flagged", "ordinary", "stream", "flagged"]
+                    futures = [pool.submit(in_flight, url, kind) for kind in kinds]
+                    time.sleep(0.15)  # the tiny model decodes 900 tokens in about a second
+                    killed_at = time.monotonic()
+                    kill_engine(vllm.pid)
+                    outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]
+                cut_off = [(k, s, e) for k, s, e in outcomes if e > killed_at]
+                assert len(cut_off) >= 2, f"too few requests were in flight: {outcomes}"
+                for kind, status, ended in cut_off:
+                    assert ended - killed_at < PROMPT_FAULT_SECONDS, (kind, status)
+                    assert status not in (200, 504), (kind, status)  # a failure, not a hang
+                    if isinstance(status, int):
+                        assert status >= 500, (kind, status)
+                assert (
+                    wait_status(url + "/health", 503, PROMPT_FAULT_SECONDS) < PROMPT_FAULT_SECONDS
+                )
+                after_kill = httpx.post(url + CHAT, json=chat_body("dead"), timeout=60)
+                assert after_kill.status_code in (500, 502, 503), after_kill.text
+
+            # vLLM restarts (compose / Kubernetes would do this) with a one-slot ring.
+            with vllm_process(
+                tiny_model_dir,
+                ring_dir,
+                vllm_port,
+                vllm_log,
+                {"HIDDEN_STATE_PROXY_RING_SLOTS": "1"},
+            ) as vllm:
+                wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
+                assert proxy.poll() is None, "the proxy survives vLLM's death"
+                check_vector(
+                    reference, httpx.post(url + CHAT, json=chat_body("after"), timeout=60), "after"
+                )
+                assert ring_epoch(ring_dir) != first_epoch
+
+                # Wrap-around: one slot, many concurrent flagged prompts.
+                texts = [f"wrap {i} " + "word " * (i % 7) for i in range(24)]
+
+                def ask(index: int) -> httpx.Response:
+                    extra = {"max_completion_tokens": 1 + 40 * (index % 3), "ignore_eos": True}
+                    return httpx.post(
+                        url + CHAT, json=chat_body(texts[index], **extra), timeout=120
+                    )
+
+                with concurrent.futures.ThreadPoolExecutor(24) as pool:
+                    responses = list(pool.map(ask, range(24)))
+                overwritten = 0
+                for text, response in zip(texts, responses, strict=True):
+                    if response.status_code == 504:
+                        assert "overwritten" in response.json()["error"]["message"]
+                        overwritten += 1
+                    else:
+                        check_vector(reference, response, text)  # its own vector, never another's
+                assert overwritten > 0, "the one-slot ring never wrapped: the test did not bite"
+                metrics = httpx.get(url + "/metrics", timeout=30).text
+                assert 'hidden_state_proxy_vector_misses_total{reason="overwritten"}' in metrics
+
+                # The proxy restarts while vLLM runs: the first request gets its vector.
+                stop_process_group(proxy, "proxy", grace=10)
+                with proxy_process(vllm_url, ring_dir, proxy_log, (), upstream_key, proxy_port) as (
+                    url2,
+                    proxy2,
+                ):
+                    wait_healthy(url2 + "/health", proxy2, 30, proxy_log)
+                    first = httpx.post(url2 + CHAT, json=chat_body("fresh proxy"), timeout=60)
+                    check_vector(reference, first, "fresh proxy")
+    finally:
+        shutil.rmtree(ring_dir, ignore_errors=True)
+
+
+def test_serve_exits_non_zero_when_its_vllm_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with run_serve(tiny_model_dir, tmp_path) as stack:
+        vllm_pid = next(
+            pid
+            for pid in descendants(stack.process.pid)
+            if b"vllm.entrypoints.openai.api_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        kill_engine(vllm_pid)
+        status = stack.process.wait(timeout=120)
+    assert status != 0
+    log = stack.log_path.read_text(errors="replace")
+    assert "exited" in log or "died" in log, log[-2000:]
