@@ -375,3 +375,32 @@ def test_concurrent_flagged_and_ordinary_image_requests(
         else:
             assert response.model_dump().get("kv_transfer_params") is None
             assert response.usage.prompt_tokens == vlm.inputs(messages)["input_ids"].shape[1]
+
+
+def test_embeddings_with_messages_holding_images(
+    vlm_stack: RunningStack, vlm: VlmReference
+) -> None:
+    """/v1/embeddings' chat form with an image: the unit-norm vector of that conversation."""
+    import math
+
+    messages = [
+        {
+            "role": "user",
+            "content": [image_item(gradient_png((64, 48))), text_item("Embed this picture.")],
+        }
+    ]
+    response = httpx.post(
+        vlm_stack.proxy_url + "/v1/embeddings",
+        json={"model": SERVED_MODEL_NAME, "messages": messages},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    (item,) = body["data"]
+    inputs = vlm.inputs(messages, add_generation_prompt=False)  # the embeddings default
+    assert body["usage"]["prompt_tokens"] == int(inputs["input_ids"].shape[1])
+    expected = vlm.last_hidden_state(inputs)
+    norm = math.sqrt(sum(v * v for v in expected))
+    RESULTS["embeddings, messages with an image"] = assert_matches(
+        item["embedding"], [v / norm for v in expected]
+    )
