@@ -29,6 +29,11 @@ XARGS = "vllm_xargs"
 OWN_KEYS = (FLAG, FORMAT, INFO)
 FORMATS = ("float", "base64")
 
+#: Deepest nesting of a body the proxy re-encodes. Beyond orjson's 254 levels ``json.dumps``
+#: takes over, which recurses on the Python stack and fails near 1000 levels (orjson reads up to
+#: 1024, so such a body would otherwise parse and then crash the proxy).
+MAX_DEPTH = 512
+
 # Every own key contains "last_hidden_state", so one marker covers them all.
 _MARKERS = (b"last_hidden_state", XARGS_KEY.encode("ascii"), b"\\u")
 
@@ -85,7 +90,29 @@ def _dumps(document: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(document)
     except (orjson.JSONEncodeError, TypeError):  # lone surrogates, NaN: what json.loads accepts
+        pass  # ...and nesting deeper than orjson writes (254 levels; it reads 1024)
+    try:
         return json.dumps(document).encode("ascii")
+    except RecursionError:  # inspect_body refuses such bodies first; this is the backstop
+        raise _too_deep() from None
+
+
+def _too_deep() -> ProxyError:
+    return bad_request(f"Request body is nested more than {MAX_DEPTH} levels deep.")
+
+
+def _check_depth(body: bytes, document: Any) -> None:
+    """Refuse (400) a document nested deeper than ``MAX_DEPTH`` before it is re-encoded."""
+    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
+        return  # every level opens a bracket: cannot be that deep (almost every body)
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
 
 
 def parse_object(body: bytes) -> dict[str, Any]:
@@ -164,6 +191,7 @@ def inspect_body(body: bytes) -> Decision:
     if not any(key in kv for key in OWN_KEYS):
         return Forward(body)
     flag, options = _options(kv)
+    _check_depth(body, document)  # from here on the document is re-encoded
     stripped = _without_own_keys(document, kv)
     if not flag:
         return Forward(_dumps(stripped))

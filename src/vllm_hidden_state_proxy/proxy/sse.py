@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+
 #: Event separators (the SSE spec allows LF, CRLF and CR line ends; vLLM writes LF).
 _SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
@@ -83,5 +85,13 @@ class FirstChoiceScanner:
 
 
 def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str, Any]) -> bytes:
-    """``buffer`` with ``event`` replaced by a ``data:`` event carrying ``chunk``."""
-    return bytes(buffer[: event.start]) + b"data: " + orjson.dumps(chunk) + buffer[event.end :]
+    """``buffer`` with ``event`` replaced by a ``data:`` event carrying ``chunk``.
+
+    Raises ``ProxyError`` (502) if ``chunk`` cannot be written back: orjson reads 1024 levels
+    of nesting but writes 254 (vLLM's chunks are a few levels deep).
+    """
+    try:
+        data = orjson.dumps(chunk)
+    except orjson.JSONEncodeError as exc:
+        raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
+    return bytes(buffer[: event.start]) + b"data: " + data + buffer[event.end :]

@@ -1,0 +1,853 @@
+"""Hostile input (issue #7): the validators, the SSE injector and the app, fuzzed with hypothesis.
+
+Nothing crashes, nothing hangs: a validator returns a decision or raises ``ProxyError`` 400; a
+flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the
+one choice event that carries the vector) or with an OpenAI-shaped error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.proxy import create_app
+from vllm_hidden_state_proxy.proxy.completions import prompt_list
+from vllm_hidden_state_proxy.proxy.embeddings_request import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DEFAULT_TEMPLATE,
+    plan_embeddings,
+)
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.flag import (
+    FLAG,
+    FORMAT,
+    FORMATS,
+    INFO,
+    KV,
+    OWN_KEYS,
+    XARGS,
+    Flagged,
+    Forward,
+    check_reserved_key,
+    flagged_request_body,
+    inspect_body,
+    needs_inspection,
+    with_kv_fields,
+)
+from vllm_hidden_state_proxy.proxy.sse import (
+    ChoiceEvent,
+    FirstChoiceScanner,
+    StreamEnded,
+    replace_event,
+)
+from vllm_hidden_state_proxy.ring import Record
+
+from .fakes import FakeVLLM, completion, error_of, forwarded_key, running, settings_for
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+WIRE_KEY = "0123456789abcdef0123456789abcdef"
+HIDDEN = 4
+
+#: Pure functions: many examples, each a few microseconds.
+FAST = settings(max_examples=400, deadline=None)
+#: Whole app per example (lifespan, client): fewer.
+APP = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1),  # orjson's range (see below)
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+#: What a client might put where the proxy expects a bool / a format name / an object.
+any_value = st.one_of(
+    st.just(True),
+    st.just(False),
+    st.sampled_from([*FORMATS, "FLOAT", "", "float16", "base64 "]),
+    json_values,
+)
+kv_values = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            FLAG: any_value,
+            FORMAT: any_value,
+            INFO: any_value,
+            "do_remote_prefill": any_value,
+            "last_hidden_state": any_value,
+        },
+    ),
+    json_values,
+)
+xargs_values = st.one_of(
+    st.fixed_dictionaries({}, optional={XARGS_KEY: json_values, "other": json_values}),
+    json_values,
+)
+token_ids = st.lists(st.integers(min_value=-5, max_value=1 << 20), max_size=4)
+prompts = st.one_of(
+    st.text(max_size=8),
+    token_ids,
+    st.lists(st.text(max_size=4), max_size=4),
+    st.lists(token_ids, max_size=4),
+    st.lists(st.one_of(st.text(max_size=4), token_ids, json_values), max_size=4),
+    json_values,
+)
+random_documents = st.fixed_dictionaries(
+    {},
+    optional={
+        KV: kv_values,
+        XARGS: xargs_values,
+        "stream": any_value,
+        "n": any_value,
+        "prompt": prompts,
+        "prompt_embeds": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4)), json_values),
+        "use_beam_search": any_value,
+        "messages": json_values,
+        "model": json_values,
+    },
+)
+
+
+def mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``valid`` three times in four, anything the rest of the time."""
+    return st.one_of(valid, valid, valid, any_value)
+
+
+#: Close to a valid flagged request, so that the deeper checks are reached too.
+near_flagged_documents = st.fixed_dictionaries(
+    {
+        KV: st.fixed_dictionaries(
+            {FLAG: mostly(st.just(True))},
+            optional={
+                FORMAT: st.sampled_from(FORMATS),
+                INFO: st.booleans(),
+                "other": json_values,
+            },
+        )
+    },
+    optional={
+        XARGS: st.dictionaries(st.text(max_size=5), json_values, max_size=2),
+        "stream": st.booleans(),
+        "n": any_value,
+        "prompt": prompts,
+        "prompt_embeds": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4)), json_values),
+        "use_beam_search": st.booleans(),
+        "messages": json_values,
+    },
+)
+documents = st.one_of(random_documents, near_flagged_documents)
+
+
+def _escape_names(text: str) -> str:
+    """Spell the names the proxy looks for with JSON escapes (a byte search cannot see them)."""
+    for name in (FLAG, KV, XARGS, XARGS_KEY):
+        text = text.replace(f'"{name}"', '"' + "".join(f"\\u{ord(c):04x}" for c in name) + '"')
+    return text
+
+
+ENCODERS: dict[str, Callable[[Any], bytes]] = {
+    "orjson": orjson.dumps,
+    "ascii": lambda doc: json.dumps(doc).encode("ascii"),
+    "pretty": lambda doc: json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8"),
+    "utf-16": lambda doc: json.dumps(doc).encode("utf-16"),
+    "utf-32-be": lambda doc: json.dumps(doc).encode("utf-32-be"),
+    "utf-8-bom": lambda doc: b"\xef\xbb\xbf" + orjson.dumps(doc),
+    "escaped-names": lambda doc: _escape_names(json.dumps(doc)).encode("ascii"),
+}
+
+#: Token soup: mostly-JSON fragments around the names the proxy cares about.
+_FRAGMENTS = [
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b":",
+    b",",
+    b" ",
+    b"true",
+    b"false",
+    b"null",
+    b"1",
+    b"1e400",
+    b"NaN",
+    b"-Infinity",
+    b"18446744073709551616",
+    b'"float"',
+    b'"base64"',
+    b'"\\ud800"',
+    b'"\\u0000"',
+    b'"\xff"',
+    b"\x00",
+    f'"{KV}"'.encode(),
+    f'"{FLAG}"'.encode(),
+    f'"{FORMAT}"'.encode(),
+    f'"{INFO}"'.encode(),
+    f'"{XARGS}"'.encode(),
+    f'"{XARGS_KEY}"'.encode(),
+    b'"return_last_hidden_stat\\u0065"',
+    b'"stream"',
+    b'"use_beam_search"',
+    b'"prompt"',
+]
+token_soup = st.lists(st.sampled_from(_FRAGMENTS), max_size=40).map(b"".join)
+FLAGGED_PREFIX = b'{"kv_transfer_params": {"return_last_hidden_state": true}, "x": '
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_openai_error(error: ProxyError, status: int) -> None:
+    assert error.status == status
+    body = orjson.loads(error.body())
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert body["error"]["param"] is None or isinstance(body["error"]["param"], str)
+
+
+def vllm_view(body: bytes) -> Any:
+    """The body as vLLM's parser (Python's json) reads it; ``None`` if it cannot."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def assert_no_proxy_keys(document: Any) -> None:
+    """What vLLM receives never carries the proxy's own keys nor a client-set reserved key."""
+    if not isinstance(document, dict):
+        return
+    kv = document.get(KV)
+    if isinstance(kv, dict):
+        assert not any(key in kv for key in OWN_KEYS), kv
+    xargs = document.get(XARGS)
+    if isinstance(xargs, dict):
+        assert XARGS_KEY not in xargs, xargs
+
+
+def injected_key(request: httpx.Request) -> bytes | None:
+    """The key the proxy put into a forwarded request, if any."""
+    sent = vllm_view(request.content)
+    if isinstance(sent, dict) and isinstance(sent.get(XARGS), dict):
+        return key_from_wire(sent[XARGS].get(XARGS_KEY))
+    return None
+
+
+def check_inspect(body: bytes) -> Forward | Flagged | ProxyError:
+    """``inspect_body`` returns a decision or raises ProxyError 400 (nothing else), and what
+    would be sent to vLLM is clean."""
+    try:
+        decision = inspect_body(body)
+    except ProxyError as error:
+        assert_openai_error(error, 400)
+        return error
+    if isinstance(decision, Forward):
+        assert_no_proxy_keys(vllm_view(decision.body))
+        if decision.body is not body:  # rewritten (flag off): still a JSON object for vLLM
+            assert isinstance(vllm_view(decision.body), dict)
+        return decision
+    assert isinstance(decision, Flagged)
+    assert decision.options.format in FORMATS
+    assert isinstance(decision.options.info, bool)
+    assert_no_proxy_keys(decision.document)
+    stream = decision.document.get("stream")
+    assert stream is None or isinstance(stream, bool)
+    assert decision.document.get("use_beam_search") is not True
+    wire = vllm_view(flagged_request_body(decision.document, WIRE_KEY))
+    assert isinstance(wire, dict)
+    assert wire[XARGS][XARGS_KEY] == WIRE_KEY
+    assert not any(key in (wire.get(KV) or {}) for key in OWN_KEYS)
+    return decision
+
+
+def expected_outcome(document: dict[str, Any]) -> str:
+    """What the proxy should decide for a (parsed) document: an independent statement of the
+    rules in flag.py."""
+    xargs = document.get(XARGS)
+    if xargs is not None and (not isinstance(xargs, dict) or XARGS_KEY in xargs):
+        return "400"
+    kv = document.get(KV)
+    if kv is None:
+        return "forward"
+    if not isinstance(kv, dict):
+        return "400"
+    if not any(key in kv for key in OWN_KEYS):
+        return "forward"
+    flag, fmt, info = kv.get(FLAG, False), kv.get(FORMAT, "float"), kv.get(INFO, False)
+    if not isinstance(flag, bool) or fmt not in FORMATS or not isinstance(info, bool):
+        return "400"
+    if not flag:
+        return "forward"
+    stream = document.get("stream")
+    if (stream is not None and not isinstance(stream, bool)) or document.get(
+        "use_beam_search"
+    ) is True:
+        return "400"
+    return "flagged"
+
+
+# ---------------------------------------------------------------------------------------------
+# flag.py: inspect_body, check_reserved_key
+# ---------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(body=st.one_of(st.binary(max_size=300), token_soup))
+@example(body=FLAGGED_PREFIX + b"[" * 1000 + b"]" * 1000 + b"}")  # deeper than json.dumps goes
+@example(body=FLAGGED_PREFIX.replace(b"true", b"false") + b"[" * 1000 + b"]" * 1000 + b"}")
+@example(body=FLAGGED_PREFIX + b"1e400}")
+@example(body=FLAGGED_PREFIX + b"NaN}")
+@example(body=FLAGGED_PREFIX + b"18446744073709551616}")
+def test_inspect_body_on_arbitrary_bytes(body: bytes) -> None:
+    event(type(check_inspect(body)).__name__)
+    error = check_reserved_key(body)
+    if error is not None:
+        assert_openai_error(error, 400)
+
+
+@FAST
+@given(document=documents, encoder=st.sampled_from(sorted(ENCODERS)))
+def test_inspect_body_on_generated_documents(document: dict[str, Any], encoder: str) -> None:
+    body = ENCODERS[encoder](document)
+    outcome = check_inspect(body)
+    seen = json.loads(body)  # what vLLM would read
+    if not needs_inspection(body):
+        assert isinstance(outcome, Forward) and outcome.body is body
+        assert expected_outcome(seen) in ("forward", "400")  # nothing the proxy must act on
+        assert_no_proxy_keys(seen)
+        return
+    kind = {Forward: "forward", Flagged: "flagged", ProxyError: "400"}[type(outcome)]
+    event(kind)
+    assert kind == expected_outcome(seen), (seen, outcome)
+    if isinstance(outcome, Flagged):
+        assert outcome.options.format == seen[KV].get(FORMAT, "float")
+        assert outcome.options.info == seen[KV].get(INFO, False)
+        rest = {k: v for k, v in seen[KV].items() if k not in OWN_KEYS}
+        assert outcome.document.get(KV, {}) == rest
+
+
+@FAST
+@given(
+    before=st.binary(max_size=40),
+    middle=st.binary(max_size=40),
+    after=st.binary(max_size=40),
+    marker=st.sampled_from([FLAG, XARGS_KEY, "\\u", "last_hidden_state_format"]),
+)
+def test_inspect_body_with_markers_in_garbage(
+    before: bytes, middle: bytes, after: bytes, marker: str
+) -> None:
+    body = before + marker.encode() + middle + marker.encode() + after
+    check_inspect(body)
+    error = check_reserved_key(body)
+    if error is not None:
+        assert_openai_error(error, 400)
+
+
+# ---------------------------------------------------------------------------------------------
+# completions.prompt_list, embeddings_request.plan_embeddings
+# ---------------------------------------------------------------------------------------------
+
+
+prompt_lists = st.one_of(
+    st.lists(st.text(max_size=4), min_size=1, max_size=4),
+    st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=4),
+)
+
+
+@FAST
+@given(
+    document=st.one_of(
+        documents,
+        st.fixed_dictionaries({"prompt": prompt_lists}, optional={"stream": st.booleans()}),
+    )
+)
+def test_prompt_list_is_400_or_a_valid_list(document: dict[str, Any]) -> None:
+    try:
+        prompts = prompt_list(document)
+    except ProxyError as error:
+        assert_openai_error(error, 400)
+        event("400")
+        return
+    event("single" if prompts is None else "list")
+    if prompts is None:
+        prompt = document.get("prompt")
+        assert prompt is None or isinstance(prompt, (str, list))
+        return
+    assert prompts == document["prompt"] and len(prompts) >= 1
+    assert document.get("stream") is not True
+    if isinstance(prompts[0], str):
+        assert all(isinstance(p, str) for p in prompts)
+    else:
+        for ids in prompts:
+            assert isinstance(ids, list) and ids
+            assert all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+
+embedding_inputs = st.one_of(
+    st.text(max_size=6),
+    st.lists(st.text(max_size=6), max_size=5),
+    token_ids,
+    st.lists(token_ids, max_size=5),
+    st.lists(st.one_of(st.text(max_size=3), token_ids, st.integers()), max_size=4),
+    json_values,
+)
+embedding_documents = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": embedding_inputs,
+        "messages": json_values,
+        "model": any_value,
+        "encoding_format": any_value,
+        "normalize": any_value,
+        "dimensions": st.one_of(st.integers(-3, 10), any_value),
+        "instruction": st.one_of(st.just("Q: {text}"), any_value),
+        "add_generation_prompt": any_value,
+        "continue_final_message": any_value,
+        "chat_template_kwargs": any_value,
+    },
+)
+near_valid_embedding_documents = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.text(max_size=3),
+        "encoding_format": st.sampled_from(FORMATS),
+        "normalize": st.booleans(),
+        "dimensions": st.integers(1, 8),
+        "add_generation_prompt": st.booleans(),
+        "chat_template_kwargs": st.dictionaries(st.text(max_size=3), json_values),
+    },
+).flatmap(
+    lambda document: st.one_of(
+        st.builds(lambda i: {**document, "input": i}, embedding_inputs),
+        st.builds(lambda m: {**document, "messages": m}, st.lists(json_values, min_size=1)),
+    )
+)
+
+
+@FAST
+@given(
+    document=st.one_of(embedding_documents, near_valid_embedding_documents),
+    max_inputs=st.integers(1, 6),
+)
+def test_plan_embeddings_is_400_or_a_valid_plan(document: dict[str, Any], max_inputs: int) -> None:
+    try:
+        plan = plan_embeddings(document, DEFAULT_TEMPLATE, max_inputs)
+    except ProxyError as error:
+        assert_openai_error(error, 400)
+        event("400")
+        return
+    event(f"plan: {plan.field}")
+    assert plan.encoding_format in FORMATS
+    assert isinstance(plan.normalize, bool)
+    assert plan.dimensions is None or (type(plan.dimensions) is int and plan.dimensions > 0)
+    assert 1 <= len(plan.calls) <= max_inputs
+    assert plan.field in ("input", "messages")
+    for path, body in plan.calls:
+        assert path in (CHAT_PATH, COMPLETIONS_PATH)
+        assert isinstance(vllm_view(flagged_request_body(body, WIRE_KEY)), dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# sse.py: scanning is independent of chunking; the rewrite touches one event only
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunk_event(choices: Any, **extra: Any) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "chunk", "choices": choices, **extra})
+
+
+def _deep(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+#: A choice event nested deeper (300) than orjson writes (255), not deeper than it reads (1024).
+DEEP_CHOICE = b"data: " + json.dumps({"choices": [_deep(300)]}).encode()
+
+choice_events = st.builds(
+    _chunk_event,
+    st.lists(
+        st.fixed_dictionaries({"index": st.integers(0, 3), "delta": json_values}),
+        min_size=1,
+        max_size=2,
+    ),
+)
+sse_events = st.one_of(
+    choice_events,
+    choice_events,
+    st.builds(_chunk_event, st.just([])),  # usage chunk
+    st.builds(lambda c: _chunk_event(c, kv_transfer_params=5), json_values),
+    st.sampled_from(
+        [
+            b"data: [DONE]",
+            b"data:[DONE]",
+            b"data:  [DONE] ",
+            b": keep-alive",
+            b"event: message\nid: 7",
+            b"retry: 10",
+            b"data",
+            b"data:",
+            b'data: {"choices": [1]',  # truncated JSON
+            b'data: {"choices":\ndata: [{"index": 0}]}',  # JSON across two data lines
+            b'data: {"choices": [null], "kv_transfer_params": {"a": 1}}',
+            b'data: {"choices": "x"}',
+            b'data: {"choices": {"0": 1}}',
+            b'data: {"error": {"message": "bad", "code": 400}}',
+            b'data: {"choices": [0], "n": 18446744073709551616}',
+            b'data: {"choices": [0], "s": "\\ud800"}',
+            b'data: {"choices": [0], "x": NaN}',
+            DEEP_CHOICE,  # orjson parses it but cannot write it back
+            b"data: " + b"[" * 2000 + b"]" * 2000,
+        ]
+    ),
+    st.binary(max_size=30),
+    st.text(max_size=20).map(lambda t: b"data: " + t.encode()),
+)
+separators = st.one_of(
+    st.just(b"\n\n"),  # vLLM's
+    st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r", b"\n", b"\r\n", b"\n\r\n", b""]),
+)
+sse_streams = st.lists(st.tuples(sse_events, separators), max_size=8).map(
+    lambda parts: b"".join(event + sep for event, sep in parts)
+)
+
+
+#: A stream with a well-formed choice event somewhere (what vLLM sends, among other things).
+streams_with_a_choice = st.builds(
+    lambda before, choice, after: before + choice + b"\n\n" + after,
+    sse_streams,
+    choice_events,
+    sse_streams,
+)
+
+
+def pieces(stream: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    return [stream[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def scan_incrementally(chunks: list[bytes]) -> ChoiceEvent | StreamEnded | None:
+    scanner = FirstChoiceScanner()
+    buffer = bytearray()
+    for chunk in chunks:
+        buffer += chunk
+        found = scanner.scan(buffer)
+        if found is not None:
+            return found
+    return None
+
+
+@FAST
+@given(stream=sse_streams, cuts=st.lists(st.integers(0, 4000), max_size=12))
+def test_scanner_result_does_not_depend_on_chunking(stream: bytes, cuts: list[int]) -> None:
+    whole = FirstChoiceScanner().scan(stream)
+    event(type(whole).__name__)
+    assert scan_incrementally(pieces(stream, cuts)) == whole
+    if len(stream) <= 2000:  # one byte at a time rescans the pending event: quadratic
+        one_byte = scan_incrementally([stream[i : i + 1] for i in range(len(stream))])
+        assert one_byte == whole
+
+
+@FAST
+@given(
+    stream=st.one_of(sse_streams, streams_with_a_choice),
+    fields=st.dictionaries(st.text(max_size=5), json_values, max_size=3),
+)
+def test_replace_event_rewrites_only_the_choice_event(
+    stream: bytes, fields: dict[str, Any]
+) -> None:
+    found = FirstChoiceScanner().scan(stream)
+    if not isinstance(found, ChoiceEvent):
+        return
+    new_chunk = with_kv_fields(found.chunk, fields)
+    try:
+        out = replace_event(stream, found, new_chunk)
+    except ProxyError as error:  # a chunk too deeply nested to re-encode
+        assert_openai_error(error, 502)
+        return
+    assert out.startswith(stream[: found.start])
+    assert out.endswith(stream[found.end :])
+    middle = out[found.start : len(out) - (len(stream) - found.end)]
+    assert middle.startswith(b"data: ") and b"\n" not in middle and b"\r" not in middle
+    assert orjson.loads(middle[len(b"data: ") :]) == orjson.loads(orjson.dumps(new_chunk))
+    again = FirstChoiceScanner().scan(out)  # still the first choice event, at the same place
+    assert isinstance(again, ChoiceEvent) and again.start == found.start
+
+
+# ---------------------------------------------------------------------------------------------
+# The app: flagged streams from a misbehaving upstream
+# ---------------------------------------------------------------------------------------------
+
+
+def _vector(key: bytes) -> list[float]:
+    return [float(b) for b in key[:HIDDEN]]
+
+
+@dataclass
+class PublishedRing:
+    """A VectorSource whose records the fake vLLM publishes (real ``Record`` objects)."""
+
+    records: dict[bytes, Record] = field(default_factory=dict)
+
+    def publish(self, key: bytes) -> None:
+        vector = struct.pack(f"<{HIDDEN}f", *_vector(key))
+        self.records[key] = Record(key, vector, HIDDEN, 4, 5, "m")
+
+    def has_ring(self) -> bool:
+        return True
+
+    def lookup(self, key: bytes) -> Record | None:
+        return self.records.get(key)
+
+    def publish_count(self) -> int:
+        return len(self.records)
+
+    def min_slot_count(self) -> int | None:
+        return 1 << 20
+
+    def hidden_size(self) -> int | None:
+        return HIDDEN
+
+    def close(self) -> None:
+        pass
+
+
+@asynccontextmanager
+async def serving(vllm: FakeVLLM, ring: PublishedRing) -> AsyncIterator[httpx.AsyncClient]:
+    """The proxy app (lifespan running) in front of ``vllm``, with an in-process client."""
+    settings = settings_for("/unused", vector_timeout=0.2)
+    async with running(create_app(settings, vllm.transport, ring=ring)) as client:
+        yield client
+
+
+def expected_stream(upstream: bytes, key: bytes) -> tuple[int, bytes | None]:
+    """(status, body) the proxy should answer for a flagged stream of ``upstream``'s bytes."""
+    found = FirstChoiceScanner().scan(upstream)
+    if not isinstance(found, ChoiceEvent):
+        return 200, upstream
+    fields = {"last_hidden_state": _vector(key)}
+    try:
+        return 200, replace_event(upstream, found, with_kv_fields(found.chunk, fields))
+    except ProxyError as error:
+        return error.status, None
+
+
+def streaming_upstream(ring: PublishedRing, chunks: list[bytes]) -> FakeVLLM:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        ring.publish(forwarded_key(request))
+
+        async def produce() -> AsyncIterator[bytes]:
+            for chunk in chunks:
+                yield chunk
+                await anyio.sleep(0)
+
+        headers = {"content-type": "text/event-stream; charset=utf-8"}
+        return httpx.Response(200, headers=headers, content=produce())
+
+    return FakeVLLM(handle)
+
+
+FLAGGED_STREAM = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    KV: {FLAG: True},
+}
+
+
+@APP
+@given(
+    upstream=st.one_of(sse_streams, streams_with_a_choice, st.binary(max_size=400)),
+    cuts=st.lists(st.integers(0, 4000), max_size=10),
+)
+@example(upstream=DEEP_CHOICE + b"\n\n" + b"data: [DONE]\n\n", cuts=[9])
+async def test_flagged_stream_from_a_misbehaving_upstream(upstream: bytes, cuts: list[int]) -> None:
+    ring = PublishedRing()
+    vllm = streaming_upstream(ring, pieces(upstream, cuts))
+    with anyio.fail_after(10):
+        async with serving(vllm, ring) as client:
+            response = await client.post(CHAT, json=FLAGGED_STREAM)
+    status, body = expected_stream(upstream, forwarded_key(vllm.requests[0]))
+    event(f"{status}, {type(FirstChoiceScanner().scan(upstream)).__name__}")
+    assert response.status_code == status, response.content[:300]
+    if body is not None:
+        assert response.content == body
+        assert response.headers["content-type"].startswith("text/event-stream")
+    else:
+        error_of(response)
+
+
+@APP
+@given(
+    answer=st.one_of(
+        json_values.map(orjson.dumps),
+        st.builds(completion, st.dictionaries(st.text(max_size=5), json_values)).map(orjson.dumps),
+        st.binary(max_size=200),
+    ),
+    content_type=st.sampled_from(["application/json", "text/plain", "text/event-stream"]),
+)
+async def test_flagged_json_from_a_misbehaving_upstream(answer: bytes, content_type: str) -> None:
+    """A 200 that is not a JSON object: 502 (or, sent as a stream, relayed as one)."""
+    ring = PublishedRing()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        ring.publish(forwarded_key(request))
+        return httpx.Response(200, headers={"content-type": content_type}, content=answer)
+
+    vllm = FakeVLLM(handle)
+    body = {**FLAGGED_STREAM, "stream": False}
+    with anyio.fail_after(10):
+        async with serving(vllm, ring) as client:
+            response = await client.post(CHAT, json=body)
+    key = forwarded_key(vllm.requests[0])
+    if content_type == "text/event-stream":
+        status, expected = expected_stream(answer, key)
+        assert (response.status_code, response.content) == (status, expected)
+        return
+    if not isinstance(orjson_view(answer), dict):
+        assert response.status_code == 502
+        error_of(response)
+        return
+    assert response.status_code == 200
+    joined = response.json()
+    assert joined[KV]["last_hidden_state"] == _vector(key)
+
+
+def orjson_view(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+@APP
+@given(
+    body=st.one_of(
+        st.binary(max_size=300),
+        token_soup,
+        documents.map(orjson.dumps),
+        near_valid_embedding_documents.map(orjson.dumps),
+    )
+)
+async def test_any_body_gets_a_decision_through_the_app(body: bytes) -> None:
+    """Through the app: a 4xx in the OpenAI shape, or forwarded (the fake vLLM answers 200 JSON,
+    publishing the vector); never a 5xx, never an exception."""
+    ring = PublishedRing()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = injected_key(request)
+        if key is not None:
+            ring.publish(key)
+        return httpx.Response(200, json=completion())
+
+    vllm = FakeVLLM(handle)
+    with anyio.fail_after(10):
+        async with serving(vllm, ring) as client:
+            for path in (CHAT, "/v1/completions", "/v1/embeddings", "/v1/responses"):
+                response = await client.post(path, content=body)
+                event(f"{path}: {response.status_code}")
+                if response.status_code != 200:
+                    assert 400 <= response.status_code < 500, response.content[:300]
+                    error_of(response)
+    for request in vllm.requests:
+        sent = vllm_view(request.content)
+        xargs = sent.get(XARGS) if isinstance(sent, dict) else None
+        if request.url.path == "/v1/responses":  # the proxy adds no key there...
+            assert not (isinstance(xargs, dict) and XARGS_KEY in xargs)
+            continue  # ...and guards only the reserved key
+        if isinstance(xargs, dict) and XARGS_KEY in xargs:  # the proxy's own, fresh key
+            wire = xargs.pop(XARGS_KEY)
+            assert key_from_wire(wire) is not None and wire.encode() not in body
+        assert_no_proxy_keys(sent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions (plain tests: hypothesis raises the recursion limit while it runs an example)
+# ---------------------------------------------------------------------------------------------
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("flag", [b"true", b"false"])
+def test_body_nested_deeper_than_json_dumps_goes_is_400(flag: bytes) -> None:
+    """orjson parses 1024 levels; re-encoding 1000 of them fell back to json.dumps, whose
+    RecursionError escaped as a 500. Now: 400."""
+    body = b'{"kv_transfer_params": {"return_last_hidden_state": ' + flag + b'}, "x": '
+    with pytest.raises(ProxyError) as caught:
+        inspect_body(body + nested(1000) + b"}")
+    assert_openai_error(caught.value, 400)
+    assert "nested" in caught.value.message
+    # The limit is on nesting, not on brackets: many shallow ones (or ones in strings) are fine.
+    wide = body + b"[" + b"[], " * 2000 + b'"' + b"[" * 2000 + b'"]}'
+    assert isinstance(inspect_body(wide), (Flagged, Forward))
+    assert isinstance(inspect_body(body + nested(511) + b"}"), (Flagged, Forward))
+
+
+async def test_deep_bodies_through_the_app_are_400() -> None:
+    ring = PublishedRing()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        ring.publish(forwarded_key(request))
+        return httpx.Response(200, json=completion())
+
+    vllm = FakeVLLM(handle)
+    flagged = b'{"kv_transfer_params": {"return_last_hidden_state": true}, "messages": '
+    deep_messages = b'{"messages": [{"role": "user", "content": ' + nested(1000) + b"}]}"
+    async with serving(vllm, ring) as client:
+        chat = await client.post(CHAT, content=flagged + nested(1000) + b"}")
+        embeddings = await client.post("/v1/embeddings", content=deep_messages)
+    for response in (chat, embeddings):
+        assert response.status_code == 400, response.text
+        assert "nested" in error_of(response)["message"]
+    assert error_of(embeddings)["param"] == "messages"
+    assert vllm.requests == []
+
+
+async def test_choice_chunk_too_deep_to_re_encode_is_502() -> None:
+    """vLLM never streams such a chunk; one that does used to crash the exchange (500)."""
+    ring = PublishedRing()
+    vllm = streaming_upstream(ring, [DEEP_CHOICE + b"\n\n", b"data: [DONE]\n\n"])
+    async with serving(vllm, ring) as client:
+        response = await client.post(CHAT, json=FLAGGED_STREAM)
+    assert response.status_code == 502
+    assert "re-encode" in error_of(response)["message"]
