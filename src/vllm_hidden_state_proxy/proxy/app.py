@@ -17,7 +17,7 @@ from vllm_hidden_state_proxy.proxy.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough import PassthroughApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.upstream import create_client, create_ops_client
+from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
 from vllm_hidden_state_proxy.proxy.vectors import VectorSource
 from vllm_hidden_state_proxy.ring import RingDirectory
 
@@ -45,7 +45,7 @@ def create_app(
             state.vectors = RingDirectory(settings.ring_dir, expected_uid=settings.ring_owner_uids)
         else:
             state.vectors = ring
-        state.http = create_client(settings, transport)
+        state.http = create_transport(settings, transport)
         state.ops_http = create_ops_client(settings, transport)
         try:
             yield

@@ -24,7 +24,7 @@ async def open_upstream(state: ProxyState, request: httpx.Request) -> httpx.Resp
     response (``close_quietly``).
     """
     try:
-        return await state.client.send(request, stream=True)
+        return await state.client.handle_async_request(request)
     except httpx.TransportError as exc:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, exc) from exc

@@ -22,6 +22,7 @@ def server_config(
         http="httptools",
         lifespan="on",
         access_log=False,
+        proxy_headers=False,  # the proxy never looks at the client address
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         # vLLM's own Date/Server headers pass through; uvicorn must not add second copies.

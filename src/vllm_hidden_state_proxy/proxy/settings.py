@@ -77,6 +77,16 @@ class ProxySettings:
             raise ValueError("request_timeout must be > 0 or None")
 
     @property
+    def timeouts(self) -> dict[str, float | None]:
+        """httpx's per-request timeout extension for requests to vLLM."""
+        return {
+            "connect": self.connect_timeout,
+            "read": self.request_timeout,
+            "write": self.request_timeout,
+            "pool": None,  # wait for a free connection; clients time out on their own
+        }
+
+    @property
     def upstream_base(self) -> str:
         """``upstream_url`` without a trailing slash, ready for ``base + path``."""
         return self.upstream_url.rstrip("/")

@@ -15,12 +15,12 @@ from vllm_hidden_state_proxy.proxy.vectors import VectorSource
 class ProxyState:
     settings: ProxySettings
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
-    http: httpx.AsyncClient | None = None
+    http: httpx.AsyncBaseTransport | None = None
     ops_http: httpx.AsyncClient | None = None
     vectors: VectorSource | None = None
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> httpx.AsyncBaseTransport:
         if self.http is None:
             raise RuntimeError("proxy not started: run the app's lifespan first")
         return self.http
