@@ -44,13 +44,11 @@ def upstream_request_headers(
     it is sent whenever the body is non-empty or the client declared a body.
     """
     items = [(k.lower(), v) for k, v in client_headers]
+    names = {k for k, _ in items}
     drop = _REQUEST_DROP | drop
-    declared_body = False
-    for name, _ in items:
-        if name == b"connection":
-            drop = drop | _connection_tokens(items)
-        elif name == b"content-length" or name == b"transfer-encoding":
-            declared_body = True
+    if b"connection" in names:  # once: per Connection header it was quadratic (a DoS)
+        drop = drop | _connection_tokens(items)
+    declared_body = b"content-length" in names or b"transfer-encoding" in names
     headers: RawHeaders = [(k, v) for k, v in items if k not in drop]
     if body_length or declared_body:
         headers.append((b"content-length", str(body_length).encode("ascii")))

@@ -1,0 +1,710 @@
+"""HTTP-level abuse (issue #7), through the real server: uvicorn with the production options
+(``server_config``: uvloop, httptools), talked to over raw sockets.
+
+The upstream is a fake vLLM behind ``httpx.MockTransport`` that publishes into a real ring, so
+no second server is needed. uvicorn answers malformed HTTP itself (400, connection closed);
+what the proxy answers itself is a 4xx in the OpenAI shape. Nothing here may produce a 5xx, an
+"Exception in ASGI application", or a hang; the server keeps serving afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.proxy import create_app
+from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
+from vllm_hidden_state_proxy.proxy.server import server_config
+from vllm_hidden_state_proxy.ring import RingWriter
+
+from .fakes import HIDDEN_SIZE, FakeVLLM, completion, settings_for, vector_bytes, vector_for
+
+LIMIT = 256 * 1024
+CHAT = b"/v1/chat/completions"
+FLAG = b'"kv_transfer_params": {"return_last_hidden_state": true}'
+BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+FLAGGED = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], ' + FLAG + b"}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------
+
+
+def injected_key(request: httpx.Request) -> bytes | None:
+    try:
+        sent = json.loads(request.content)
+    except (ValueError, RecursionError):
+        return None
+    xargs = sent.get("vllm_xargs") if isinstance(sent, dict) else None
+    return key_from_wire(xargs.get(XARGS_KEY)) if isinstance(xargs, dict) else None
+
+
+class ErrorLog(logging.Handler):
+    """Collects uvicorn's ERROR records ("Exception in ASGI application", ...)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@dataclass
+class Served:
+    port: int
+    upstream: list[httpx.Request]
+    errors: ErrorLog
+    seen_before: int = 0
+    errors_before: int = 0
+
+    @property
+    def new_upstream(self) -> list[httpx.Request]:
+        return self.upstream[self.seen_before :]
+
+
+def fake_vllm(writer: RingWriter, seen: list[httpx.Request]) -> FakeVLLM:
+    """Answers like vLLM with the worker hook: publishes the vector for the proxy's key; 400
+    for a generation body that is not a JSON object; SSE for ``stream: true``."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/hop-by-hop":
+            headers = {"connection": "x-up", "x-up": "1", "keep-alive": "timeout=5", "x-ok": "1"}
+            return httpx.Response(200, headers={**headers, "proxy-authenticate": "Basic"})
+        if not request.url.path.startswith("/v1/"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.method != "POST" or request.url.path == "/v1/responses":
+            return httpx.Response(200, json={"object": "list", "data": []})
+        try:
+            document = json.loads(request.content)
+        except (ValueError, RecursionError):
+            document = None
+        if not isinstance(document, dict):
+            return httpx.Response(400, json={"error": {"message": "bad JSON", "code": 400}})
+        key = injected_key(request)
+        if key is not None:
+            writer.publish(key, vector_bytes(vector_for(key)), position=4, num_prompt_tokens=5)
+        if document.get("stream") is True:
+            chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+            events = [b"data: " + orjson.dumps(chunk) + b"\n\n", b"data: [DONE]\n\n"]
+
+            async def produce() -> AsyncIterator[bytes]:
+                for event in events:
+                    yield event
+
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, content=produce()
+            )
+        return httpx.Response(200, json=completion())
+
+    return FakeVLLM(handle)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    ring_dir = tmp_path_factory.mktemp("rings")
+    writer = RingWriter.create(
+        ring_dir, writer_id="dp0", hidden_size=HIDDEN_SIZE, model="m", slot_count=64
+    )
+    seen: list[httpx.Request] = []
+    settings = settings_for(str(ring_dir), max_body_bytes=LIMIT, vector_timeout=2.0)
+    config = server_config(settings, "127.0.0.1", 0, log_level="warning")
+    config.app = create_app(settings, fake_vllm(writer, seen).transport)  # real RingDirectory
+    errors = ErrorLog()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not userver.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    try:
+        yield Served(sock.getsockname()[1], seen, errors)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+        userver.should_exit = True
+        thread.join(15)
+        sock.close()
+        writer.close()
+
+
+@pytest.fixture
+def served(server: Served) -> Iterator[Served]:
+    """The module's server; after the test: no uvicorn error was logged."""
+    server.seen_before = len(server.upstream)
+    server.errors_before = len(server.errors.records)
+    yield server
+    new = server.errors.records[server.errors_before :]
+    assert not new, [record.getMessage() for record in new]
+
+
+# ---------------------------------------------------------------------------------------------
+# a raw HTTP/1.1 client
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+    def openai_error(self) -> dict[str, Any]:
+        assert self.header(b"content-type") == b"application/json", self
+        document = json.loads(self.body)
+        assert set(document) == {"error"}
+        error: dict[str, Any] = document["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == self.status and error["message"]
+        return error
+
+
+@dataclass
+class Raw:
+    """One connection: send bytes as they are, read whole replies (content-length, chunked, or
+    up to the close). Every read times out: a hang fails the test."""
+
+    port: int
+    timeout: float = 10.0
+    sock: socket.socket = field(init=False)
+    buffer: bytes = b""
+    eof: bool = False
+
+    def __post_init__(self) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+
+    def send(self, data: bytes) -> Raw:
+        self.sock.sendall(data)
+        return self
+
+    def _fill(self) -> bool:
+        if self.eof:
+            return False
+        try:
+            chunk = self.sock.recv(1 << 16)
+        except ConnectionResetError:
+            chunk = b""
+        self.eof = not chunk
+        self.buffer += chunk
+        return bool(chunk)
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buffer) < n and self._fill():
+            pass
+        taken, self.buffer = self.buffer[:n], self.buffer[n:]
+        return taken
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buffer:
+            if not self._fill():
+                raise AssertionError(f"connection closed mid-line: {self.buffer!r}")
+        line, self.buffer = self.buffer.split(b"\r\n", 1)
+        return line
+
+    def reply(self) -> Reply | None:
+        """The next reply (1xx included), or ``None`` if the server closed without one."""
+        while b"\r\n\r\n" not in self.buffer:
+            if not self._fill():
+                assert not self.buffer, f"closed mid-reply: {self.buffer!r}"
+                return None
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.split(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 "), status_line
+        status = int(status_line.split()[1])
+        headers = [(k.strip().lower(), v.strip()) for k, v in (h.split(b":", 1) for h in lines)]
+        reply = Reply(status, headers, b"")
+        if status < 200:
+            return reply
+        length = reply.header(b"content-length")
+        if length is not None:
+            reply.body = self._take(int(length))
+            assert len(reply.body) == int(length), "truncated body"
+        elif reply.header(b"transfer-encoding") == b"chunked":
+            while size := int(self._line().split(b";")[0], 16):
+                reply.body += self._take(size)
+                assert self._take(2) == b"\r\n"
+            while self._line():  # trailers
+                pass
+        else:
+            while self._fill():
+                pass
+            reply.body, self.buffer = self.buffer, b""
+        return reply
+
+    def final_reply(self) -> Reply:
+        reply = self.reply()
+        while reply is not None and reply.status < 200:
+            reply = self.reply()
+        assert reply is not None, "closed without a reply"
+        return reply
+
+    def closed(self) -> bool:
+        """True if the server closes the connection (waits up to the timeout)."""
+        while self._fill():
+            pass
+        return self.eof
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def request(
+    body: bytes = BODY,
+    *,
+    path: bytes = CHAT,
+    method: bytes = b"POST",
+    headers: bytes = b"",
+    length: bool = True,
+) -> bytes:
+    """A request as raw bytes; ``headers`` are extra raw header lines (each ending in CRLF)."""
+    framing = b"Content-Length: %d\r\n" % len(body) if length else b""
+    return (
+        method + b" " + path + b" HTTP/1.1\r\nHost: proxy\r\n" + headers + framing + b"\r\n" + body
+    )
+
+
+def chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def exchange(port: int, data: bytes) -> Reply:
+    raw = Raw(port).send(data)
+    try:
+        return raw.final_reply()
+    finally:
+        raw.close()
+
+
+def assert_vector_answer(reply: Reply, served: Served) -> None:
+    assert reply.status == 200, reply
+    key = injected_key(served.new_upstream[-1])
+    assert key is not None
+    kv = json.loads(reply.body)["kv_transfer_params"]
+    assert kv["last_hidden_state"] == vector_for(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# baseline
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ordinary_and_flagged_requests_are_served(served: Served) -> None:
+    assert exchange(served.port, request(BODY)).status == 200
+    assert_vector_answer(exchange(served.port, request(FLAGGED)), served)
+    stream = FLAGGED.replace(b'"model"', b'"stream": true, "model"')
+    reply = exchange(served.port, request(stream))
+    assert reply.status == 200 and reply.header(b"content-type") == b"text/event-stream"
+    first = json.loads(reply.body.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert "last_hidden_state" in first["kv_transfer_params"]
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed framing: uvicorn answers 400 and closes; nothing reaches vLLM
+# ---------------------------------------------------------------------------------------------
+
+_CL = b"Content-Length: %d\r\n" % len(FLAGGED)
+MALFORMED = {
+    "content-length-and-chunked": request(
+        chunked(FLAGGED), headers=_CL + b"Transfer-Encoding: chunked\r\n", length=False
+    ),
+    "chunked-and-content-length": request(
+        chunked(FLAGGED), headers=b"Transfer-Encoding: chunked\r\n" + _CL, length=False
+    ),
+    "two-content-lengths": request(FLAGGED, headers=b"Content-Length: 5\r\n"),
+    "two-equal-content-lengths": request(FLAGGED, headers=_CL),
+    "content-length-list": request(
+        FLAGGED, headers=b"Content-Length: %d, %d\r\n" % (len(FLAGGED), len(FLAGGED)), length=False
+    ),
+    "negative-content-length": request(FLAGGED, headers=b"Content-Length: -1\r\n", length=False),
+    "signed-content-length": request(
+        FLAGGED, headers=b"Content-Length: +%d\r\n" % len(FLAGGED), length=False
+    ),
+    "content-length-overflow": request(
+        FLAGGED, headers=b"Content-Length: " + b"9" * 30 + b"\r\n", length=False
+    ),
+    "chunked-not-last": request(
+        chunked(FLAGGED), headers=b"Transfer-Encoding: chunked, identity\r\n", length=False
+    ),
+    "unknown-transfer-coding": request(
+        FLAGGED, headers=b"Transfer-Encoding: xchunked\r\n", length=False
+    ),
+    "bad-chunk-size": request(
+        b"zz\r\n" + FLAGGED + b"\r\n0\r\n\r\n",
+        headers=b"Transfer-Encoding: chunked\r\n",
+        length=False,
+    ),
+    "bare-lf": request(FLAGGED).replace(b"\r\n", b"\n"),
+    "bare-cr-in-value": request(FLAGGED, headers=b"X-A: a\rb\r\n"),
+    "nul-in-value": request(FLAGGED, headers=b"X-A: a\x00b\r\n"),
+    "obsolete-line-folding": request(FLAGGED, headers=b"X-A: a\r\n b\r\n"),
+    "space-before-colon": request(FLAGGED, headers=b"X-A : b\r\n"),
+    "non-ascii-path": request(FLAGGED, path=b"/v1/chat/\xff\xfe"),
+    "url-500k": request(FLAGGED, path=CHAT + b"?" + b"a" * 500_000),
+    "tls-client-hello": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(100),
+    "http2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(30),
+}
+
+
+@pytest.mark.parametrize("data", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_malformed_http_is_refused_by_the_server(served: Served, data: bytes) -> None:
+    raw = Raw(served.port).send(data)
+    try:
+        reply = raw.reply()
+        assert reply is None or reply.status == 400, reply
+        assert raw.closed()
+    finally:
+        raw.close()
+    assert served.new_upstream == []
+
+
+# ---------------------------------------------------------------------------------------------
+# big headers (no limit in uvicorn's httptools protocol: they are passed on, not a 5xx)
+# ---------------------------------------------------------------------------------------------
+
+
+MANY_CONNECTION_HEADERS = b"".join(
+    b"Connection: x-h%d\r\nX-H%d: v\r\n" % (i, i) for i in range(8000)
+)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"X-Big: " + b"a" * 100_000 + b"\r\n",
+        b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)),
+        MANY_CONNECTION_HEADERS,
+    ],
+    ids=["one-100KB-header", "10k-headers", "8k-connection-headers"],
+)
+def test_huge_headers_do_not_break_anything(served: Served, headers: bytes) -> None:
+    reply = exchange(served.port, request(FLAGGED, headers=headers))
+    assert reply.status < 500, reply
+    if reply.status == 200:
+        assert_vector_answer(reply, served)
+    if headers is MANY_CONNECTION_HEADERS:  # each X-H<i> is named by a Connection header
+        forwarded = {k.lower() for k, _ in served.new_upstream[-1].headers.raw}
+        assert not any(name.startswith(b"x-h") for name in forwarded)
+
+
+def test_many_connection_headers_cost_linear_time() -> None:
+    """Regression: the Connection tokens were recomputed per Connection header, over all
+    headers: 8000 of them (260 KB) blocked the event loop for ~40 s."""
+    headers = []
+    for i in range(20_000):
+        headers += [(b"connection", b"x-h%d" % i), (b"x-h%d" % i, b"v")]
+    started = time.perf_counter()
+    kept = upstream_request_headers([*headers, (b"x-kept", b"1")], 0)
+    assert time.perf_counter() - started < 1.0
+    assert kept == [(b"x-kept", b"1")]
+
+
+def test_many_idle_connections_do_not_starve_a_request(served: Served) -> None:
+    idle = [Raw(served.port).send(b"POST /v1/chat/completions HTTP/1.1\r\nHo") for _ in range(200)]
+    try:
+        assert exchange(served.port, request(BODY)).status == 200
+    finally:
+        for raw in idle:
+            raw.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies over the limit: 413 in the OpenAI shape, from the proxy
+# ---------------------------------------------------------------------------------------------
+
+GENERATION_PATHS = [CHAT, b"/v1/completions", b"/v1/embeddings", b"/v1/responses"]
+
+
+@pytest.mark.parametrize("path", GENERATION_PATHS, ids=lambda p: p.decode())
+def test_declared_length_over_the_limit_is_413_before_the_body(served: Served, path: bytes) -> None:
+    raw = Raw(served.port, timeout=5).send(
+        b"POST " + path + b" HTTP/1.1\r\nHost: proxy\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1)
+    )
+    try:
+        reply = raw.final_reply()  # no body sent: the proxy must not wait for it
+    finally:
+        raw.close()
+    assert reply.status == 413
+    assert str(LIMIT) in reply.openai_error()["message"]
+    assert served.new_upstream == []
+
+
+def test_expect_100_continue_over_the_limit_gets_413_not_100(served: Served) -> None:
+    raw = Raw(served.port, timeout=5).send(
+        request(
+            b"",
+            headers=b"Expect: 100-continue\r\nContent-Length: %d\r\n" % (LIMIT * 4),
+            length=False,
+        )
+    )
+    try:
+        reply = raw.reply()
+    finally:
+        raw.close()
+    assert reply is not None and reply.status == 413
+    reply.openai_error()
+
+
+@pytest.mark.parametrize("path", GENERATION_PATHS, ids=lambda p: p.decode())
+def test_chunked_body_over_the_limit_is_413(served: Served, path: bytes) -> None:
+    body = b'{"messages": "' + b"x" * LIMIT + b'", ' + FLAG + b"}"
+    data = request(
+        chunked(body, 8192), path=path, headers=b"Transfer-Encoding: chunked\r\n", length=False
+    )
+    reply = exchange(served.port, data)
+    assert reply.status == 413
+    reply.openai_error()
+    assert served.new_upstream == []
+
+
+def test_pipelined_requests_around_a_413_are_all_answered_in_order(served: Served) -> None:
+    big = b"x" * (LIMIT + 10)
+    data = (
+        request(BODY)
+        + request(big)
+        + request(FLAGGED)
+        + request(BODY, headers=b"Connection: close\r\n")
+    )
+    raw = Raw(served.port).send(data)
+    try:
+        statuses = [raw.final_reply().status for _ in range(4)]
+        assert raw.closed()
+    finally:
+        raw.close()
+    assert statuses == [200, 413, 200, 200]
+    assert len(served.new_upstream) == 3
+
+
+def test_content_length_smaller_than_the_body(served: Served) -> None:
+    """The body is cut at the declared length (that request goes on as what it declared); the
+    rest is parsed as the next request, which is garbage: 400 from uvicorn."""
+    data = request(FLAGGED, headers=b"Content-Length: 10\r\n", length=False)
+    raw = Raw(served.port).send(data)
+    try:
+        first = raw.final_reply()
+        second = raw.reply()
+    finally:
+        raw.close()
+    assert first.status < 500 and (second is None or second.status == 400)
+    assert all(request.content == FLAGGED[:10] for request in served.new_upstream)
+
+
+def test_content_length_larger_than_the_body_then_eof(served: Served) -> None:
+    """The client gives up mid-body: no answer, no upstream request, no error."""
+    raw = Raw(served.port, timeout=5).send(
+        request(FLAGGED, headers=b"Content-Length: 5000\r\n", length=False)
+    )
+    raw.sock.shutdown(socket.SHUT_WR)
+    try:
+        assert raw.reply() is None
+    finally:
+        raw.close()
+    time.sleep(0.1)
+    assert served.new_upstream == []
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies the proxy refuses: 400 in the OpenAI shape; vLLM sees nothing
+# ---------------------------------------------------------------------------------------------
+
+RESERVED = b'"vllm_xargs": {"' + XARGS_KEY.encode() + b'": "0123456789abcdef0123456789abcdef"}'
+REFUSED = {
+    "invalid-utf8": (CHAT, b'{"x": "\xff\xfe\xc0\xaf", ' + FLAG + b"}", None),
+    "nesting-100k": (CHAT, b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b", " + FLAG + b"}", None),
+    "nesting-1000": (CHAT, b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b", " + FLAG + b"}", None),
+    "nesting-1000-flag-off": (
+        b"/v1/completions",
+        b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b', "kv_transfer_params": '
+        b'{"return_last_hidden_state": false}}',
+        None,
+    ),
+    "embeddings-messages-nesting-1000": (
+        b"/v1/embeddings",
+        b'{"messages": [{"role": "user", "content": ' + b"[" * 1000 + b"]" * 1000 + b"}]}",
+        "messages",
+    ),
+    "reserved-key-chat": (CHAT, b'{"messages": [], ' + RESERVED + b"}", "vllm_xargs"),
+    "reserved-key-flagged": (CHAT, b"{" + FLAG + b", " + RESERVED + b"}", "vllm_xargs"),
+    "reserved-key-completions": (
+        b"/v1/completions",
+        b'{"prompt": "x", ' + RESERVED + b"}",
+        "vllm_xargs",
+    ),
+    "reserved-key-other-path": (
+        b"/v1/responses",
+        b'{"input": "x", ' + RESERVED + b"}",
+        "vllm_xargs",
+    ),
+    "reserved-key-utf16": (
+        b"/v1/completions",
+        ('{"prompt": "x", ' + RESERVED.decode() + "}").encode("utf-16"),
+        "vllm_xargs",
+    ),
+    "reserved-key-escaped": (
+        CHAT,
+        b'{"vllm_xargs": {"hidden_state_proxy\\u005fkey": "00"}}',
+        "vllm_xargs",
+    ),
+    "flag-not-bool": (
+        CHAT,
+        b'{"kv_transfer_params": {"return_last_hidden_state": "yes"}}',
+        "kv_transfer_params.return_last_hidden_state",
+    ),
+}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), list(REFUSED.values()), ids=list(REFUSED))
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_refused_bodies_are_400_in_openai_shape(
+    served: Served, path: bytes, body: bytes, param: str | None, framing: str
+) -> None:
+    if framing == "chunked":
+        data = request(
+            chunked(body, 4096), path=path, headers=b"Transfer-Encoding: chunked\r\n", length=False
+        )
+    else:
+        data = request(body, path=path)
+    reply = exchange(served.port, data)
+    assert reply.status == 400, reply
+    error = reply.openai_error()
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert served.new_upstream == []
+
+
+def test_deep_unflagged_body_is_left_to_vllm(served: Served) -> None:
+    """Without the flag the proxy does not parse the body: it goes to vLLM byte for byte."""
+    body = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    reply = exchange(served.port, request(body))
+    assert reply.status == 400  # the fake vLLM's own answer (json.loads gives up)
+    assert json.loads(reply.body)["error"]["message"] == "bad JSON"
+    assert [r.content for r in served.new_upstream] == [body]
+
+
+# ---------------------------------------------------------------------------------------------
+# hop-by-hop headers
+# ---------------------------------------------------------------------------------------------
+
+HOP_HEADERS = (
+    b"Connection: x-secret, keep-alive\r\n"
+    b"Connection: X-Other\r\n"
+    b"x-secret: 1\r\n"
+    b"X-Other: 2\r\n"
+    b"Keep-Alive: timeout=100\r\n"
+    b"TE: trailers\r\n"
+    b"Proxy-Authorization: Basic c2VjcmV0\r\n"
+    b"Upgrade: h2c\r\n"
+    b"X-Kept: 3\r\n"
+)
+HOP_NAMES = {
+    b"connection",
+    b"x-secret",
+    b"x-other",
+    b"keep-alive",
+    b"te",
+    b"proxy-authorization",
+    b"upgrade",
+    b"transfer-encoding",
+}
+
+
+@pytest.mark.parametrize("body", [BODY, FLAGGED], ids=["ordinary", "flagged"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_hop_by_hop_headers_do_not_reach_vllm(served: Served, body: bytes, framing: str) -> None:
+    if framing == "chunked":
+        data = request(
+            chunked(body, 7), headers=HOP_HEADERS + b"Transfer-Encoding: chunked\r\n", length=False
+        )
+    else:
+        data = request(body, headers=HOP_HEADERS)
+    reply = exchange(served.port, data)
+    assert reply.status == 200, reply
+    (forwarded,) = served.new_upstream
+    names = {k.lower() for k, _ in forwarded.headers.raw}
+    assert not names & HOP_NAMES, names
+    assert forwarded.headers["x-kept"] == "3"
+    assert forwarded.headers["host"] == "vllm.test:8000"
+    assert int(forwarded.headers["content-length"]) == len(forwarded.content)
+    if body is BODY:
+        assert forwarded.content == body
+
+
+def test_hop_by_hop_headers_from_vllm_do_not_reach_the_client(served: Served) -> None:
+    reply = exchange(served.port, request(b"", method=b"GET", path=b"/v1/hop-by-hop", length=False))
+    assert reply.status == 200
+    names = {k for k, _ in reply.headers}
+    assert b"x-ok" in names
+    assert not names & {b"x-up", b"keep-alive", b"proxy-authenticate"}, names
+
+
+# ---------------------------------------------------------------------------------------------
+# upgrades
+# ---------------------------------------------------------------------------------------------
+
+
+def test_websocket_handshake_is_refused(served: Served) -> None:
+    """The proxy has no websocket route: uvicorn refuses the handshake (403)."""
+    ws = b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    ws += b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    reply = exchange(
+        served.port, request(b"", method=b"GET", path=b"/v1/realtime", headers=ws, length=False)
+    )
+    assert 400 <= reply.status < 500
+    assert served.new_upstream == []
+
+
+@pytest.mark.xfail(
+    raises=TimeoutError,
+    strict=True,
+    reason="uvicorn's websockets protocol (ws='auto' in server_config) never answers a "
+    "websocket upgrade that carries a body; ws='none' answers it as plain HTTP",
+)
+def test_websocket_upgrade_with_a_body_is_answered(served: Served) -> None:
+    ws = b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    ws += b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    raw = Raw(served.port, timeout=2).send(request(FLAGGED, headers=ws))
+    try:
+        assert raw.reply() is not None or raw.closed()
+    finally:
+        raw.close()
+
+
+def test_unsupported_upgrade_with_a_body(served: Served) -> None:
+    """uvicorn drops the body of a request asking for an upgrade it does not support (h2c):
+    the proxy sees an empty body, vLLM refuses it. Never a vector-less 200."""
+    headers = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk\r\n"
+    reply = exchange(served.port, request(FLAGGED, headers=headers))
+    assert reply.status < 500
+    if reply.status == 200:
+        assert_vector_answer(reply, served)
+    for forwarded in served.new_upstream:
+        assert b"return_last_hidden_state" not in forwarded.content
+
+
+# ---------------------------------------------------------------------------------------------
+# and after all of it
+# ---------------------------------------------------------------------------------------------
+
+
+def test_zz_still_serving_after_all_of_it(served: Served) -> None:
+    test_ordinary_and_flagged_requests_are_served(served)
+    assert served.errors.records == [], [r.getMessage() for r in served.errors.records]
