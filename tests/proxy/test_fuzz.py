@@ -851,3 +851,39 @@ async def test_choice_chunk_too_deep_to_re_encode_is_502() -> None:
         response = await client.post(CHAT, json=FLAGGED_STREAM)
     assert response.status_code == 502
     assert "re-encode" in error_of(response)["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A misbehaving upstream: crashes left in files outside this change (flagged.py,
+# completions.py). vLLM never answers like this; these document what a fix must do.
+# ---------------------------------------------------------------------------------------------
+
+HOSTILE_ANSWERS = {
+    # orjson reads it, cannot write it back: send_joined's orjson.dumps raises (flagged.py)
+    "deep-json-200": (CHAT, b'{"choices": [], "x": ' + nested(300) + b"}"),
+    # merge_completions: int("abc") (completions.py)
+    "usage-not-a-number": (
+        "/v1/completions",
+        orjson.dumps({**completion(), "usage": {"prompt_tokens": "abc"}}),
+    ),
+    # merge_completions: iterates 5 (completions.py)
+    "choices-not-a-list": ("/v1/completions", orjson.dumps({**completion(), "choices": 5})),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="the exchange raises (a 500) instead of answering 502")
+@pytest.mark.parametrize(
+    ("path", "answer"), list(HOSTILE_ANSWERS.values()), ids=list(HOSTILE_ANSWERS)
+)
+async def test_hostile_json_answer_is_502(path: str, answer: bytes) -> None:
+    ring = PublishedRing()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        ring.publish(forwarded_key(request))
+        return httpx.Response(200, headers={"content-type": "application/json"}, content=answer)
+
+    body = {"prompt": ["a", "b"], KV: {FLAG: True}} if path != CHAT else FLAGGED_STREAM
+    async with serving(FakeVLLM(handle), ring) as client:
+        response = await client.post(path, json={**body, "stream": False})
+    assert response.status_code == 502
+    error_of(response)

@@ -708,3 +708,38 @@ def test_unsupported_upgrade_with_a_body(served: Served) -> None:
 def test_zz_still_serving_after_all_of_it(served: Served) -> None:
     test_ordinary_and_flagged_requests_are_served(served)
     assert served.errors.records == [], [r.getMessage() for r in served.errors.records]
+
+
+# ---------------------------------------------------------------------------------------------
+# request targets: wherever a flagged request lands, never a 200 without its vector
+# ---------------------------------------------------------------------------------------------
+
+TARGETS = [
+    b"POST http://evil.test/v1/chat/completions",  # absolute form: the host is ignored
+    b"POST /v1/chat/%63ompletions",  # decoded the same way by the proxy and by vLLM
+    b"POST /v1/chat/completions?stream=true",
+    b"POST /v1/chat/completions#fragment",
+    b"POST /v1/chat/completions/",
+    b"POST /v1//chat/completions",
+    b"POST /v1/chat/completions;x",
+    b"POST /v1/chat/completions%2f",
+    b"POST /v1/chat/completions%00",
+    b"POST /V1/chat/completions",
+    b"PUT /v1/chat/completions",
+    b"GET /v1/chat/completions",
+    b"PATCH /v1/embeddings",
+    b"OPTIONS *",
+    b"CONNECT vllm.test:8000",
+]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.decode() for t in TARGETS])
+def test_flagged_request_at_odd_targets(served: Served, target: bytes) -> None:
+    method, path = target.split(b" ")
+    reply = exchange(served.port, request(FLAGGED, method=method, path=path))
+    assert reply.status < 500, reply
+    if reply.status == 200:
+        assert_vector_answer(reply, served)
+    for forwarded in served.new_upstream:
+        assert forwarded.url.host == "vllm.test"
+        assert b"return_last_hidden_state" not in forwarded.content
