@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import os
 import socket
 import struct
@@ -32,6 +33,7 @@ from vllm_hidden_state_proxy.bench.procs import (
     tree_memory,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.servers import chat_environment
 from vllm_hidden_state_proxy.cli import build_parser
 
 
@@ -59,6 +61,49 @@ def test_smoke_is_tiny_and_skips_the_slow_extras() -> None:
     assert not (options.pooling or options.nginx or options.plot)
 
 
+def test_embeddings_phase_defaults_and_counts() -> None:
+    options = parse()
+    assert options.embedding_batches == (1, 16, 256)
+    # About 4 x --requests inputs per arm and batch size over the 6 rounds, >= 1 request a round.
+    assert [options.embedding_requests(b) for b in (1, 16, 256)] == [134, 9, 1]
+    smoke = parse("--smoke")
+    assert smoke.embedding_batches == (1, 16, 256)  # the smoke run covers the phase too
+    assert [smoke.embedding_requests(b) for b in (1, 16, 256)] == [3, 1, 1]
+    assert parse("--embedding-batches", "4, 32").embedding_batches == (4, 32)
+    assert parse("--no-embeddings").embedding_batches == ()
+
+
+def test_the_api_key_is_kept_out_of_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_hidden_state_proxy.bench.main import describe
+
+    monkeypatch.delenv(bench_options.API_KEY_ENV, raising=False)
+    assert parse().api_key is None
+    options = parse("--api-key", "s3cret-key")
+    assert options.api_key == "s3cret-key"
+    assert "s3cret" not in repr(options)
+    assert options.public()["api_key"] == "(set)" and parse().public()["api_key"] is None
+    assert "s3cret" not in json.dumps(describe(options))
+    assert describe(options)["options"]["output_dir"] == "bench-results"
+
+
+def test_the_api_key_defaults_to_the_proxys_own_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_hidden_state_proxy.cli import API_KEY_ENV
+
+    assert bench_options.API_KEY_ENV == API_KEY_ENV
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert parse().api_key == "from-env"
+    assert parse("--api-key", "given").api_key == "given"
+
+
+def test_the_started_proxy_gets_the_benchs_key_and_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(bench_options.API_KEY_ENV, "stray")
+    assert bench_options.API_KEY_ENV not in chat_environment(None)
+    env = chat_environment("k")
+    assert env[bench_options.API_KEY_ENV] == "k" and env["HF_HUB_OFFLINE"] == "1"
+
+
 def test_target_mode_starts_no_pooling_server_unless_given_one() -> None:
     target = ("--proxy-url", "http://a:1", "--vllm-url", "http://b:2")
     assert not parse(*target).pooling
@@ -74,6 +119,10 @@ def test_target_mode_starts_no_pooling_server_unless_given_one() -> None:
         ("--concurrency", "1,x"),
         ("--concurrency", "0,4"),
         ("--stream-tokens", "1"),
+        ("--embedding-batches", "16,0"),
+        ("--embedding-batches", "many"),
+        ("--api-key", ""),
+        ("--api-key", "  "),
     ],
 )
 def test_bad_options_are_refused(argv: tuple[str, ...]) -> None:

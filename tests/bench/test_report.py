@@ -11,6 +11,8 @@ from vllm_hidden_state_proxy.bench.report import render_markdown, table, write_r
 from vllm_hidden_state_proxy.bench.results import (
     BenchResults,
     CpuCost,
+    EmbeddingsArm,
+    EmbeddingsPoint,
     LatencyArm,
     Memory,
     PoolingArm,
@@ -19,6 +21,7 @@ from vllm_hidden_state_proxy.bench.results import (
     TargetCheck,
     ThroughputArm,
     ThroughputPoint,
+    paired_embeddings_ratio,
     paired_ratio,
 )
 from vllm_hidden_state_proxy.bench.stats import Summary, summarize
@@ -31,6 +34,23 @@ def flat(value: float, n: int = 10) -> Summary:
 
 def point(concurrency: int, rps: float) -> ThroughputPoint:
     return ThroughputPoint(concurrency, 100, 100 / rps, rps, flat(10.0), [rps, rps, rps])
+
+
+def embeddings_point(batch: int, ips: float, rounds: list[float]) -> EmbeddingsPoint:
+    requests = 1200 // batch
+    return EmbeddingsPoint(
+        batch, requests, 1200, 1200 / ips, ips, ips / batch, flat(1e3 * batch / ips), rounds
+    )
+
+
+def embeddings_arms() -> tuple[EmbeddingsArm, EmbeddingsArm]:
+    proxy = EmbeddingsArm("embeddings_proxy", "/v1/embeddings", hidden_size=128)
+    direct = EmbeddingsArm("embeddings_direct", "the same chats to vLLM")
+    for batch, ours, theirs in ((1, 50.0, 80.0), (16, 120.0, 150.0), (256, 140.0, 160.0)):
+        proxy.points.append(embeddings_point(batch, ours, [ours] * 3))
+        proxy.points[-1].proxy_cpu_ms_per_input = 2.0 if batch == 1 else 1.25
+        direct.points.append(embeddings_point(batch, theirs, [theirs] * 3))
+    return proxy, direct
 
 
 def sample_results() -> BenchResults:
@@ -53,11 +73,18 @@ def sample_results() -> BenchResults:
                    pss_mib=2500.0, prompts_compared=8, cosine_min=0.9999999, cosine_mean=1.0,
                    norm_ratio_mean=1.0, prompt_tokens_match=True, startup_seconds=30.0)
     )  # fmt: skip
+    for arm in embeddings_arms():
+        results.add(arm)
     results.ring = [
         RingPoint(4096, flat(10.0), flat(15.0), flat(50.0), flat(100.0), flat(17.0)),
     ]
     results.cpu = [CpuCost("direct", 50, 0.01, 9.0), CpuCost("passthrough", 50, 1.5, 9.1)]
-    results.memory = Memory(proxy_rss_idle_mib=45.0, proxy_rss_peak_mib=60.0, vllm_rss_mib=4000.0)
+    results.memory = Memory(
+        proxy_rss_idle_mib=45.0,
+        proxy_rss_peak_mib=60.0,
+        proxy_rss_peak_embeddings_mib=58.5,
+        vllm_rss_mib=4000.0,
+    )
     evaluate(results)
     return results
 
@@ -116,6 +143,7 @@ def test_markdown_has_every_section_and_the_verdicts() -> None:
         "## Latency",
         "## Streaming: 64 tokens",
         "## Throughput",
+        "## Embeddings: /v1/embeddings through the proxy",
         "## Ring microbenchmark",
         "## CPU time per request",
         "## Resident memory (MiB)",
@@ -131,6 +159,47 @@ def test_markdown_has_every_section_and_the_verdicts() -> None:
     assert "| 16 | 200.0 | 196.0 | 180.0 | 0.980 | 0.900 |" in text
     assert "| direct | to vLLM | 10.00 | 10.00 | 10.00 | 10.00 | 10 |" in text
     assert "| passthrough | 1.500 | 9.100 | 50 |" in text
+    assert (
+        "| 16 | 120.0 | 7.50 | 133.33 | 133.33 | 1.250 | 150.0 | 106.67 | 0.800 | 75 / 1200 |"
+        in (text)
+    )
+    assert "| 1 | 50.0 | 50.00 | 20.00 | 20.00 | 2.000 | 80.0 | 12.50 | 0.625 | 1200 / 1200 |" in (
+        text
+    )
+    assert "hidden size 128" in text
+    assert "| proxy, peak during the embeddings phase | 58.5 |  |" in text
+    assert (
+        "| embeddings through the proxy / the same chats to vLLM alone, inputs/s at 256 inputs "
+        "per request (median of rounds) | 0.875 |"
+    ) in text
+
+
+def test_embeddings_ratios_pair_rounds_and_the_memory_target_takes_the_higher_peak() -> None:
+    proxy, direct = embeddings_arms()
+    proxy.points[1].rounds_ips = [100.0, 10.0, 130.0]  # one round slow for the proxy only
+    direct.points[1].rounds_ips = [100.0, 100.0, 100.0, 100.0]  # an extra round: unpaired
+    assert paired_embeddings_ratio(proxy, direct, 16) == pytest.approx(1.0)
+    assert paired_embeddings_ratio(proxy, direct, 4) is None
+    results = sample_results()
+    results.memory.proxy_rss_peak_embeddings_mib = 70.0
+    evaluate(results)
+    check = next(c for c in results.targets if c.label.startswith("proxy resident memory"))
+    assert check.value == 70.0
+    results.memory = Memory()
+    evaluate(results)
+    check = next(c for c in results.targets if c.label.startswith("proxy resident memory"))
+    assert check.value is None
+
+
+def test_an_unsupported_embeddings_phase_says_why() -> None:
+    results = sample_results()
+    results.add(EmbeddingsArm("embeddings_proxy", "e", "unsupported", "the proxy answered 404"))
+    results.add(EmbeddingsArm("embeddings_direct", "d", "skipped", "nothing to compare"))
+    evaluate(results)
+    text = render_markdown(results)
+    section = text.split("## Embeddings: ")[1].split("##")[0]
+    assert section.splitlines()[2] == "unsupported: the proxy answered 404"
+    assert not any(label.startswith("embeddings") for label in results.ratios)
 
 
 def test_table_escapes_pipes_and_has_a_separator_row() -> None:
@@ -155,6 +224,13 @@ def test_json_has_every_arm_with_its_kind_and_the_checks(tmp_path: Path) -> None
     assert arms["stream_proxy"]["kind"] == "streaming"
     assert arms["throughput_flagged"]["points"][1]["requests_per_second"] == 180.0
     assert arms["pooling"]["cosine_min"] == 0.9999999
+    embeddings = arms["embeddings_proxy"]
+    assert embeddings["kind"] == "embeddings" and embeddings["hidden_size"] == 128
+    assert [p["batch_size"] for p in embeddings["points"]] == [1, 16, 256]
+    assert embeddings["points"][2]["inputs_per_second"] == 140.0
+    assert embeddings["points"][2]["proxy_cpu_ms_per_input"] == 1.25
+    assert arms["embeddings_direct"]["points"][0]["proxy_cpu_ms_per_input"] is None
+    assert document["memory"]["proxy_rss_peak_embeddings_mib"] == 58.5
     assert document["ring"][0]["publish_lookup_p50_us"] == 25.0
     assert document["cpu"][1] == {"arm": "passthrough", "requests": 50, "proxy_ms": 1.5,
                                   "vllm_ms": 9.1}  # fmt: skip

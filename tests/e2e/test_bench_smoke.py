@@ -1,45 +1,87 @@
 """``hidden-state-proxy bench --smoke`` against the shared stack: every arm runs and measures.
 
-Target mode (the stack's URLs), tiny counts; no timing thresholds (CI machines are noisy), only
-that each arm produced positive numbers and the report names every target.
+Target mode, tiny counts: the shared stack's vLLM, behind a second proxy process (same ring)
+that requires an API key, so that ``--api-key`` is exercised too. No timing thresholds (CI
+machines are noisy), only that each arm produced positive numbers and the report names every
+target.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_hidden_state_proxy.cli import main
+from vllm_hidden_state_proxy.cli import API_KEY_ENV, main
 
-from .server import RunningStack
+from .server import RunningStack, proxy_process, wait_healthy
 
 LATENCY_ARMS = ("direct", "passthrough", "flagged_float")
 STREAM_ARMS = ("stream_direct", "stream_proxy")
 THROUGHPUT_ARMS = ("throughput_direct", "throughput_passthrough", "throughput_flagged")
 CONCURRENCY = (1, 4, 16, 64)
+EMBEDDING_ARMS = ("embeddings_proxy", "embeddings_direct")
+EMBEDDING_BATCHES = (1, 16, 256)
+BENCH_KEY = "e2e-bench-key"
 
 
 @pytest.fixture(scope="module")
-def report(stack: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    output = tmp_path_factory.mktemp("bench")
-    status = main(
+def keyed_proxy(
+    stack: RunningStack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """A proxy in front of the shared vLLM that wants ``BENCH_KEY``: (its URL, its log)."""
+    log = tmp_path_factory.mktemp("keyed-proxy") / "proxy.log"
+    env = {API_KEY_ENV: BENCH_KEY}
+    with proxy_process(stack.vllm_url, stack.ring_dir, log, env_overrides=env) as (url, process):
+        wait_healthy(url + "/health", process, 30, log)
+        yield url, log
+
+
+def bench(stack: RunningStack, proxy_url: str, output: Path, *extra: str) -> int:
+    return main(
         [
             "bench",
             "--smoke",
             "--proxy-url",
-            stack.proxy_url,
+            proxy_url,
             "--vllm-url",
             stack.vllm_url,
             "--output-dir",
             str(output),
+            *extra,
         ]
     )
-    assert status == 0, stack.log_tail()
-    assert (output / "bench.md").read_text().startswith("# hidden-state-proxy bench")
-    document: dict[str, Any] = json.loads((output / "bench.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def report(
+    stack: RunningStack,
+    keyed_proxy: tuple[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    output = tmp_path_factory.mktemp("bench")
+    url, log = keyed_proxy
+    status = bench(stack, url, output, "--api-key", BENCH_KEY)
+    assert status == 0, f"{stack.log_tail()}\n--- keyed proxy:\n{log.read_text()[-3000:]}"
+    markdown = (output / "bench.md").read_text()
+    assert markdown.startswith("# hidden-state-proxy bench")
+    text = (output / "bench.json").read_text()
+    assert BENCH_KEY not in text and BENCH_KEY not in markdown
+    document: dict[str, Any] = json.loads(text)
     return document
+
+
+def test_without_the_key_the_keyed_proxy_refuses_the_bench(
+    stack: RunningStack,
+    keyed_proxy: tuple[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench(stack, keyed_proxy[0], tmp_path, "--no-embeddings") == 1
+    assert "HTTP 401" in capsys.readouterr().err
 
 
 def positive_summary(summary: dict[str, Any]) -> None:
@@ -81,6 +123,26 @@ def test_throughput_sweep_covers_every_level(report: dict[str, Any]) -> None:
             assert point["requests"] >= point["concurrency"]
             assert point["requests_per_second"] > 0
             positive_summary(point["latency_ms"])
+
+
+def test_embeddings_phase_measures_every_batch_size(report: dict[str, Any]) -> None:
+    for name in EMBEDDING_ARMS:
+        arm = report["arms"][name]
+        assert arm["kind"] == "embeddings" and arm["status"] == "ok", arm
+        assert [p["batch_size"] for p in arm["points"]] == list(EMBEDDING_BATCHES)
+        for point in arm["points"]:
+            assert point["requests"] >= 1
+            assert point["inputs"] == point["requests"] * point["batch_size"]
+            assert point["inputs_per_second"] > 0 and point["requests_per_second"] > 0
+            assert len(point["rounds_ips"]) == 1  # --smoke: one round
+            positive_summary(point["latency_ms"])
+    proxy = report["arms"]["embeddings_proxy"]
+    assert proxy["hidden_size"] > 0
+    for point in proxy["points"]:
+        assert point["proxy_cpu_ms_per_input"] > 0
+    assert report["memory"]["proxy_rss_peak_embeddings_mib"] > 0
+    ratios = [v for k, v in report["ratios"].items() if k.startswith("embeddings through")]
+    assert len(ratios) == len(EMBEDDING_BATCHES) and all(r > 0 for r in ratios)
 
 
 def test_ring_cpu_memory_and_targets(report: dict[str, Any]) -> None:

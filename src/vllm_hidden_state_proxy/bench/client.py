@@ -15,6 +15,8 @@ from typing import Any, Literal
 import httpx
 import orjson
 
+from ..proxy.embeddings_request import DEFAULT_TEMPLATE, PLACEHOLDER
+
 CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
 Flag = Literal["float", "base64"] | None
@@ -89,8 +91,43 @@ def embeddings_body(model: str, index: int) -> bytes:
     )
 
 
-def new_client(base_url: str, connections: int) -> httpx.AsyncClient:
-    """A client whose pool holds ``connections`` keep-alive connections (one per worker)."""
+def embedding_text(index: int) -> str:
+    """Input ``index`` of the embeddings phase: a short text, different for every index."""
+    return f"Passage {index}: a yellow bicycle leans on a stone wall in the morning light."
+
+
+def embedding_inputs_body(model: str, first_index: int, batch: int) -> bytes:
+    """A ``/v1/embeddings`` request to the proxy: ``batch`` distinct texts, float vectors."""
+    texts = [embedding_text(first_index + offset) for offset in range(batch)]
+    return orjson.dumps({"model": model, "input": texts, "encoding_format": "float"})
+
+
+def embedding_chat_body(model: str, index: int, template: str = DEFAULT_TEMPLATE) -> bytes:
+    """The one-token chat the proxy sends vLLM for input ``index`` (with the proxy's default
+    template), unflagged: what vLLM alone does for that input."""
+    content = template.replace(PLACEHOLDER, embedding_text(index))
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_completion_tokens": 1,
+            "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
+        }
+    )
+
+
+def new_client(
+    base_url: str,
+    connections: int,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.AsyncClient:
+    """A client whose pool holds ``connections`` keep-alive connections (one per worker);
+    with ``api_key`` every request carries ``Authorization: Bearer <api_key>``. ``transport``
+    replaces the network (tests)."""
+    headers = {"content-type": "application/json"}
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key}"
     return httpx.AsyncClient(
         base_url=base_url,
         limits=httpx.Limits(
@@ -100,7 +137,8 @@ def new_client(base_url: str, connections: int) -> httpx.AsyncClient:
         ),
         timeout=httpx.Timeout(REQUEST_TIMEOUT),
         trust_env=False,  # loopback only: never through an HTTP proxy from the environment
-        headers={"content-type": "application/json"},
+        headers=headers,
+        transport=transport,
     )
 
 

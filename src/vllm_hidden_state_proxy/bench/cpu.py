@@ -30,7 +30,7 @@ async def measure_cpu(
     costs = []
     task = progress.task("CPU time per request (arms one after the other)", requests * len(routes))
     for route in routes:
-        async with new_client(route.base_url, 1) as client:
+        async with new_client(route.base_url, 1, route.api_key) as client:
             body = chat_body(model, next(indices), flag=route.flag)
             (await timed_post(client, CHAT_PATH, body)).require_ok(route.name)  # connect
             proxy_before = tree_cpu_seconds(proxy_pid) if proxy_pid is not None else None

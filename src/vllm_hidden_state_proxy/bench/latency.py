@@ -48,23 +48,29 @@ class Route:
     description: str
     base_url: str
     flag: Flag = None
+    #: The proxy's API key (routes to the proxy only).
+    api_key: str | None = field(default=None, repr=False)
 
 
-def routes(vllm_url: str, proxy_url: str, nginx_url: str | None) -> list[Route]:
+def routes(
+    vllm_url: str, proxy_url: str, nginx_url: str | None, proxy_key: str | None = None
+) -> list[Route]:
     found = [
         Route(DIRECT, "one-token chat straight to vLLM, unflagged", vllm_url),
-        Route(PASSTHROUGH, "the same through the proxy, unflagged", proxy_url),
+        Route(PASSTHROUGH, "the same through the proxy, unflagged", proxy_url, api_key=proxy_key),
         Route(
             FLAGGED_FLOAT,
             "through the proxy, flagged: vector as a JSON float list",
             proxy_url,
             "float",
+            proxy_key,
         ),
         Route(
             FLAGGED_BASE64,
             "through the proxy, flagged: vector as base64 float32",
             proxy_url,
             "base64",
+            proxy_key,
         ),
     ]
     if nginx_url is not None:
@@ -140,7 +146,7 @@ async def measure_latency(
     keep_vectors: int = 32,
 ) -> LatencyOutcome:
     run = _Run(model, keep_vectors)
-    clients = {route.name: new_client(route.base_url, 1) for route in all_routes}
+    clients = {route.name: new_client(route.base_url, 1, route.api_key) for route in all_routes}
     try:
         active: list[Route] = []
         for route in all_routes:

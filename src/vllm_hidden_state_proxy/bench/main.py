@@ -1,5 +1,6 @@
 """The order of a run: ring microbenchmark (quiet machine) -> the chat stack's arms (latency,
-streaming, throughput, memory) -> stop it -> the pooling server alone -> reports."""
+CPU, streaming, throughput, embeddings, memory) -> stop it -> the pooling server alone ->
+reports."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import httpx
 
 from .client import BenchError
 from .cpu import measure_cpu
+from .embeddings import embeddings_routes, measure_embeddings, skipped_arms
 from .latency import NGINX, LatencyOutcome, measure_latency, routes
 from .nginx import nginx_binary, nginx_proxy
 from .options import BenchOptions, OptionsError, from_args
 from .pooling import measure_pooling, skipped
-from .procs import MIB, PeakRss, listening_pid, rss_bytes, tree_memory
+from .procs import MIB, PeakRss, listening_pid, rss_bytes, tree_cpu_seconds, tree_memory
 from .progress import Progress
 from .report import render_markdown, write_reports
 from .results import BenchResults, LatencyArm
@@ -76,6 +78,7 @@ def describe(options: BenchOptions) -> dict[str, Any]:
         f"{options.requests} requests per latency arm, {options.streams} streams per "
         f"streaming arm, throughput rounds {options.throughput_rounds} at concurrency "
         f"{', '.join(map(str, options.concurrency))}, {options.ring_ops} ring operations"
+        + _embedding_counts(options)
         + (" (smoke)" if options.smoke else "")
     )
     return {
@@ -85,11 +88,17 @@ def describe(options: BenchOptions) -> dict[str, Any]:
         "versions": ", ".join(v for v in versions if v),
         "mode": mode,
         "counts": counts,
-        "options": {
-            key: (str(value) if isinstance(value, Path) else value)
-            for key, value in vars(options).items()
-        },
+        "options": options.public(),
     }
+
+
+def _embedding_counts(options: BenchOptions) -> str:
+    if not options.embedding_batches:
+        return ""
+    per_batch = ", ".join(
+        f"{options.embedding_requests(b)} x {b}" for b in options.embedding_batches
+    )
+    return f", embeddings {options.throughput_rounds} rounds of ({per_batch}) inputs per arm"
 
 
 def served_model(vllm_url: str) -> str:
@@ -129,7 +138,7 @@ def measure_chat(
     with _nginx(options, stack.vllm_url, progress) as nginx_url:
         outcome = run_async(
             measure_latency(
-                routes(stack.vllm_url, stack.proxy_url, nginx_url),
+                routes(stack.vllm_url, stack.proxy_url, nginx_url, options.api_key),
                 stack.model,
                 options.requests,
                 options.warmup,
@@ -142,7 +151,11 @@ def measure_chat(
     supported = {arm.name for arm in outcome.arms if arm.status == "ok"}
     results.cpu = run_async(
         measure_cpu(
-            [r for r in routes(stack.vllm_url, stack.proxy_url, None) if r.name in supported],
+            [
+                r
+                for r in routes(stack.vllm_url, stack.proxy_url, None, options.api_key)
+                if r.name in supported
+            ],
             stack.model,
             options.cpu_requests,
             proxy_pid,
@@ -155,7 +168,7 @@ def measure_chat(
         results.add(LatencyArm(NGINX, "straight to vLLM through nginx", "skipped", reason))
     for stream_arm in run_async(
         measure_streaming(
-            stream_routes(stack.vllm_url, stack.proxy_url),
+            stream_routes(stack.vllm_url, stack.proxy_url, options.api_key),
             stack.model,
             options.streams,
             options.stream_tokens,
@@ -167,7 +180,7 @@ def measure_chat(
     with sampler:
         for load_arm in run_async(
             measure_throughput(
-                load_routes(stack.vllm_url, stack.proxy_url),
+                load_routes(stack.vllm_url, stack.proxy_url, options.api_key),
                 stack.model,
                 options.concurrency,
                 options.throughput_rounds,
@@ -178,11 +191,43 @@ def measure_chat(
             results.add(load_arm)
     if isinstance(sampler, PeakRss):
         results.memory.proxy_rss_peak_mib = sampler.peak_mib
+    measure_embeddings_phase(stack, options, results, progress, proxy_pid)
     memory = tree_memory(vllm_pid) if vllm_pid is not None else None
     if memory is not None:
         results.memory.vllm_rss_mib = memory.rss_mib
         results.memory.vllm_pss_mib = memory.pss_mib
     return outcome
+
+
+def measure_embeddings_phase(
+    stack: ChatStack,
+    options: BenchOptions,
+    results: BenchResults,
+    progress: Progress,
+    proxy_pid: int | None,
+) -> None:
+    """The proxy's ``/v1/embeddings`` against the same chats straight to vLLM."""
+    if not options.embedding_batches:
+        for skipped_arm in skipped_arms("--no-embeddings"):
+            results.add(skipped_arm)
+        return
+    sampler = PeakRss(proxy_pid) if proxy_pid is not None else contextlib.nullcontext()
+    with sampler:
+        arms = run_async(
+            measure_embeddings(
+                embeddings_routes(stack.vllm_url, stack.proxy_url, options.api_key),
+                stack.model,
+                options.embedding_batches,
+                options.throughput_rounds,
+                options.embedding_requests,
+                progress,
+                None if proxy_pid is None else (lambda: tree_cpu_seconds(proxy_pid)),
+            )
+        )
+    for arm in arms:
+        results.add(arm)
+    if isinstance(sampler, PeakRss):
+        results.memory.proxy_rss_peak_embeddings_mib = sampler.peak_mib
 
 
 def _pooling_requests(options: BenchOptions, outcome: LatencyOutcome) -> int:
@@ -246,7 +291,9 @@ def _run_phases(options: BenchOptions, results: BenchResults, progress: Progress
 
     progress.say("building the tiny offline model (cached after the first run)")
     model_dir = build_tiny_model(options.model_dir)
-    with chat_stack(model_dir, options.output_dir, options.startup_timeout, progress) as stack:
+    with chat_stack(
+        model_dir, options.output_dir, options.startup_timeout, progress, options.api_key
+    ) as stack:
         outcome = measure_chat(stack, options, results, progress)
     if not options.pooling:
         results.add(skipped(_pooling_skip_reason(options)))

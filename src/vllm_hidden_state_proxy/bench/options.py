@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_REQUESTS = 200
 DEFAULT_CONCURRENCY = (1, 4, 16, 64)
+#: Inputs per ``/v1/embeddings`` request in the embeddings phase.
+DEFAULT_EMBEDDING_BATCHES = (1, 16, 256)
+#: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
+EMBEDDING_INPUTS_PER_REQUEST = 4
 DEFAULT_STREAM_TOKENS = 64
 DEFAULT_OUTPUT_DIR = Path("bench-results")
 #: --smoke: requests per latency arm, streams per streaming arm, ring operations per size.
@@ -16,6 +21,8 @@ SMOKE_STREAMS = 2
 SMOKE_RING_OPS = 200
 RING_OPS = 3000
 THROUGHPUT_ROUNDS = 6
+#: The proxy's own variable for its key (``cli.API_KEY_ENV``): the default of ``--api-key``.
+API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +68,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="throughput sweep, comma-separated (default %(default)s)",
     )
     parser.add_argument(
+        "--embedding-batches",
+        default=",".join(map(str, DEFAULT_EMBEDDING_BATCHES)),
+        metavar="LIST",
+        help="inputs per /v1/embeddings request in the embeddings phase, comma-separated "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"send 'Authorization: Bearer KEY' to the proxy (never to vLLM or the pooling "
+        f"server); without --proxy-url the bench starts its proxy with this key (default "
+        f"${API_KEY_ENV}, as the proxy's own option)",
+    )
+    parser.add_argument(
         "--stream-tokens",
         type=int,
         default=DEFAULT_STREAM_TOKENS,
@@ -74,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-pooling", action="store_true", help="skip the pooling-server arm")
     parser.add_argument("--no-nginx", action="store_true", help="skip the nginx anchor arm")
+    parser.add_argument(
+        "--no-embeddings", action="store_true", help="skip the /v1/embeddings phase"
+    )
     parser.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
     parser.add_argument(
         "--startup-timeout",
@@ -99,13 +124,18 @@ class BenchOptions:
     streams: int
     stream_tokens: int
     concurrency: tuple[int, ...]
-    #: Rounds of the throughput sweep (each arm runs once per round and level).
+    #: Rounds of the throughput sweep (each arm runs once per round and level); the embeddings
+    #: phase takes as many rounds per batch size.
     throughput_rounds: int
     ring_ops: int
     pooling: bool
     nginx: bool
     plot: bool
     startup_timeout: float
+    #: Inputs per ``/v1/embeddings`` request, one phase point each; empty: no embeddings phase.
+    embedding_batches: tuple[int, ...] = DEFAULT_EMBEDDING_BATCHES
+    #: Sent as ``Authorization: Bearer`` to the proxy only.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def cpu_requests(self) -> int:
@@ -124,21 +154,41 @@ class BenchOptions:
             return max(concurrency, 2)
         return max(2 * concurrency, -(-self.requests // self.throughput_rounds))
 
+    def embedding_requests(self, batch: int) -> int:
+        """``/v1/embeddings`` requests per arm in one round at ``batch`` inputs each: about
+        ``EMBEDDING_INPUTS_PER_REQUEST * requests`` inputs over all rounds, at least one
+        request a round (smoke: about ``requests`` inputs, one round)."""
+        inputs = self.requests if self.smoke else EMBEDDING_INPUTS_PER_REQUEST * self.requests
+        return max(1, -(-inputs // (self.throughput_rounds * batch)))
+
+    def public(self) -> dict[str, object]:
+        """The options for the report: paths as text, the API key never (only whether set)."""
+        found: dict[str, object] = {}
+        for key, value in vars(self).items():
+            if key == "api_key":
+                found[key] = "(set)" if value else None
+            else:
+                found[key] = str(value) if isinstance(value, Path) else value
+        return found
+
 
 class OptionsError(ValueError):
     pass
 
 
-def parse_concurrency(text: str) -> tuple[int, ...]:
+def parse_levels(text: str, option: str = "--concurrency") -> tuple[int, ...]:
+    """A comma-separated list of positive integers (``option`` names it in errors)."""
     try:
         levels = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise OptionsError(
-            f"--concurrency must be comma-separated integers, got {text!r}"
-        ) from None
+        raise OptionsError(f"{option} must be comma-separated integers, got {text!r}") from None
     if not levels or any(level < 1 for level in levels):
-        raise OptionsError(f"--concurrency needs positive integers, got {text!r}")
+        raise OptionsError(f"{option} needs positive integers, got {text!r}")
     return levels
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    return parse_levels(text, "--concurrency")
 
 
 def from_args(args: argparse.Namespace) -> BenchOptions:
@@ -146,6 +196,8 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         raise OptionsError("--proxy-url and --vllm-url go together (the direct arms need vLLM)")
     if args.requests is not None and args.requests < 1:
         raise OptionsError("--requests must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise OptionsError("--api-key must not be empty")
     if args.stream_tokens < 2:
         raise OptionsError("--stream-tokens must be at least 2 (inter-token latency needs two)")
     smoke = bool(args.smoke)
@@ -169,6 +221,12 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         nginx=not smoke and not args.no_nginx,
         plot=not smoke and not args.no_plot,
         startup_timeout=args.startup_timeout,
+        embedding_batches=(
+            ()
+            if args.no_embeddings
+            else parse_levels(args.embedding_batches, "--embedding-batches")
+        ),
+        api_key=args.api_key,
     )
 
 

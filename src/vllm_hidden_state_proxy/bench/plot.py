@@ -1,11 +1,20 @@
-"""bench.png: the latency ratios against their targets, and throughput ratios over the sweep.
-Needs matplotlib (the ``bench`` extra: ``pip install 'vllm-hidden-state-proxy[bench]'``)."""
+"""bench.png: the latency ratios against their targets, throughput ratios over the sweep and,
+when the embeddings phase ran, inputs per second by batch size. Needs matplotlib (the ``bench``
+extra: ``pip install 'vllm-hidden-state-proxy[bench]'``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from .results import BenchResults, ThroughputArm, paired_ratio
+from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
+from .results import (
+    BenchResults,
+    EmbeddingsArm,
+    ThroughputArm,
+    paired_embeddings_ratio,
+    paired_ratio,
+)
 from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
 
 #: Target checks drawn in the left panel (ratios below a limit).
@@ -32,7 +41,10 @@ def draw(results: BenchResults, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     checks = {check.label: check for check in results.targets}
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    embeddings = _embeddings_arms(results)
+    panels = 3 if embeddings is not None else 2
+    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
+    left, right = axes[0], axes[1]
 
     names, values, limits = [], [], []
     for label, short in _LATENCY_LABELS:
@@ -90,9 +102,43 @@ def draw(results: BenchResults, path: Path) -> Path:
         right.set_ylabel("requests/s ratio (median of rounds)")
         right.set_title("Throughput ratios (higher is better)")
         right.legend(fontsize=8)
+    if embeddings is not None:
+        _draw_embeddings(axes[2], *embeddings)
     figure.suptitle(f"hidden-state-proxy bench — {results.meta.get('machine', '')}", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _embeddings_arms(results: BenchResults) -> tuple[EmbeddingsArm, EmbeddingsArm | None] | None:
+    proxy = results.arms.get(EMBEDDINGS_PROXY)
+    if not isinstance(proxy, EmbeddingsArm) or proxy.status != "ok" or not proxy.points:
+        return None
+    direct = results.arms.get(EMBEDDINGS_DIRECT)
+    if not isinstance(direct, EmbeddingsArm) or direct.status != "ok":
+        return proxy, None
+    return proxy, direct
+
+
+def _draw_embeddings(axis: Any, proxy: EmbeddingsArm, direct: EmbeddingsArm | None) -> None:
+    """Grouped bars: inputs/s by batch size, the proxy's and vLLM alone's, ratio on top."""
+    batches = [point.batch_size for point in proxy.points]
+    positions = list(range(len(batches)))
+    width = 0.4
+    ours = [point.inputs_per_second for point in proxy.points]
+    axis.bar([x - width / 2 for x in positions], ours, width, label="/v1/embeddings (proxy)")
+    if direct is not None:
+        theirs = [(p.inputs_per_second if (p := direct.at(b)) else 0.0) for b in batches]
+        axis.bar([x + width / 2 for x in positions], theirs, width, label="same chats, vLLM alone")
+        for x, batch, mine, base in zip(positions, batches, ours, theirs, strict=True):
+            paired = paired_embeddings_ratio(proxy, direct, batch)
+            if paired is not None:  # over the pair: proxy / vLLM alone
+                top = max(mine, base)
+                axis.annotate(f"{paired:.2f}", (x, top), ha="center", va="bottom", fontsize=8)
+    axis.set_xticks(positions, [str(batch) for batch in batches])
+    axis.set_xlabel("inputs per request")
+    axis.set_ylabel("inputs/s (on top: proxy / vLLM alone, median of rounds)")
+    axis.set_title("Embeddings per second (higher is better)")
+    axis.legend(fontsize=8)

@@ -6,14 +6,17 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY, FAN_OUT_LIMIT
 from .results import (
     Arm,
     BenchResults,
+    EmbeddingsArm,
     LatencyArm,
     PoolingArm,
     StreamArm,
     TargetCheck,
     ThroughputArm,
+    paired_embeddings_ratio,
     paired_ratio,
 )
 from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
@@ -179,6 +182,58 @@ def throughput_section(results: BenchResults) -> list[str]:
     ]
 
 
+def embeddings_section(results: BenchResults) -> list[str]:
+    arms = {name: arm for name, arm in results.arms.items() if isinstance(arm, EmbeddingsArm)}
+    proxy, direct = arms.get(EMBEDDINGS_PROXY), arms.get(EMBEDDINGS_DIRECT)
+    if proxy is None:
+        return []
+    title = "## Embeddings: /v1/embeddings through the proxy, one request of N inputs at a time"
+    if proxy.status != "ok":
+        return [title, "", _not_ok(proxy)]
+    rows = []
+    for point in proxy.points:
+        n = point.batch_size
+        d = direct.at(n) if direct else None
+        rows.append(
+            [
+                str(n),
+                number(point.inputs_per_second, 1),
+                number(point.requests_per_second, 2),
+                number(point.latency_ms.p50),
+                number(point.latency_ms.p90),
+                number(point.proxy_cpu_ms_per_input, 3),
+                number(d.inputs_per_second if d else None, 1),
+                number(d.latency_ms.p50 if d else None),
+                number(paired_embeddings_ratio(proxy, direct, n) if direct else None, 3),
+                f"{point.requests} / {point.inputs}",
+            ]
+        )
+    header = [
+        "inputs per request",
+        "inputs/s",
+        "requests/s",
+        "p50 ms",
+        "p90 ms",
+        "proxy CPU ms per input",
+        "same chats straight to vLLM, inputs/s",
+        "vLLM alone p50 ms",
+        "proxy / vLLM alone, inputs/s",
+        "requests / inputs",
+    ]
+    size = f", hidden size {proxy.hidden_size}" if proxy.hidden_size else ""
+    return [
+        title,
+        "",
+        *table(header, rows),
+        "",
+        f"Distinct short texts, float vectors{size}. vLLM alone: the very one-token chats the "
+        f"proxy sends for those inputs, unflagged, at most {FAN_OUT_LIMIT} in flight (the "
+        "proxy's default --fan-out-limit); p50 ms is then the time for all N. The two arms "
+        "take turns in rounds; the ratio is the median over rounds of their rates in the same "
+        "round.",
+    ]
+
+
 def ring_section(results: BenchResults) -> list[str]:
     if not results.ring:
         return []
@@ -226,6 +281,11 @@ def memory_section(results: BenchResults) -> list[str]:
     rows = [
         ["proxy, idle", number(m.proxy_rss_idle_mib, 1), ""],
         ["proxy, peak under load (throughput sweep)", number(m.proxy_rss_peak_mib, 1), ""],
+        [
+            "proxy, peak during the embeddings phase",
+            number(m.proxy_rss_peak_embeddings_mib, 1),
+            "",
+        ],
         ["vLLM chat server (process tree)", number(m.vllm_rss_mib, 1), number(m.vllm_pss_mib, 1)],
     ]
     pooling = next((a for a in results.arms.values() if isinstance(a, PoolingArm)), None)
@@ -294,6 +354,7 @@ def render_markdown(results: BenchResults) -> str:
         latency_section(results),
         streaming_section(results),
         throughput_section(results),
+        embeddings_section(results),
         ring_section(results),
         cpu_section(results),
         memory_section(results),

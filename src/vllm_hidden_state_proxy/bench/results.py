@@ -77,13 +77,67 @@ class ThroughputArm:
         return next((p for p in self.points if p.concurrency == concurrency), None)
 
 
+def median_of_pairs(rates: list[float], baseline_rates: list[float]) -> float | None:
+    """Median over rounds of ``rates[i] / baseline_rates[i]`` (rounds with a rate of 0 in the
+    baseline left out); None when no round pairs up."""
+    pairs = [a / b for a, b in zip(rates, baseline_rates, strict=False) if b > 0]
+    return percentile(pairs, 50) if pairs else None
+
+
 def paired_ratio(arm: ThroughputArm, baseline: ThroughputArm, concurrency: int) -> float | None:
     """Median over rounds of (``arm``'s rate / ``baseline``'s rate in the same round)."""
     mine, theirs = arm.at(concurrency), baseline.at(concurrency)
     if mine is None or theirs is None:
         return None
-    pairs = [a / b for a, b in zip(mine.rounds_rps, theirs.rounds_rps, strict=False) if b > 0]
-    return percentile(pairs, 50) if pairs else None
+    return median_of_pairs(mine.rounds_rps, theirs.rounds_rps)
+
+
+@dataclass
+class EmbeddingsPoint:
+    """One batch size of the embeddings phase: ``requests`` requests of ``batch_size`` inputs
+    each, one request at a time (for the direct arm: ``batch_size`` chats at once, the fan-out
+    the proxy does, as one "request")."""
+
+    batch_size: int
+    requests: int
+    inputs: int
+    seconds: float
+    inputs_per_second: float
+    requests_per_second: float
+    #: Per request (all its inputs answered).
+    latency_ms: Summary
+    #: Inputs per second in each round, in round order.
+    rounds_ips: list[float] = field(default_factory=list)
+    #: The proxy's CPU milliseconds per input (None: not this arm, or not on this machine).
+    proxy_cpu_ms_per_input: float | None = None
+
+
+@dataclass
+class EmbeddingsArm:
+    """Embeddings per second at each batch size: through the proxy's ``/v1/embeddings``, or
+    the same one-token chats straight to vLLM (the baseline)."""
+
+    name: str
+    description: str
+    status: Status = "ok"
+    note: str = ""
+    hidden_size: int | None = None
+    points: list[EmbeddingsPoint] = field(default_factory=list)
+
+    kind: ClassVar[str] = "embeddings"
+
+    def at(self, batch_size: int) -> EmbeddingsPoint | None:
+        return next((p for p in self.points if p.batch_size == batch_size), None)
+
+
+def paired_embeddings_ratio(
+    arm: EmbeddingsArm, baseline: EmbeddingsArm, batch_size: int
+) -> float | None:
+    """Median over rounds of (``arm``'s inputs/s / ``baseline``'s in the same round)."""
+    mine, theirs = arm.at(batch_size), baseline.at(batch_size)
+    if mine is None or theirs is None:
+        return None
+    return median_of_pairs(mine.rounds_ips, theirs.rounds_ips)
 
 
 @dataclass
@@ -108,7 +162,7 @@ class PoolingArm:
     kind: ClassVar[str] = "pooling"
 
 
-Arm = LatencyArm | StreamArm | ThroughputArm | PoolingArm
+Arm = LatencyArm | StreamArm | ThroughputArm | PoolingArm | EmbeddingsArm
 
 
 @dataclass
@@ -145,6 +199,8 @@ class Memory:
 
     proxy_rss_idle_mib: float | None = None
     proxy_rss_peak_mib: float | None = None
+    #: The proxy's peak during the embeddings phase (up to 256 inputs a request).
+    proxy_rss_peak_embeddings_mib: float | None = None
     vllm_rss_mib: float | None = None
     vllm_pss_mib: float | None = None
 

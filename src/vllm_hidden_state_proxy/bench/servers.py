@@ -23,6 +23,7 @@ from ..protocol import HOOK_ENABLED_ENV
 from ..serve import NotHealthy, stop_process_group, wait_until_healthy
 from .client import BenchError
 from .lock import one_vllm_at_a_time
+from .options import API_KEY_ENV
 from .progress import Progress
 
 SERVED_MODEL_NAME = "tiny-chat"
@@ -133,11 +134,26 @@ def _running(
             stop_process_group(process, name, grace=STOP_GRACE)
 
 
+def chat_environment(api_key: str | None) -> dict[str, str]:
+    """``server_environment`` for ``serve``: the proxy's key is ``api_key`` (in the environment,
+    not on the visible command line) or none, whatever the bench's own environment says."""
+    env = server_environment()
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
+    return env
+
+
 @contextlib.contextmanager
 def chat_stack(
-    model_dir: Path, log_dir: Path, timeout: float, progress: Progress
+    model_dir: Path,
+    log_dir: Path,
+    timeout: float,
+    progress: Progress,
+    api_key: str | None = None,
 ) -> Iterator[ChatStack]:
-    """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports."""
+    """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports; with
+    ``api_key`` the proxy requires it."""
     proxy_port, vllm_port = free_port(), free_port()
     command = [
         sys.executable,
@@ -158,7 +174,7 @@ def chat_stack(
     )
     with _running(
         command,
-        server_environment(),
+        chat_environment(api_key),
         log_dir / "serve.log",
         stack.proxy_url + "/health",
         timeout,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .client import StreamTiming, chat_body, new_client, timed_stream
 from .interleave import round_robin
@@ -30,12 +30,14 @@ class StreamRoute:
     name: str
     description: str
     base_url: str
+    #: The proxy's API key (routes to the proxy only).
+    api_key: str | None = field(default=None, repr=False)
 
 
-def stream_routes(vllm_url: str, proxy_url: str) -> list[StreamRoute]:
+def stream_routes(vllm_url: str, proxy_url: str, proxy_key: str | None = None) -> list[StreamRoute]:
     return [
         StreamRoute(STREAM_DIRECT, "streamed chat straight to vLLM, unflagged", vllm_url),
-        StreamRoute(STREAM_PROXY, "the same through the proxy", proxy_url),
+        StreamRoute(STREAM_PROXY, "the same through the proxy", proxy_url, proxy_key),
     ]
 
 
@@ -48,7 +50,7 @@ async def measure_streaming(
     first_index: int = 1_000_000,
 ) -> list[StreamArm]:
     indices = itertools.count(first_index)
-    clients = {route.name: new_client(route.base_url, 1) for route in routes}
+    clients = {route.name: new_client(route.base_url, 1, route.api_key) for route in routes}
     timings: dict[str, list[StreamTiming]] = {route.name: [] for route in routes}
     try:
         for route in routes:  # warm-up, not recorded

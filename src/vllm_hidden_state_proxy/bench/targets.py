@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
 from .latency import DIRECT, FLAGGED_BASE64, FLAGGED_FLOAT, NGINX, PASSTHROUGH
 from .pooling import POOLING
 from .results import (
     BenchResults,
+    EmbeddingsArm,
     PoolingArm,
     StreamArm,
     TargetCheck,
     ThroughputArm,
+    paired_embeddings_ratio,
     paired_ratio,
 )
 from .stats import ratio
@@ -53,6 +56,27 @@ def _throughput_ratio(results: BenchResults, name: str, concurrency: int) -> flo
 def _ring_us(results: BenchResults, hidden_size: int) -> float | None:
     point = next((p for p in results.ring if p.hidden_size == hidden_size), None)
     return None if point is None else point.publish_lookup_p50
+
+
+def _peak_rss(results: BenchResults) -> float | None:
+    """The proxy's peak RSS over the throughput sweep and the embeddings phase."""
+    m = results.memory
+    peaks = [p for p in (m.proxy_rss_peak_mib, m.proxy_rss_peak_embeddings_mib) if p is not None]
+    return max(peaks) if peaks else None
+
+
+def _embeddings_ratios(results: BenchResults) -> dict[str, float | None]:
+    proxy = results.arms.get(EMBEDDINGS_PROXY)
+    direct = results.arms.get(EMBEDDINGS_DIRECT)
+    if not (isinstance(proxy, EmbeddingsArm) and isinstance(direct, EmbeddingsArm)):
+        return {}
+    return {
+        f"embeddings through the proxy / the same chats to vLLM alone, inputs/s at "
+        f"{point.batch_size} inputs per request (median of rounds)": paired_embeddings_ratio(
+            proxy, direct, point.batch_size
+        )
+        for point in proxy.points
+    }
 
 
 def _burst_note(results: BenchResults) -> str:
@@ -111,7 +135,7 @@ def target_checks(results: BenchResults) -> list[TargetCheck]:
         ),
         TargetCheck(
             "proxy resident memory under load (peak RSS)",
-            results.memory.proxy_rss_peak_mib,
+            _peak_rss(results),
             "<=",
             150.0,
             "MiB",
@@ -150,6 +174,7 @@ def informative_ratios(results: BenchResults) -> dict[str, float | None]:
         found[f"passthrough / direct, throughput at concurrency {level} (median of rounds)"] = (
             _throughput_ratio(results, THROUGHPUT_PASSTHROUGH, level)
         )
+    found.update(_embeddings_ratios(results))
     pooling = results.arms.get(POOLING)
     if isinstance(pooling, PoolingArm) and pooling.latency_ms is not None:
         found["pooling server / flagged, latency p50"] = ratio(

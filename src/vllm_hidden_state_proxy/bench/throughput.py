@@ -38,14 +38,25 @@ class LoadRoute:
     description: str
     base_url: str
     flag: Flag = None
+    #: The proxy's API key (routes to the proxy only).
+    api_key: str | None = field(default=None, repr=False)
 
 
-def load_routes(vllm_url: str, proxy_url: str) -> list[LoadRoute]:
+def load_routes(vllm_url: str, proxy_url: str, proxy_key: str | None = None) -> list[LoadRoute]:
     return [
         LoadRoute(THROUGHPUT_DIRECT, "one-token chats straight to vLLM, N in flight", vllm_url),
-        LoadRoute(THROUGHPUT_PASSTHROUGH, "the same through the proxy, unflagged", proxy_url),
         LoadRoute(
-            THROUGHPUT_FLAGGED, "the same through the proxy, flagged (float)", proxy_url, "float"
+            THROUGHPUT_PASSTHROUGH,
+            "the same through the proxy, unflagged",
+            proxy_url,
+            api_key=proxy_key,
+        ),
+        LoadRoute(
+            THROUGHPUT_FLAGGED,
+            "the same through the proxy, flagged (float)",
+            proxy_url,
+            "float",
+            proxy_key,
         ),
     ]
 
@@ -112,7 +123,7 @@ async def measure_throughput(
     total = sum(burst(level) * rounds * len(routes) for level in levels)
     task = progress.task(f"throughput (concurrency {', '.join(map(str, levels))})", total)
     for level in levels:
-        clients = {route.name: new_client(route.base_url, level) for route in routes}
+        clients = {route.name: new_client(route.base_url, level, route.api_key) for route in routes}
         tallies = {route.name: _Tally() for route in routes}
         try:
             for route in routes:  # open the connections and warm up, not recorded
