@@ -37,7 +37,12 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     A declared ``Content-Length`` over the limit is refused before reading anything.
     """
     declared = header_value(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # (Any number of digits beyond the limit's is over it; int() of thousands of digits raises.)
+    if (
+        declared is not None
+        and declared.isdigit()
+        and (len(declared) > len(str(limit)) or int(declared) > limit)
+    ):
         raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0

@@ -120,4 +120,12 @@ async def completions_exchange(
     completions = [a.completion for a in complete if a.completion is not None]
     records = [a.record for a in complete if a.record is not None]
     fields = prompt_list_fields(records, options)
-    await send_joined(send, complete[0].headers, merge_completions(completions), fields)
+    try:
+        merged = merge_completions(completions)
+        await send_joined(send, complete[0].headers, merged, fields)
+    except (TypeError, ValueError) as exc:  # not the completions shape vLLM writes
+        await send_error(
+            send, ProxyError(502, f"vLLM's completions answers cannot be merged: {exc}")
+        )
+    except ProxyError as error:
+        await send_error(send, error)

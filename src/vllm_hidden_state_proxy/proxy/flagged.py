@@ -184,7 +184,10 @@ async def send_joined(
     send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
 ) -> None:
     """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``."""
-    body = orjson.dumps(with_kv_fields(completion, fields))
+    try:
+        body = orjson.dumps(with_kv_fields(completion, fields))
+    except orjson.JSONEncodeError as exc:  # e.g. nested deeper than orjson writes
+        raise ProxyError(502, f"vLLM's answer cannot be re-encoded with the vector: {exc}") from exc
     await send_whole(send, 200, headers, body, b"application/json")
 
 
