@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.server
 import io
 import json
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -24,7 +27,7 @@ from vllm_hidden_state_proxy.bench.client import (
     returned_vector,
     tokens_in_event,
 )
-from vllm_hidden_state_proxy.bench.nginx import nginx_config
+from vllm_hidden_state_proxy.bench.nginx import nginx_binary, nginx_config, nginx_proxy
 from vllm_hidden_state_proxy.bench.pooling import cosine, norm
 from vllm_hidden_state_proxy.bench.procs import (
     listening_pid,
@@ -33,7 +36,7 @@ from vllm_hidden_state_proxy.bench.procs import (
     tree_memory,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.servers import chat_environment
+from vllm_hidden_state_proxy.bench.servers import chat_environment, free_port
 from vllm_hidden_state_proxy.cli import build_parser
 
 
@@ -213,6 +216,35 @@ def test_nginx_config_forwards_to_vllm_with_keepalive() -> None:
     assert "proxy_http_version 1.1;" in text and "keepalive" in text
     assert "proxy_buffering off;" in text and "access_log off;" in text
     assert "pid /w/nginx.pid;" in text
+
+
+@pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed")
+def test_nginx_runs_from_a_relative_output_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=upstream.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.chdir(tmp_path)
+    binary = nginx_binary()
+    assert binary is not None
+    try:
+        vllm_url = f"http://127.0.0.1:{upstream.server_address[1]}"
+        with nginx_proxy(binary, Path("bench-results/nginx"), free_port(), vllm_url) as url:
+            assert httpx.get(url + "/health", timeout=10, trust_env=False).status_code == 200
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+    assert (tmp_path / "bench-results/nginx/nginx.conf").is_file()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads Linux's /proc")

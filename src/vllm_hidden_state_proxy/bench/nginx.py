@@ -64,6 +64,9 @@ http {{
 def nginx_proxy(binary: str, work_dir: Path, listen_port: int, vllm_url: str) -> Iterator[str]:
     """Run nginx in front of ``vllm_url``; yield its base URL."""
     upstream = urlsplit(vllm_url).netloc
+    # Absolute: nginx takes relative paths in its configuration relative to its prefix (-p),
+    # so a relative output directory (the default, bench-results) would count twice.
+    work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "tmp").mkdir(exist_ok=True)
     config = work_dir / "nginx.conf"
