@@ -129,9 +129,11 @@ def _draw_embeddings(axis: Any, proxy: EmbeddingsArm, direct: EmbeddingsArm | No
     width = 0.4
     ours = [point.inputs_per_second for point in proxy.points]
     axis.bar([x - width / 2 for x in positions], ours, width, label="/v1/embeddings (proxy)")
+    highest = max(ours)
     if direct is not None:
         theirs = [(p.inputs_per_second if (p := direct.at(b)) else 0.0) for b in batches]
         axis.bar([x + width / 2 for x in positions], theirs, width, label="same chats, vLLM alone")
+        highest = max([highest, *theirs])
         for x, batch, mine, base in zip(positions, batches, ours, theirs, strict=True):
             paired = paired_embeddings_ratio(proxy, direct, batch)
             if paired is not None:  # over the pair: proxy / vLLM alone
@@ -141,4 +143,5 @@ def _draw_embeddings(axis: Any, proxy: EmbeddingsArm, direct: EmbeddingsArm | No
     axis.set_xlabel("inputs per request")
     axis.set_ylabel("inputs/s (on top: proxy / vLLM alone, median of rounds)")
     axis.set_title("Embeddings per second (higher is better)")
-    axis.legend(fontsize=8)
+    axis.set_ylim(top=1.3 * highest)  # room for the legend above the bars
+    axis.legend(fontsize=8, loc="upper center", ncol=2)
