@@ -1,0 +1,231 @@
+"""Looking at the running test stack from outside: the proxy process, vLLM's /metrics.
+
+Used by the load and connection-fault tests (issue #7): the proxy's resident memory, its open
+connections to vLLM, and vLLM's running, waiting and completed requests and generated tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import select
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+
+from .server import RunningStack
+
+MIB = 1024 * 1024
+
+
+def proxy_process(stack: RunningStack) -> psutil.Process:
+    """The proxy: the child of ``serve`` that runs ``vllm_hidden_state_proxy.cli proxy``."""
+    found = [
+        child
+        for child in psutil.Process(stack.process.pid).children(recursive=True)
+        if _is_proxy_command(child.cmdline())
+    ]
+    assert len(found) == 1, f"expected one proxy process below serve, found {found}"
+    return found[0]
+
+
+def _is_proxy_command(command: list[str]) -> bool:
+    for index, word in enumerate(command[:-1]):
+        if word == "vllm_hidden_state_proxy.cli":
+            return command[index + 1] == "proxy"
+    return False
+
+
+def vllm_processes(stack: RunningStack) -> list[psutil.Process]:
+    """vLLM's API server (the child of ``serve`` running vLLM's OpenAI server) and everything
+    below it (engine core, workers)."""
+    servers = [
+        child
+        for child in psutil.Process(stack.process.pid).children()
+        if "vllm.entrypoints.openai.api_server" in child.cmdline()
+    ]
+    assert len(servers) == 1, f"expected one vLLM API server below serve, found {servers}"
+    return [servers[0], *servers[0].children(recursive=True)]
+
+
+@contextlib.contextmanager
+def vllm_frozen(stack: RunningStack) -> Iterator[None]:
+    """vLLM stops (SIGSTOP, every process of it) until the block ends (SIGCONT): a hung vLLM
+    that holds its connections open and answers nothing."""
+    processes = vllm_processes(stack)
+    try:
+        for process in processes:
+            process.send_signal(signal.SIGSTOP)
+        yield
+    finally:
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGCONT)
+
+
+def rss(process: psutil.Process) -> int:
+    return int(process.memory_info().rss)
+
+
+def port_of(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None, url
+    return port
+
+
+def connections_to(process: psutil.Process, port: int) -> int:
+    """The process's established TCP connections to 127.0.0.1:``port``."""
+    return sum(
+        1
+        for connection in process.net_connections(kind="tcp")
+        if connection.status == psutil.CONN_ESTABLISHED
+        and connection.raddr
+        and connection.raddr.port == port
+    )
+
+
+def send_queue_bytes(port: int) -> int:
+    """Bytes waiting in the kernel send queues of the TCP sockets bound to local ``port``
+    (``/proc/net/tcp``): what a server has written that its clients have not read yet."""
+    total = 0
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port:
+                total += int(fields[4].split(":")[0], 16)
+    return total
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """Sum of the samples called ``name`` (whose labels contain ``label``) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        sample = head.split("{", 1)[0]
+        if sample == name and label in head:
+            total += float(value)
+    return total
+
+
+def vllm_metrics(stack: RunningStack) -> str:
+    """vLLM's own /metrics (asked directly, not through the proxy)."""
+    response = httpx.get(stack.vllm_url + "/metrics", timeout=10)
+    response.raise_for_status()
+    return response.text
+
+
+def in_flight(stack: RunningStack) -> float:
+    """vLLM's running + waiting requests."""
+    text = vllm_metrics(stack)
+    return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+
+
+def finished(stack: RunningStack) -> float:
+    """Requests vLLM completed (stop or length; aborted requests are not counted)."""
+    return metric(vllm_metrics(stack), "vllm:request_success_total")
+
+
+def generated(stack: RunningStack) -> float:
+    """Tokens vLLM has generated so far (an aborted request stops adding to it)."""
+    return metric(vllm_metrics(stack), "vllm:generation_tokens_total")
+
+
+def working_on_it(stack: RunningStack, finished_before: float) -> bool:
+    """vLLM has requests running or waiting, or has completed some since ``finished_before``
+    (one-token requests come and go between two looks)."""
+    text = vllm_metrics(stack)
+    busy = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+    return busy >= 1 or metric(text, "vllm:request_success_total") > finished_before
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout: float, interval: float = 0.05
+) -> float | None:
+    """Seconds until ``condition()`` held, or ``None`` if it did not within ``timeout``."""
+    start = time.monotonic()
+    while True:
+        if condition():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            return None
+        time.sleep(interval)
+
+
+def wait_idle(stack: RunningStack, timeout: float = 5.0) -> float:
+    """Seconds until vLLM has nothing running or waiting; fails after ``timeout``."""
+    waited = wait_until(lambda: in_flight(stack) == 0, timeout)
+    assert waited is not None, (
+        f"vLLM still has {in_flight(stack):g} running/waiting request(s) after {timeout} s"
+    )
+    return waited
+
+
+def raw_post(
+    url: str, path: str, body: bytes, *, receive_buffer: int | None = None
+) -> socket.socket:
+    """Send one HTTP/1.1 POST on a fresh socket and return the socket, response unread.
+
+    ``receive_buffer`` shrinks the socket's receive buffer (set before connecting, so that the
+    kernel advertises a small window): a client that does not read then pushes back quickly.
+    """
+    parts = urlsplit(url)
+    assert parts.hostname and parts.port
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(60)
+    sock.connect((parts.hostname, parts.port))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode("ascii")
+    sock.sendall(head + body)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes, count: int = 1, limit: int = 1 << 24) -> bytes:
+    """Read from ``sock`` until ``marker`` has been seen ``count`` times (or the peer closed)."""
+    data = bytearray()
+    while data.count(marker) < count and len(data) < limit:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def read_http_response(sock: socket.socket, timeout: float) -> tuple[int, bytes] | None:
+    """Status and body of the (Content-Length) response on ``sock``, or ``None`` if it does
+    not arrive within ``timeout`` seconds."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        assert length is not None, head
+        while len(body) < int(length.group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    except TimeoutError:
+        return None
+    return int(head.split(b" ", 2)[1]), body
+
+
+def readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
