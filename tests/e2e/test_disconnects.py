@@ -1,0 +1,536 @@
+"""Connection faults (issue #7): clients that go away, a vLLM that is too slow, slow readers.
+
+- A client that disconnects mid-request (flagged or not, streamed or not, an embeddings
+  fan-out) gets its vLLM request aborted: vLLM never completes it, stops generating for it and
+  has nothing running or waiting a moment later; the proxy keeps no extra connections to vLLM
+  and no extra memory.
+- A proxy with a short read timeout answers an OpenAI-shaped 504, promptly, when vLLM stops
+  answering in the middle of a long generation, and vLLM's request is aborted; short requests
+  and a stream that keeps producing are not cut by it.
+- Clients that read a long stream slowly, or not at all for a while, stall nobody else.
+
+Timing on this 2-core machine: while vLLM generates, other processes can wait seconds for the
+CPU (a 0.5 s httpx read timeout, no proxy involved, measured firing up to 2.7 s late, and once
+not within 8 s) and vLLM's own /metrics can take 4 s to answer. So the long generations here
+take 7-13 s (32 choices of 900 tokens with top-5 logprobs), time limits are generous, and what
+is asserted is the outcome, from vLLM's counters once it is idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from .reference import Reference, assert_matches
+from .server import RunningStack, free_port
+from .stack_probe import (
+    MIB,
+    connections_to,
+    finished,
+    generated,
+    in_flight,
+    port_of,
+    proxy_process,
+    raw_post,
+    read_http_response,
+    read_until,
+    readable,
+    rss,
+    send_queue_bytes,
+    vllm_frozen,
+    wait_idle,
+    wait_until,
+    working_on_it,
+)
+
+FLAG = {"return_last_hidden_state": True}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+#: Tokens per choice of a long generation (the context is 1024 tokens).
+LONG = 900
+#: Choices and logprobs that make a long generation last 7-13 s (alone: 900 tokens take about
+#: 2 s) and, streamed, about 11 MB: more than the kernel buffers between a client that
+#: does not read and the proxy, and between the proxy and vLLM.
+SLOW = {"n": 32, "logprobs": True, "top_logprobs": 5}
+FULL = LONG * int(SLOW["n"])
+#: Seconds vLLM may take, once the client is gone, to have nothing running or waiting.
+ABORT_WITHIN = 10.0
+#: Most the proxy's RSS may grow over the repeated disconnects.
+MAX_RSS_GROWTH = 4 * MIB
+
+
+def chat_body(
+    model: str, text: str, *, flagged: bool, stream: bool, tokens: int, **extra: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_completion_tokens": tokens,
+        "ignore_eos": True,
+        "stream": stream,
+        **NO_THINKING,
+        **extra,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if flagged:
+        body["kv_transfer_params"] = FLAG
+    return body
+
+
+def long_body(model: str, text: str, *, flagged: bool, stream: bool) -> dict[str, Any]:
+    """``FULL`` tokens (``LONG`` for each of ``SLOW["n"]`` choices), 7-13 s of work."""
+    return chat_body(model, text, flagged=flagged, stream=stream, tokens=LONG, **SLOW)
+
+
+def check_complete_stream(text: str, tokens: int) -> list[dict[str, Any]]:
+    """The chunks of a complete chat stream with usage; checks [DONE] and the token count."""
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    return chunks
+
+
+def short_text(response: httpx.Response) -> str:
+    return f"{response.status_code} {response.text[:500]}"
+
+
+# --- client disconnects ---------------------------------------------------------------------
+
+DISCONNECTS = ("flagged", "ordinary", "flagged_stream", "ordinary_stream", "embeddings_fan_out")
+FAN_OUT_INPUTS = 2048
+
+
+def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> None:
+    """Send one request of ``kind`` and hang up while vLLM works on it."""
+    text = f"Disconnect {kind} round {round_}: tell a very long story."
+    if kind == "embeddings_fan_out":
+        inputs = [f"input {i} of round {round_}" for i in range(FAN_OUT_INPUTS)]
+        path, body = "/v1/embeddings", {"model": model, "input": inputs}
+    else:
+        stream = kind.endswith("stream")
+        path = "/v1/chat/completions"
+        body = long_body(model, text, flagged=kind.startswith("flagged"), stream=stream)
+    finished_before = finished(stack)
+    sock = raw_post(stack.proxy_url, path, json.dumps(body).encode())
+    try:
+        if kind.endswith("stream"):
+            head = read_until(sock, b"data: ", count=3)
+            assert head.startswith(b"HTTP/1.1 200"), head[:200]
+            return
+        # A first long generation can take 2 s to start; it then runs for seconds.
+        if wait_until(lambda: working_on_it(stack, finished_before), 20, interval=0.05) is None:
+            sock.settimeout(1)
+            try:
+                answer = sock.recv(1000)
+            except TimeoutError:
+                answer = b"(nothing)"
+            raise AssertionError(f"{kind}: vLLM had nothing in flight; the proxy sent {answer!r}")
+    finally:
+        sock.close()
+
+
+#: Seconds after which vLLM (uvicorn, 5 s keep-alive) has closed every idle connection.
+SETTLE = 6.0
+#: The proxy's default fan-out limit: the most connections one client request opens.
+FAN_OUT_LIMIT = 64
+
+
+def test_client_disconnects_abort_upstream_and_leak_nothing(
+    stack: RunningStack, model_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = proxy_process(stack)
+    vllm_port = port_of(stack.vllm_url)
+    short = chat_body(model_name, "warm", flagged=True, stream=False, tokens=1)
+    response = httpx.post(stack.proxy_url + "/v1/chat/completions", json=short, timeout=30)
+    assert response.status_code == 200, short_text(response)
+    wait_idle(stack)
+    time.sleep(SETTLE)
+    connections_before = connections_to(proxy, vllm_port)
+    rss_before = rss(proxy)
+
+    rounds = 4
+    peaks: list[int] = []
+    settled: list[int] = []
+    rss_by_round: list[int] = []
+    to_idle: dict[str, list[float]] = {kind: [] for kind in DISCONNECTS}
+    work: dict[str, list[float]] = {kind: [] for kind in DISCONNECTS}
+    for round_ in range(rounds):
+        for kind in DISCONNECTS:
+            finished_then, generated_then = finished(stack), generated(stack)
+            disconnect_once(stack, model_name, kind, round_)
+            to_idle[kind].append(wait_idle(stack, ABORT_WITHIN))
+            completed = finished(stack) - finished_then
+            if kind == "embeddings_fan_out":
+                # The inputs in flight were aborted, the rest never sent.
+                work[kind].append(completed)
+                assert completed < FAN_OUT_INPUTS, f"{kind}: all {completed:g} inputs ran"
+            else:
+                # vLLM counts the tokens of a request it aborts only as far as its API server
+                # had relayed them: a rough measure of how far the generation got.
+                tokens = generated(stack) - generated_then
+                work[kind].append(tokens)
+                assert completed == 0 and tokens < FULL, (
+                    f"{kind}: vLLM was not cut off mid-generation: {completed:g} requests "
+                    f"completed, {tokens:g} of {FULL} tokens generated"
+                )
+            peaks.append(connections_to(proxy, vllm_port))
+        # Idle connections kept for reuse (up to one per fan-out slot) are closed by now.
+        time.sleep(SETTLE)
+        settled.append(connections_to(proxy, vllm_port))
+        rss_by_round.append(rss(proxy))
+    # Still serving, with vectors.
+    after = httpx.post(stack.proxy_url + "/v1/chat/completions", json=short, timeout=30)
+    assert after.status_code == 200, short_text(after)
+    assert after.json()["kv_transfer_params"]["last_hidden_state"]
+
+    with capsys.disabled():
+        print(
+            f"\ndisconnects: {rounds * len(DISCONNECTS)}; per kind: seconds until vLLM had "
+            f"nothing running or waiting (max); work vLLM did before the abort (max):\n"
+            + "\n".join(
+                f"  {kind:<20} {max(to_idle[kind]):5.2f} s   {max(work[kind]):6.0f} "
+                + (
+                    f"of {FAN_OUT_INPUTS} inputs"
+                    if kind == "embeddings_fan_out"
+                    else f"of {FULL} tokens"
+                )
+                for kind in DISCONNECTS
+            )
+            + f"\n  proxy connections to vLLM: {connections_before} idle before; right after "
+            f"each disconnect {peaks}; {SETTLE:g} s after each round {settled}"
+            f"\n  proxy RSS MiB: {rss_before / MIB:.1f} before, after each round "
+            + ", ".join(f"{r / MIB:.1f}" for r in rss_by_round)
+        )
+    assert max(settled) <= connections_before, f"connections outlive keep-alive: {settled}"
+    assert max(peaks) <= FAN_OUT_LIMIT + 2, peaks
+    # The first round is the warm-up (a 2048-input fan-out raises the allocator's high water).
+    growth = rss_by_round[-1] - rss_by_round[0]
+    assert growth < MAX_RSS_GROWTH, f"RSS grew {growth / MIB:.1f} MiB over {rounds - 1} rounds"
+
+
+# --- upstream timeout -----------------------------------------------------------------------
+
+READ_TIMEOUT = 0.5
+PROXY_WITH_TIMEOUT = """
+import sys
+from vllm_hidden_state_proxy.proxy.server import run_proxy
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+
+upstream, ring_dir, port, timeout = sys.argv[1:5]
+settings = ProxySettings(upstream_url=upstream, ring_dir=ring_dir, request_timeout=float(timeout))
+run_proxy(settings, host="127.0.0.1", port=int(port), log_level="warning")
+"""
+
+
+@dataclass
+class ExtraProxy:
+    url: str
+    process: psutil.Process
+
+
+@contextlib.contextmanager
+def extra_proxy(upstream: str, ring_dir: Path) -> Iterator[ExtraProxy]:
+    """A second proxy process in front of ``upstream``, with a 0.5 s read timeout."""
+    port = free_port()
+    arguments = [upstream, str(ring_dir), str(port), str(READ_TIMEOUT)]
+    process = subprocess.Popen([sys.executable, "-c", PROXY_WITH_TIMEOUT, *arguments])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # Wait until it listens (its /health would ask the upstream).
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, f"the extra proxy exited ({process.returncode})"
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            assert time.monotonic() < deadline, "the extra proxy did not start listening"
+            time.sleep(0.2)
+        yield ExtraProxy(url, psutil.Process(process.pid))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def short_timeout_proxy(stack: RunningStack) -> Iterator[ExtraProxy]:
+    """A second proxy in front of the same vLLM, with a 0.5 s read timeout."""
+    with extra_proxy(stack.vllm_url, stack.ring_dir) as proxy:
+        yield proxy
+
+
+#: Since 4b3e9d7 the proxy sends through ``httpx.AsyncHTTPTransport.handle_async_request``
+#: directly, and ``upstream.build_request`` does not put ``settings.timeouts`` into the
+#: request's ``timeout`` extension: httpcore reads with ``timeout=None``, so neither
+#: ``request_timeout`` nor ``connect_timeout`` applies to requests to vLLM.
+NO_UPSTREAM_TIMEOUT = pytest.mark.xfail(
+    strict=True,
+    reason="bug: ProxySettings.timeouts are never attached to upstream requests (4b3e9d7), "
+    "so a vLLM that does not answer holds the client forever instead of a 504",
+)
+
+
+class BlackHole:
+    """A TCP server that accepts connections, reads, and never answers: a hung upstream."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.listener.accept()[0])
+
+    def closed_by_peer(self) -> int:
+        """Accepted connections the other side (the proxy) has closed."""
+        closed = 0
+        for connection in self.accepted:
+            connection.setblocking(False)
+            try:
+                while data := connection.recv(65536):
+                    del data
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            closed += 1
+        return closed
+
+    def close(self) -> None:
+        self.listener.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+@pytest.fixture(scope="module")
+def black_hole_proxy(stack: RunningStack) -> Iterator[tuple[ExtraProxy, BlackHole]]:
+    """A proxy with a 0.5 s read timeout in front of an upstream that never answers (the
+    ring directory is the real vLLM's, so that flagged requests are let through)."""
+    hole = BlackHole()
+    try:
+        with extra_proxy(hole.url, stack.ring_dir) as proxy:
+            yield proxy, hole
+    finally:
+        hole.close()
+
+
+@NO_UPSTREAM_TIMEOUT
+@pytest.mark.parametrize("kind", ["flagged", "ordinary", "passthrough", "embeddings"])
+def test_an_upstream_that_never_answers_is_a_504_after_the_read_timeout(
+    black_hole_proxy: tuple[ExtraProxy, BlackHole], model_name: str, kind: str
+) -> None:
+    """No vLLM involved (so no CPU contention): the read timeout alone must end the wait."""
+    proxy, hole = black_hole_proxy
+    closed_before = hole.closed_by_peer()
+    with httpx.Client(base_url=proxy.url, timeout=5) as client:
+        start = time.monotonic()
+        if kind == "passthrough":
+            response = client.get("/v1/models")
+        elif kind == "embeddings":
+            response = client.post("/v1/embeddings", json={"model": model_name, "input": "x"})
+        else:
+            body = chat_body(model_name, "hello", flagged=kind == "flagged", stream=False, tokens=1)
+            response = client.post("/v1/chat/completions", json=body)
+        elapsed = time.monotonic() - start
+    assert response.status_code == 504, short_text(response)
+    error = response.json()["error"]
+    assert error["type"] == "gateway_timeout" and error["code"] == 504, error
+    assert elapsed < 3, f"the 504 took {elapsed:.1f} s with a {READ_TIMEOUT} s read timeout"
+    # The proxy let go of the upstream connection.
+    assert wait_until(lambda: hole.closed_by_peer() > closed_before, 3) is not None
+
+
+@NO_UPSTREAM_TIMEOUT
+@pytest.mark.parametrize("flagged", [True, False], ids=["flagged", "ordinary"])
+def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
+    stack: RunningStack,
+    model_name: str,
+    short_timeout_proxy: ExtraProxy,
+    flagged: bool,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vLLM hangs (every vLLM process stopped with SIGSTOP, connections held open) just after
+    it received a long generation: the proxy answers 504 once its read timeout passes and lets
+    go of the upstream connection; once vLLM resumes, it drops the request.
+
+    vLLM is frozen rather than merely slow because on this 2-core machine a busy vLLM delays
+    other processes' timers by seconds (measured without the proxy: a 0.5 s httpx read
+    timeout fired up to 2.7 s late while vLLM generated), which would make the proxy's read
+    timeout fire at random; a frozen vLLM uses no CPU."""
+    warm = chat_body(model_name, "warm", flagged=False, stream=False, tokens=2, **SLOW)
+    assert httpx.post(stack.vllm_url + "/v1/chat/completions", json=warm, timeout=60).is_success
+    wait_idle(stack)
+    finished_before = finished(stack)
+    vllm_port = port_of(stack.vllm_url)
+    body = long_body(model_name, "A long tale.", flagged=flagged, stream=False)
+    start = time.monotonic()
+    sock = raw_post(short_timeout_proxy.url, "/v1/chat/completions", json.dumps(body).encode())
+    try:
+        # Freeze vLLM as soon as it works on the request (or the proxy has answered already).
+        started = wait_until(lambda: readable(sock) or in_flight(stack) >= 1, 20, interval=0.02)
+        assert started is not None, "the long generation never started"
+        with vllm_frozen(stack):
+            frozen_at = time.monotonic()
+            answer = read_http_response(sock, timeout=10)
+            answered_at = time.monotonic()
+            held = connections_to(short_timeout_proxy.process, vllm_port)
+    finally:
+        sock.close()  # without an answer: the proxy sees the client leave and lets go
+    assert answer is not None, "no answer within 10 s of vLLM hanging"
+    status, content = answer
+    assert status == 504, content[:500]
+    error = json.loads(content)["error"]
+    assert error["type"] == "gateway_timeout" and error["code"] == 504, error
+    assert "did not answer in time" in error["message"]
+    to_idle = wait_idle(stack, ABORT_WITHIN)
+    with capsys.disabled():
+        print(
+            f"\nread timeout {READ_TIMEOUT} s, vLLM frozen {frozen_at - start:.2f} s after the "
+            f"request: 504 {answered_at - start:.2f} s after the request "
+            f"({answered_at - frozen_at:+.2f} s from the freeze); proxy connections to vLLM "
+            f"after the 504 {held}; vLLM idle {to_idle:.2f} s after resuming"
+        )
+    assert answered_at - frozen_at < 3, "the 504 was not prompt"
+    assert held == 0, "the proxy still holds its connection to the hung vLLM"
+    assert finished(stack) == finished_before, "vLLM completed the request: not aborted"
+
+
+def test_read_timeout_lets_short_requests_and_producing_streams_through(
+    stack: RunningStack, model_name: str, short_timeout_proxy: ExtraProxy, reference: Reference
+) -> None:
+    text = "Short and sweet."
+    body = chat_body(model_name, text, flagged=True, stream=False, tokens=1)
+    response = httpx.post(short_timeout_proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, short_text(response)
+    messages = [{"role": "user", "content": text}]
+    expected = reference.last_hidden_state(
+        reference.chat_token_ids(messages, enable_thinking=False)
+    )
+    assert_matches(response.json()["kv_transfer_params"]["last_hidden_state"], expected)
+
+    # The timeout is per read: a stream longer than it, producing all along, is not cut.
+    body = chat_body(model_name, text, flagged=True, stream=True, tokens=600)
+    response = httpx.post(short_timeout_proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, short_text(response)
+    events = check_complete_stream(response.text, tokens=600)
+    assert_matches(events[0]["kv_transfer_params"]["last_hidden_state"], expected)
+
+
+# --- slow readers ---------------------------------------------------------------------------
+
+
+def probe(client: httpx.Client, model: str, kind: str, i: int) -> float:
+    """One ordinary-sized request of ``kind`` through the proxy, checked; its latency."""
+    text = f"Probe {kind} {i}: a short note."
+    start = time.perf_counter()
+    if kind == "embeddings":
+        response = client.post("/v1/embeddings", json={"model": model, "input": text})
+        assert response.status_code == 200, short_text(response)
+        assert response.json()["data"][0]["embedding"]
+    else:
+        flagged, stream = kind.startswith("flagged"), kind.endswith("stream")
+        body = chat_body(model, text, flagged=flagged, stream=stream, tokens=4)
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, short_text(response)
+        if stream:
+            chunks = check_complete_stream(response.text, tokens=4)
+            assert bool(chunks[0].get("kv_transfer_params")) == flagged
+        else:
+            assert bool(response.json().get("kv_transfer_params")) == flagged
+    return time.perf_counter() - start
+
+
+PROBES = ("flagged", "ordinary", "flagged_stream", "embeddings")
+
+
+def probe_latencies(stack: RunningStack, model: str, rounds: int) -> dict[str, list[float]]:
+    latencies: dict[str, list[float]] = {kind: [] for kind in PROBES}
+    with httpx.Client(base_url=stack.proxy_url, timeout=60) as client:
+        for i in range(rounds):
+            for kind in PROBES:
+                latencies[kind].append(probe(client, model, kind, i))
+    return latencies
+
+
+def test_slow_stream_readers_do_not_stall_other_clients(
+    stack: RunningStack, model_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wait_idle(stack)
+    probe_latencies(stack, model_name, rounds=2)  # warm-up
+    baseline = probe_latencies(stack, model_name, rounds=10)
+
+    stop_trickle = threading.Event()
+    trickled: list[str] = []
+
+    def trickle(response: httpx.Response) -> None:
+        """Read one line per second until told to stop."""
+        for line in response.iter_lines():
+            trickled.append(line)
+            if stop_trickle.wait(1.0):
+                return
+
+    def big_stream(text: str, flagged: bool) -> dict[str, Any]:
+        return long_body(model_name, text, flagged=flagged, stream=True)
+
+    proxy_port, vllm_port = port_of(stack.proxy_url), port_of(stack.vllm_url)
+    url = stack.proxy_url + "/v1/chat/completions"
+    with (
+        httpx.Client(timeout=120) as stalled_client,
+        httpx.Client(timeout=120) as trickle_client,
+        stalled_client.stream("POST", url, json=big_stream("Stalled.", True)) as stalled,
+        trickle_client.stream("POST", url, json=big_stream("Trickle.", False)) as trickling,
+    ):
+        assert stalled.status_code == 200 and trickling.status_code == 200
+        reader = threading.Thread(target=trickle, args=(trickling,), daemon=True)
+        reader.start()
+        # vLLM finishes generating both while they back up: the proxy's sockets to the two
+        # clients fill, the proxy stops reading those streams from vLLM, vLLM's sockets fill.
+        wait_idle(stack, timeout=90)
+        time.sleep(1.0)
+        backlog = (send_queue_bytes(proxy_port), send_queue_bytes(vllm_port))
+        loaded = probe_latencies(stack, model_name, rounds=10)
+        stop_trickle.set()
+        reader.join(timeout=10)
+        # The stalled stream, read at last, is whole: the vector on its first chunk.
+        chunks = check_complete_stream(stalled.read().decode(), tokens=FULL)
+        assert chunks[0]["kv_transfer_params"]["last_hidden_state"]
+    wait_idle(stack)
+
+    lines = ["slow readers: probe latency ms, median (max), alone -> beside two stalled streams"]
+    for kind in PROBES:
+        lines.append(
+            f"  {kind:<16}{statistics.median(baseline[kind]) * 1e3:8.1f} "
+            f"({max(baseline[kind]) * 1e3:6.1f}) -> {statistics.median(loaded[kind]) * 1e3:8.1f} "
+            f"({max(loaded[kind]) * 1e3:6.1f})"
+        )
+    lines.append(
+        f"  meanwhile: the trickling client read {len(trickled)} lines; unread bytes queued in "
+        f"the proxy's sockets to its clients {backlog[0] / MIB:.1f} MiB, in vLLM's sockets to "
+        f"the proxy {backlog[1] / MIB:.1f} MiB; the stalled stream: {len(chunks)} chunks"
+    )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    for kind in PROBES:
+        alone, beside = statistics.median(baseline[kind]), statistics.median(loaded[kind])
+        assert beside < 10 * alone, (kind, alone, beside)
+        assert max(loaded[kind]) < 2.0, (kind, loaded[kind])
