@@ -276,17 +276,6 @@ def short_timeout_proxy(stack: RunningStack) -> Iterator[ExtraProxy]:
         yield proxy
 
 
-#: Since 4b3e9d7 the proxy sends through ``httpx.AsyncHTTPTransport.handle_async_request``
-#: directly, and ``upstream.build_request`` does not put ``settings.timeouts`` into the
-#: request's ``timeout`` extension: httpcore reads with ``timeout=None``, so neither
-#: ``request_timeout`` nor ``connect_timeout`` applies to requests to vLLM.
-NO_UPSTREAM_TIMEOUT = pytest.mark.xfail(
-    strict=True,
-    reason="bug: ProxySettings.timeouts are never attached to upstream requests (4b3e9d7), "
-    "so a vLLM that does not answer holds the client forever instead of a 504",
-)
-
-
 class BlackHole:
     """A TCP server that accepts connections, reads, and never answers: a hung upstream."""
 
@@ -334,7 +323,6 @@ def black_hole_proxy(stack: RunningStack) -> Iterator[tuple[ExtraProxy, BlackHol
         hole.close()
 
 
-@NO_UPSTREAM_TIMEOUT
 @pytest.mark.parametrize("kind", ["flagged", "ordinary", "passthrough", "embeddings"])
 def test_an_upstream_that_never_answers_is_a_504_after_the_read_timeout(
     black_hole_proxy: tuple[ExtraProxy, BlackHole], model_name: str, kind: str
@@ -360,7 +348,6 @@ def test_an_upstream_that_never_answers_is_a_504_after_the_read_timeout(
     assert wait_until(lambda: hole.closed_by_peer() > closed_before, 3) is not None
 
 
-@NO_UPSTREAM_TIMEOUT
 @pytest.mark.parametrize("flagged", [True, False], ids=["flagged", "ordinary"])
 def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
     stack: RunningStack,

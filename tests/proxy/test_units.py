@@ -188,3 +188,33 @@ async def test_upstream_breaking_mid_stream_cuts_the_response() -> None:
     assert call.status == 200
     assert call.body_chunks == [b"data: 1\n\n"]
     assert all(m.get("more_body", True) for m in call.messages[1:])  # never completed
+
+
+def test_upstream_requests_carry_the_settings_timeouts() -> None:
+    """The transport is called without an AsyncClient: the timeouts must ride on the request."""
+    from vllm_hidden_state_proxy.proxy.upstream import build_request
+
+    settings = ProxySettings(
+        upstream_url="http://vllm:8000", ring_dir="/x", request_timeout=0.5, connect_timeout=2.0
+    )
+    scope = {"method": "POST", "path": "/v1/models", "headers": [], "query_string": b""}
+    request = build_request(settings, scope, b"{}")
+    assert request.extensions["timeout"] == {
+        "connect": 2.0,
+        "read": 0.5,
+        "write": 0.5,
+        "pool": None,
+    }
+
+
+@pytest.mark.anyio
+async def test_a_vllm_that_never_answers_is_a_504_after_the_read_timeout() -> None:
+    async def hang(request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions["timeout"]["read"]
+        await anyio.sleep(timeout)  # what httpcore does with the extension: give up after it
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    settings = settings_for("/unused", request_timeout=0.05)
+    async with proxy_client(settings, FakeVLLM(hang), FakeRing()) as proxy:
+        response = await proxy.client.get("/v1/models")
+    assert response.status_code == 504

@@ -72,7 +72,12 @@ def build_request(
         headers = [(k, v) for k, v in headers if k != b"authorization"]
         headers.append((b"authorization", f"Bearer {settings.upstream_api_key}".encode()))
     return httpx.Request(
-        scope["method"], upstream_url(settings, scope), headers=headers, content=body
+        scope["method"],
+        upstream_url(settings, scope),
+        headers=headers,
+        content=body,
+        # The transport is called directly (no AsyncClient), so the timeouts travel here.
+        extensions={"timeout": settings.timeouts},
     )
 
 
