@@ -134,7 +134,16 @@ def wait_status(url: str, status: int, timeout: float) -> float:
 
 def in_flight(url: str, kind: str) -> tuple[str, int | str, float]:
     """A long request; returns (kind, status or how the stream ended, when it ended)."""
-    body = chat_body(f"in flight {kind}", max_completion_tokens=1000, ignore_eos=True)
+    # 32 choices with logprobs make 900 tokens last several seconds on the tiny model (alone,
+    # 900 tokens can take well under a second), so the kill surely lands mid-generation.
+    body = chat_body(
+        f"in flight {kind}",
+        max_completion_tokens=900,
+        ignore_eos=True,
+        n=32,
+        logprobs=True,
+        top_logprobs=5,
+    )
     if kind == "ordinary":
         body.pop("kv_transfer_params")
     if kind == "stream":
@@ -200,13 +209,11 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 with concurrent.futures.ThreadPoolExecutor(4) as pool:
                     kinds = ["flagged", "ordinary", "stream", "flagged"]
                     futures = [pool.submit(in_flight, url, kind) for kind in kinds]
-                    time.sleep(0.15)  # the tiny model decodes 900 tokens in about a second
+                    time.sleep(1.0)
                     killed_at = time.monotonic()
                     kill_engine(vllm.pid)
                     outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]
-                cut_off = [(k, s, e) for k, s, e in outcomes if e > killed_at]
-                assert len(cut_off) >= 2, f"too few requests were in flight: {outcomes}"
-                for kind, status, ended in cut_off:
+                for kind, status, ended in outcomes:
                     assert ended - killed_at < PROMPT_FAULT_SECONDS, (kind, status)
                     assert status not in (200, 504), (kind, status)  # a failure, not a hang
                     if isinstance(status, int):
