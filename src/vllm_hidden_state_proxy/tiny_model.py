@@ -63,14 +63,45 @@ def tiny_model_dir() -> Path:
     return Path(os.environ.get("HIDDEN_STATE_PROXY_TINY_MODEL_DIR") or DEFAULT_TINY_MODEL_DIR)
 
 
-def _is_built(path: Path) -> bool:
-    marker = path / _MARKER
+def is_built(path: Path, marker_name: str, revision: str) -> bool:
+    """True if ``path`` holds a finished build of ``revision`` (see ``finish_model_dir``)."""
+    marker = path / marker_name
     if not marker.is_file():
         return False
     try:
-        return bool(json.loads(marker.read_text()).get("revision") == TINY_MODEL_REVISION)
+        return bool(json.loads(marker.read_text()).get("revision") == revision)
     except (OSError, ValueError):
         return False
+
+
+def chatml_tokenizer(chat_template: str) -> Any:
+    """The byte-level BPE tokenizer (ChatML special tokens) as a transformers tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab_size=1024),
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = chat_template
+    tokenizer.model_max_length = 4096
+    return tokenizer
+
+
+def finish_model_dir(target: Path, marker_name: str, revision: str) -> None:
+    """After ``save_pretrained``: make the dtype vLLM reads float32 (transformers versions
+    differ in the key), drop the generation config (no sampling defaults), mark it built."""
+    config_path = target / "config.json"
+    data: dict[str, Any] = json.loads(config_path.read_text())
+    data["torch_dtype"] = "float32"
+    data["dtype"] = "float32"
+    config_path.write_text(json.dumps(data, indent=2))
+    generation_config = target / "generation_config.json"
+    if generation_config.exists():
+        generation_config.unlink()
+    (target / marker_name).write_text(json.dumps({"revision": revision}))
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
@@ -93,23 +124,14 @@ def _train_tokenizer(vocab_size: int) -> Any:
 def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
     """Build (or reuse) the tiny chat model at ``path`` and return its directory."""
     target = Path(path) if path is not None else tiny_model_dir()
-    if not force and _is_built(target):
+    if not force and is_built(target, _MARKER, TINY_MODEL_REVISION):
         return target
 
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     target.mkdir(parents=True, exist_ok=True)
-    raw_tokenizer = _train_tokenizer(vocab_size=1024)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw_tokenizer,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.model_max_length = 4096
+    tokenizer = chatml_tokenizer(CHAT_TEMPLATE)
     tokenizer.save_pretrained(target)
 
     vocab_size = ((len(tokenizer) + 63) // 64) * 64
@@ -133,14 +155,5 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool 
     torch.manual_seed(1234)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(target, safe_serialization=True)
-    # Make sure the dtype vLLM reads is float32 (transformers versions differ in the key).
-    config_path = target / "config.json"
-    data = json.loads(config_path.read_text())
-    data["torch_dtype"] = "float32"
-    data["dtype"] = "float32"
-    config_path.write_text(json.dumps(data, indent=2))
-    generation_config = target / "generation_config.json"
-    if generation_config.exists():
-        generation_config.unlink()
-    (target / _MARKER).write_text(json.dumps({"revision": TINY_MODEL_REVISION}))
+    finish_model_dir(target, _MARKER, TINY_MODEL_REVISION)
     return target

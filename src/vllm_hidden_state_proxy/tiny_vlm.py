@@ -29,12 +29,10 @@ few seconds and needs ``torch``, ``transformers`` and ``Pillow`` (present wherev
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
-from .tiny_model import SPECIAL_TOKENS, _train_tokenizer
+from .tiny_model import SPECIAL_TOKENS, chatml_tokenizer, finish_model_dir, is_built
 
 #: Bump when anything below changes, so cached copies are rebuilt.
 TINY_VLM_REVISION = "1"
@@ -92,20 +90,10 @@ def tiny_vlm_dir() -> Path:
     return Path(os.environ.get("HIDDEN_STATE_PROXY_TINY_VLM_DIR") or DEFAULT_TINY_VLM_DIR)
 
 
-def _is_built(path: Path) -> bool:
-    marker = path / _MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return bool(json.loads(marker.read_text()).get("revision") == TINY_VLM_REVISION)
-    except (OSError, ValueError):
-        return False
-
-
 def build_tiny_vlm(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
     """Build (or reuse) the tiny vision-language model at ``path`` and return its directory."""
     target = Path(path) if path is not None else tiny_vlm_dir()
-    if not force and _is_built(target):
+    if not force and is_built(target, _MARKER, TINY_VLM_REVISION):
         return target
 
     import torch
@@ -114,20 +102,11 @@ def build_tiny_vlm(path: str | os.PathLike[str] | None = None, *, force: bool = 
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessorPil,
         Idefics3Processor,
-        PreTrainedTokenizerFast,
     )
 
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(vocab_size=1024),
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
+    tokenizer = chatml_tokenizer(CHAT_TEMPLATE)
     tokenizer.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS, *IMAGE_TOKENS]})
-    tokenizer.model_max_length = 4096
-    tokenizer.chat_template = CHAT_TEMPLATE
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": IMAGE_LONGEST_EDGE},
         max_image_size={"longest_edge": TILE_SIZE},
@@ -180,13 +159,5 @@ def build_tiny_vlm(path: str | os.PathLike[str] | None = None, *, force: bool = 
     torch.manual_seed(1234)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
     model.save_pretrained(target, safe_serialization=True)
-    config_path = target / "config.json"
-    data: dict[str, Any] = json.loads(config_path.read_text())
-    data["torch_dtype"] = "float32"
-    data["dtype"] = "float32"
-    config_path.write_text(json.dumps(data, indent=2))
-    generation_config = target / "generation_config.json"
-    if generation_config.exists():
-        generation_config.unlink()
-    (target / _MARKER).write_text(json.dumps({"revision": TINY_VLM_REVISION}))
+    finish_model_dir(target, _MARKER, TINY_VLM_REVISION)
     return target
