@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import socket
@@ -13,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_hidden_state_proxy.bench.lock import one_vllm_at_a_time
 from vllm_hidden_state_proxy.serve import NotHealthy, stop_process_group, wait_until_healthy
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
@@ -39,19 +39,6 @@ SERVED_MODEL_NAME = "tiny-chat"
 #: The proxy's request size limit in the shared test stack (413 above it).
 MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0
-#: Held (flock) while a test's vLLM server runs: this machine runs one vLLM server at a time,
-#: across pytest sessions and the benchmark too.
-VLLM_LOCK_PATH = Path("/tmp/vllm-hidden-state-proxy-vllm.lock")
-
-
-@contextlib.contextmanager
-def one_vllm_at_a_time() -> Iterator[None]:
-    with open(VLLM_LOCK_PATH, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclass
