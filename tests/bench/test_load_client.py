@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from vllm_hidden_state_proxy.bench.client import BenchError, timed_post
-from vllm_hidden_state_proxy.bench.throughput import LoadRoute, _burst
+from vllm_hidden_state_proxy.bench.latency import Route
+from vllm_hidden_state_proxy.bench.throughput import _burst
 
 
 def client_for(handler: httpx.MockTransport) -> httpx.AsyncClient:
@@ -34,7 +35,7 @@ def test_a_burst_sends_exactly_count_requests_with_at_most_concurrency_in_flight
 
     async def main() -> tuple[float, list[float]]:
         async with client_for(httpx.MockTransport(handler)) as client:
-            route = LoadRoute("throughput_flagged", "f", "http://fake", "float")
+            route = Route("throughput_flagged", "f", "http://fake", "float")
             return await _burst(client, route, "m", 23, 4, itertools.count())
 
     seconds, latencies = anyio.run(main)
@@ -54,7 +55,7 @@ def test_a_failing_request_stops_the_burst_with_a_clear_error(
 ) -> None:
     async def main() -> None:
         async with client_for(httpx.MockTransport(lambda request: response)) as client:
-            route = LoadRoute("throughput_flagged", "f", "http://fake", "float")
+            route = Route("throughput_flagged", "f", "http://fake", "float")
             await _burst(client, route, "m", 50, 8, itertools.count())
 
     with pytest.raises(BenchError, match=message) as caught:

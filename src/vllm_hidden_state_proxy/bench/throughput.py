@@ -20,8 +20,9 @@ import anyio
 import anyio.abc
 import httpx
 
-from .client import CHAT_PATH, BenchError, Flag, chat_body, new_client, timed_post
+from .client import CHAT_PATH, BenchError, chat_body, new_client, timed_post
 from .interleave import round_robin
+from .latency import Route
 from .progress import Progress
 from .results import ThroughputArm, ThroughputPoint
 from .stats import summarize
@@ -32,26 +33,16 @@ THROUGHPUT_FLAGGED = "throughput_flagged"
 VECTOR_MARKER = b'"last_hidden_state"'
 
 
-@dataclass(frozen=True)
-class LoadRoute:
-    name: str
-    description: str
-    base_url: str
-    flag: Flag = None
-    #: The proxy's API key (routes to the proxy only).
-    api_key: str | None = field(default=None, repr=False)
-
-
-def load_routes(vllm_url: str, proxy_url: str, proxy_key: str | None = None) -> list[LoadRoute]:
+def load_routes(vllm_url: str, proxy_url: str, proxy_key: str | None = None) -> list[Route]:
     return [
-        LoadRoute(THROUGHPUT_DIRECT, "one-token chats straight to vLLM, N in flight", vllm_url),
-        LoadRoute(
+        Route(THROUGHPUT_DIRECT, "one-token chats straight to vLLM, N in flight", vllm_url),
+        Route(
             THROUGHPUT_PASSTHROUGH,
             "the same through the proxy, unflagged",
             proxy_url,
             api_key=proxy_key,
         ),
-        LoadRoute(
+        Route(
             THROUGHPUT_FLAGGED,
             "the same through the proxy, flagged (float)",
             proxy_url,
@@ -71,7 +62,7 @@ class _Tally:
 
 async def _burst(
     client: httpx.AsyncClient,
-    route: LoadRoute,
+    route: Route,
     model: str,
     count: int,
     concurrency: int,
@@ -110,7 +101,7 @@ async def _burst(
 
 
 async def measure_throughput(
-    routes: list[LoadRoute],
+    routes: list[Route],
     model: str,
     levels: tuple[int, ...],
     rounds: int,
