@@ -166,12 +166,7 @@ def plan_embeddings(document: dict[str, Any], template: str, max_inputs: int) ->
     if token_prompts and instruction is not None:
         raise bad_request("'instruction' applies to text inputs, not token ids.", "instruction")
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
-    calls = [
-        _chat_call(
-            model, [{"role": "user", "content": template.replace(PLACEHOLDER, text)}], no_thinking
-        )
-        for text in texts
-    ]
+    calls = [_chat_call(model, [_user_message(template, text)], no_thinking) for text in texts]
     for ids in token_prompts:
         body: dict[str, Any] = {"prompt": ids, "max_tokens": 1}
         if model is not None:
