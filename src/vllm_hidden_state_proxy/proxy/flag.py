@@ -141,7 +141,7 @@ def _reserved_key_error() -> ProxyError:
     )
 
 
-def check_unsupported_with_flag(document: dict[str, Any]) -> None:
+def _check_flagged_options(document: dict[str, Any]) -> None:
     """The single place for request options that cannot be combined with the flag."""
     stream = document.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -195,7 +195,7 @@ def inspect_body(body: bytes) -> Decision:
     stripped = _without_own_keys(document, kv)
     if not flag:
         return Forward(_dumps(stripped))
-    check_unsupported_with_flag(stripped)
+    _check_flagged_options(stripped)
     return Flagged(stripped, options)
 
 
