@@ -98,10 +98,9 @@ class EmbeddingsApp:
             )
             if not state.ring.has_ring():
                 raise no_ring_error(settings.ring_dir)
-            hidden_size = state.ring.hidden_size()
-            wrong_size = plan.dimensions not in (None, hidden_size)
-            if wrong_size and plan.dimensions is not None and hidden_size is not None:
-                raise dimensions_error(plan.dimensions, hidden_size)
+            dimensions, hidden_size = plan.dimensions, state.ring.hidden_size()
+            if dimensions is not None and hidden_size is not None and dimensions != hidden_size:
+                raise dimensions_error(dimensions, hidden_size)
         except ProxyError as error:
             await send_error(send, error)
             return
