@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import hmac
 
-from vllm_hidden_state_proxy.proxy.asgi import ASGIApp, Receive, Scope, Send, header_value
+from vllm_hidden_state_proxy.proxy.asgi import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    header_value,
+    send_response,
+)
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 
 _BEARER = b"bearer "
@@ -44,17 +51,8 @@ class ApiKeyGuard:
                 "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
                 "proxy was started with (--api-key / HIDDEN_STATE_PROXY_API_KEY).",
             )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(error.body())).encode("ascii")),
-                        (b"www-authenticate", b"Bearer"),
-                    ],
-                }
+            await send_response(
+                send, 401, error.body(), b"application/json", [(b"www-authenticate", b"Bearer")]
             )
-            await send({"type": "http.response.body", "body": error.body(), "more_body": False})
             return
         await self.app(scope, receive, send)
