@@ -11,6 +11,7 @@ from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 #: Seconds an idle pooled connection to vLLM is kept (below vLLM's 5 s keep-alive timeout).
 KEEPALIVE_EXPIRY = 2.0
+_AUTHORIZATION = frozenset({b"authorization"})
 
 
 def create_ops_client(
@@ -67,9 +68,10 @@ def build_request(
     Built as a bare ``httpx.Request`` (not ``client.build_request``) so that no client default
     headers (User-Agent, Accept-Encoding, cookies) are added to what the client sent.
     """
-    headers = upstream_request_headers(scope["headers"], len(body), drop)
     if settings.upstream_api_key:  # vLLM has a key of its own: it replaces the client's
-        headers = [(k, v) for k, v in headers if k != b"authorization"]
+        drop = drop | _AUTHORIZATION
+    headers = upstream_request_headers(scope["headers"], len(body), drop)
+    if settings.upstream_api_key:
         headers.append((b"authorization", f"Bearer {settings.upstream_api_key}".encode()))
     return httpx.Request(
         scope["method"],
