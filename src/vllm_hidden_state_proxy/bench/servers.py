@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..protocol import HOOK_ENABLED_ENV
-from ..serve import NotHealthy, stop_process_group, wait_until_healthy
+from ..serve import NotHealthy, stop_process_group, vllm_command, wait_until_healthy
 from .client import BenchError
 from .lock import one_vllm_at_a_time
 from .options import API_KEY_ENV
@@ -190,20 +190,9 @@ def pooling_server(
 ) -> Iterator[PoolingServer]:
     """Plain vLLM (our worker hook switched off) as an embedding server with LAST pooling."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *VLLM_ARGS,
-        *POOLING_ARGS,
-        json.dumps(POOLER_CONFIG),
-    ]
+    command = vllm_command(
+        str(model_dir), port, [*VLLM_ARGS, *POOLING_ARGS, json.dumps(POOLER_CONFIG)]
+    )
     env = server_environment()
     env[HOOK_ENABLED_ENV] = "0"
     url = f"http://127.0.0.1:{port}"
