@@ -16,26 +16,28 @@ Status = Literal["ok", "unsupported", "skipped"]
 
 
 @dataclass
-class LatencyArm:
-    """One-token chat requests, one at a time."""
+class ArmHeader:
+    """What every arm has: its name, what it measures, its status and why."""
 
     name: str
     description: str
     status: Status = "ok"
     note: str = ""
+
+
+@dataclass
+class LatencyArm(ArmHeader):
+    """One-token chat requests, one at a time."""
+
     latency_ms: Summary | None = None
 
     kind: ClassVar[str] = "latency"
 
 
 @dataclass
-class StreamArm:
+class StreamArm(ArmHeader):
     """Streamed requests: time to first token, the gaps between tokens, time to last token."""
 
-    name: str
-    description: str
-    status: Status = "ok"
-    note: str = ""
     ttft_ms: Summary | None = None
     #: Every gap between consecutive token events, pooled over the arm's streams.
     itl_ms: Summary | None = None
@@ -62,13 +64,9 @@ class ThroughputPoint:
 
 
 @dataclass
-class ThroughputArm:
+class ThroughputArm(ArmHeader):
     """Requests per second with N requests in flight, for each N of the sweep."""
 
-    name: str
-    description: str
-    status: Status = "ok"
-    note: str = ""
     points: list[ThroughputPoint] = field(default_factory=list)
 
     kind: ClassVar[str] = "throughput"
@@ -113,14 +111,10 @@ class EmbeddingsPoint:
 
 
 @dataclass
-class EmbeddingsArm:
+class EmbeddingsArm(ArmHeader):
     """Embeddings per second at each batch size: through the proxy's ``/v1/embeddings``, or
     the same one-token chats straight to vLLM (the baseline)."""
 
-    name: str
-    description: str
-    status: Status = "ok"
-    note: str = ""
     hidden_size: int | None = None
     points: list[EmbeddingsPoint] = field(default_factory=list)
 
@@ -141,13 +135,9 @@ def paired_embeddings_ratio(
 
 
 @dataclass
-class PoolingArm:
+class PoolingArm(ArmHeader):
     """A second vLLM server (``--runner pooling``, LAST pooling) serving the same model."""
 
-    name: str
-    description: str
-    status: Status = "ok"
-    note: str = ""
     latency_ms: Summary | None = None
     rss_mib: float | None = None
     pss_mib: float | None = None
