@@ -84,6 +84,8 @@ class PublicationQueue:
 
     def publish_ready(self) -> None:
         """Publish the oldest entries whose copy has completed. Never waits."""
+        if not self._entries:
+            return  # the common step: nothing started, so no lock taken
         if not self._drain_lock.acquire(blocking=False):
             return  # another thread is draining, in order, and will publish them
         try:
