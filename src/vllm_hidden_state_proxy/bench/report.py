@@ -65,9 +65,7 @@ def targets_section(results: BenchResults) -> list[str]:
 
 def latency_section(results: BenchResults) -> list[str]:
     rows = []
-    for arm in results.arms.values():
-        if not isinstance(arm, LatencyArm):
-            continue
+    for arm in results.arms_of(LatencyArm).values():
         s = arm.latency_ms
         if arm.status != "ok" or s is None:
             rows.append([arm.name, arm.description, _not_ok(arm), "", "", "", ""])
@@ -95,9 +93,7 @@ def latency_section(results: BenchResults) -> list[str]:
 def streaming_section(results: BenchResults) -> list[str]:
     rows = []
     tokens = 0
-    for arm in results.arms.values():
-        if not isinstance(arm, StreamArm):
-            continue
+    for arm in results.arms_of(StreamArm).values():
         if arm.status != "ok" or arm.ttft_ms is None or arm.itl_ms is None or arm.ttlt_ms is None:
             rows.append([arm.name, _not_ok(arm), "", "", "", "", "", ""])
             continue
@@ -137,7 +133,7 @@ def streaming_section(results: BenchResults) -> list[str]:
 
 
 def throughput_section(results: BenchResults) -> list[str]:
-    arms = {name: arm for name, arm in results.arms.items() if isinstance(arm, ThroughputArm)}
+    arms = results.arms_of(ThroughputArm)
     direct = arms.get(THROUGHPUT_DIRECT)
     if direct is None:
         return []
@@ -183,7 +179,7 @@ def throughput_section(results: BenchResults) -> list[str]:
 
 
 def embeddings_section(results: BenchResults) -> list[str]:
-    arms = {name: arm for name, arm in results.arms.items() if isinstance(arm, EmbeddingsArm)}
+    arms = results.arms_of(EmbeddingsArm)
     proxy, direct = arms.get(EMBEDDINGS_PROXY), arms.get(EMBEDDINGS_DIRECT)
     if proxy is None:
         return []

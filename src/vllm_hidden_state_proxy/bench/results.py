@@ -8,7 +8,7 @@ server refused what the arm asks for, e.g. a vector format it does not know yet)
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from .stats import Summary, percentile
 
@@ -153,6 +153,7 @@ class PoolingArm(ArmHeader):
 
 
 Arm = LatencyArm | StreamArm | ThroughputArm | PoolingArm | EmbeddingsArm
+_ArmT = TypeVar("_ArmT", bound=ArmHeader)
 
 
 @dataclass
@@ -225,6 +226,10 @@ class BenchResults:
 
     def add(self, arm: Arm) -> None:
         self.arms[arm.name] = arm
+
+    def arms_of(self, kind: type[_ArmT]) -> dict[str, _ArmT]:
+        """The arms of one kind, by name, in the order they were added."""
+        return {name: arm for name, arm in self.arms.items() if isinstance(arm, kind)}
 
     def latency(self, name: str) -> Summary | None:
         arm = self.arms.get(name)

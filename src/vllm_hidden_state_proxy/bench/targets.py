@@ -160,12 +160,7 @@ def informative_ratios(results: BenchResults) -> dict[str, float | None]:
         ),
     }
     levels = sorted(
-        {
-            p.concurrency
-            for arm in results.arms.values()
-            if isinstance(arm, ThroughputArm)
-            for p in arm.points
-        }
+        {p.concurrency for arm in results.arms_of(ThroughputArm).values() for p in arm.points}
     )
     for level in levels:
         found[f"flagged / direct, throughput at concurrency {level} (median of rounds)"] = (
