@@ -3,10 +3,12 @@ flagged ones get their vector (completions with a list of prompts: one vector pe
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, run_until_disconnect
 from vllm_hidden_state_proxy.proxy.completions import completions_exchange, prompt_list
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, send_error
-from vllm_hidden_state_proxy.proxy.flag import Flagged, inspect_body
+from vllm_hidden_state_proxy.proxy.flag import Decision, Forward, inspect_body
 from vllm_hidden_state_proxy.proxy.flagged import flagged_exchange, no_ring_error
 from vllm_hidden_state_proxy.proxy.forward import forward
 from vllm_hidden_state_proxy.proxy.passthrough import receive_body
@@ -21,33 +23,31 @@ class GenerationApp:
         self.completions = completions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self.state
-        body = await receive_body(state, scope, receive, send)
+        body = await receive_body(self.state, scope, receive, send)
         if body is None:
             return
         try:
-            decision = inspect_body(body)
-            if isinstance(decision, Flagged):
-                state.metrics.flagged_received += 1
-                prompts = prompt_list(decision.document) if self.completions else None
-                if not state.ring.has_ring():
-                    raise no_ring_error(state.settings.ring_dir)
+            exchange = self._exchange(scope, send, inspect_body(body))
         except ProxyError as error:
             await send_error(send, error)
             return
-        if isinstance(decision, Flagged):
-            state.metrics.requests["flagged"] += 1
-            document, options = decision.document, decision.options
-            if prompts is None:
-                await run_until_disconnect(
-                    receive, lambda: flagged_exchange(state, scope, send, document, options)
-                )
-            else:
-                await run_until_disconnect(
-                    receive,
-                    lambda: completions_exchange(state, scope, send, document, options, prompts),
-                )
-        else:
+        await run_until_disconnect(receive, exchange)
+
+    def _exchange(
+        self, scope: Scope, send: Send, decision: Decision
+    ) -> Callable[[], Awaitable[None]]:
+        """What to run for the request; raises ``ProxyError`` for a flagged one it refuses."""
+        state = self.state
+        if isinstance(decision, Forward):
             state.metrics.requests["ordinary"] += 1
             forwarded = decision.body
-            await run_until_disconnect(receive, lambda: forward(state, scope, send, forwarded))
+            return lambda: forward(state, scope, send, forwarded)
+        state.metrics.flagged_received += 1
+        document, options = decision.document, decision.options
+        prompts = prompt_list(document) if self.completions else None
+        if not state.ring.has_ring():
+            raise no_ring_error(state.settings.ring_dir)
+        state.metrics.requests["flagged"] += 1
+        if prompts is None:
+            return lambda: flagged_exchange(state, scope, send, document, options)
+        return lambda: completions_exchange(state, scope, send, document, options, prompts)
