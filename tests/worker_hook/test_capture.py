@@ -19,6 +19,7 @@ from vllm_hidden_state_proxy.protocol import XARGS_KEY
 from vllm_hidden_state_proxy.ring import RingDirectory, RingReader, RingWriter
 from vllm_hidden_state_proxy.worker_hook import capture as capture_mod
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
+from vllm_hidden_state_proxy.worker_hook.device_copy import SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
 HIDDEN = 4
@@ -349,9 +350,11 @@ def test_non_publishing_rank_does_nothing(hook_log: Any) -> None:
     assert hook_log.records == []
 
 
-def test_gather_rows_as_float32_is_little_endian_and_ordered() -> None:
+def test_cpu_copy_is_little_endian_and_ordered() -> None:
     hidden = (torch.arange(12, dtype=torch.float32).reshape(6, 2) / 4).to(torch.bfloat16)
-    out = capture_mod._gather_rows_as_float32(hidden, [5, 0, 5])
+    pending = SyncRowCopier().start(hidden, [5, 0, 5])
+    assert pending.done()
+    out = pending.vectors()
     assert out == [
         struct.pack("<2f", 2.5, 2.75),
         struct.pack("<2f", 0.0, 0.25),

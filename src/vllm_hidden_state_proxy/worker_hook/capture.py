@@ -62,7 +62,7 @@ from ..protocol import (
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
-from .device_copy import RowCopier, copier_for, gather_rows_as_float32
+from .device_copy import RowCopier, copier_for
 from .publication_queue import PublicationQueue, RecordTarget
 from .runners import RunnerView, UnsupportedRunner, step_hidden_states
 from .selection import SelectedRequests, last_prompt_row
@@ -263,7 +263,3 @@ def _publishing_first(get_output: Any, publications: PublicationQueue, through: 
         return get_output()
 
     return get_output_after_publishing
-
-
-#: The synchronous gather the CPU path uses (kept under its former name for callers and tests).
-_gather_rows_as_float32 = gather_rows_as_float32
