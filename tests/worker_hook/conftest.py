@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from vllm_hidden_state_proxy.ring import RingReader, RingWriter
+
 HOOK_LOGGER = "vllm.hidden_state_hook"
+HIDDEN = 4
+MODEL = "test-model"
 
 
 class HookLog:
@@ -57,3 +62,27 @@ def clean_meta_path() -> Iterator[None]:
         yield
     finally:
         sys.meta_path[:] = saved
+
+
+@pytest.fixture
+def ring_dir(tmp_path: Path) -> Path:
+    return tmp_path / "rings"
+
+
+@pytest.fixture
+def writer(ring_dir: Path) -> Iterator[RingWriter]:
+    """A real ring of ``HIDDEN``-d vectors for ``MODEL``, closed after the test."""
+    w = RingWriter.create(ring_dir, writer_id="dp0", hidden_size=HIDDEN, model=MODEL, slot_count=16)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def reader(writer: RingWriter) -> Iterator[RingReader]:
+    r = RingReader.open(writer.path)
+    try:
+        yield r
+    finally:
+        r.close()

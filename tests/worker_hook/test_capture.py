@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,15 +15,13 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from tests.worker_hook.conftest import HIDDEN, MODEL
 from vllm_hidden_state_proxy.protocol import XARGS_KEY
 from vllm_hidden_state_proxy.ring import RingDirectory, RingReader, RingWriter
 from vllm_hidden_state_proxy.worker_hook import capture as capture_mod
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
-
-HIDDEN = 4
-MODEL = "test-model"
 
 
 def key(n: int) -> bytes:
@@ -116,29 +114,6 @@ def sched(
         finished_req_ids=set(finished),
         free_encoder_mm_hashes=[],
     )
-
-
-@pytest.fixture
-def ring_dir(tmp_path: Path) -> Path:
-    return tmp_path / "rings"
-
-
-@pytest.fixture
-def writer(ring_dir: Path) -> Iterator[RingWriter]:
-    w = RingWriter.create(ring_dir, writer_id="dp0", hidden_size=HIDDEN, model=MODEL, slot_count=16)
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-@pytest.fixture
-def reader(writer: RingWriter) -> Iterator[RingReader]:
-    r = RingReader.open(writer.path)
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def run(

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,26 +101,6 @@ class FakeAsyncOutput:
         if self._on_get_output is not None:
             self._on_get_output()
         return "model-runner-output"
-
-
-@pytest.fixture
-def writer(tmp_path: Path) -> Iterator[RingWriter]:
-    w = RingWriter.create(
-        tmp_path / "rings", writer_id="dp0", hidden_size=HIDDEN, model=MODEL, slot_count=16
-    )
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-@pytest.fixture
-def reader(writer: RingWriter) -> Iterator[RingReader]:
-    r = RingReader.open(writer.path)
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture
