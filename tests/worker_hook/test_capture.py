@@ -70,6 +70,11 @@ class FakeV1Runner:
         return starts
 
 
+def v1_capture(writer: RingWriter) -> tuple[FakeV1Runner, StepCapture]:
+    """A float16 fake V1 runner and a publishing capture reading it."""
+    return FakeV1Runner(torch.float16), StepCapture(V1RunnerView(), writer, MODEL)
+
+
 def sched(
     batch: list[tuple[str, int, int, int]],
     *,
@@ -172,8 +177,7 @@ def test_publishes_exactly_the_flagged_last_prompt_rows(
 def test_chunked_prefill_publishes_once_at_the_step_holding_p_minus_1(
     writer: RingWriter, reader: RingReader
 ) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     k = key(9)
     # P = 10 in chunks of 4, 4, 2, next to other requests whose rows shift it around.
     run(capture, runner, [("c", 10, 0, 4), ("x", 3, 0, 3)], new={"c": k, "x": None})
@@ -194,8 +198,7 @@ def test_chunked_prefill_publishes_once_at_the_step_holding_p_minus_1(
 
 
 def test_n_siblings_publish_one_record(writer: RingWriter, reader: RingReader) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     k = key(4)
     run(capture, runner, [("0_p", 4, 0, 4), ("1_p", 4, 0, 4)], new={"0_p": k, "1_p": k})
     assert writer.publish_count == 1
@@ -206,8 +209,7 @@ def test_n_siblings_publish_one_record(writer: RingWriter, reader: RingReader) -
 
 
 def test_re_prefill_after_preemption(writer: RingWriter, reader: RingReader) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     # "early" is preempted mid-prefill, "late" after its vector was published.
     run(
         capture,
@@ -226,8 +228,7 @@ def test_re_prefill_after_preemption(writer: RingWriter, reader: RingReader) -> 
 
 
 def test_finished_before_its_last_chunk_publishes_nothing(writer: RingWriter) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     run(capture, runner, [("c", 10, 0, 4)], new={"c": key(7)})
     run(capture, runner, [("z", 2, 0, 2)], new={"z": None}, finished=["c"])
     assert capture.selected.pending == {}
@@ -237,8 +238,7 @@ def test_finished_before_its_last_chunk_publishes_nothing(writer: RingWriter) ->
 def test_step_without_hidden_states_keeps_the_request_pending(
     writer: RingWriter, reader: RingReader
 ) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     batch = [("a", 3, 0, 3)]
     runner.load(batch)
     runner.execute_model_state = None  # e.g. a non-last PP rank or an empty step
@@ -298,8 +298,7 @@ def test_unreadable_scheduler_output_is_contained(writer: RingWriter, hook_log: 
 def test_a_malformed_key_does_not_cost_other_requests_their_vector(
     writer: RingWriter, reader: RingReader
 ) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer)
     batch = [("bad", 3, 0, 3), ("good", 3, 0, 3)]
     run(capture, runner, batch, new={"bad": "ab" * 15 + "  ", "good": key(1)})
     assert reader.lookup(key(1)) is not None
