@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,16 +17,10 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from .serve import NotHealthy, stop_process_group, wait_until_healthy
+from .processes import NotHealthy, free_port, log_tail, stop_process_group, wait_until_healthy
 from .tiny_model import build_tiny_model
 
 SERVED_MODEL_NAME = "tiny-chat"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _say(message: str) -> None:
@@ -49,22 +42,18 @@ def _relay(stream: IO[bytes], log: IO[bytes], quiet: threading.Event) -> None:
             print("  " + line, flush=True)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
     try:
         wait_until_healthy(url, process, timeout)  # `serve` prints progress while vLLM loads
     except NotHealthy as problem:
-        raise SystemExit(f"[demo] {problem}. Last lines of {log}:\n{_tail(log)}") from None
+        raise SystemExit(f"[demo] {problem}. Last lines of {log}:\n{log_tail(log)}") from None
 
 
 def run_demo(model_dir: Path | None, timeout: float) -> int:
     _say("building the tiny offline chat model (random weights, a few seconds)...")
     model_path = build_tiny_model(model_dir)
     _say(f"model at {model_path}")
-    port, vllm_port = _free_port(), _free_port()
+    port, vllm_port = free_port(), free_port()
     command = [
         sys.executable,
         "-m",

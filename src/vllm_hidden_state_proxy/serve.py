@@ -25,41 +25,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from .processes import VLLM_LOOPBACK, healthy, stop_process_group, vllm_command
 from .protocol import HOOK_ENABLED_ENV, RING_DIR_ENV
 
 PLUGIN_NAME = "hidden_state_hook"
-VLLM_LOOPBACK = "127.0.0.1"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
 #: How long the proxy may take to answer /health once started (it also asks vLLM's /health).
 PROXY_STARTUP_TIMEOUT = 60.0
 PROXY_STOP_GRACE = 5.0
 VLLM_STOP_GRACE = 20.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-#: Health probes talk to our own children: never through an HTTP proxy from the environment.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def vllm_command(model: str, port: int, extra: Sequence[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        VLLM_LOOPBACK,
-        "--port",
-        str(port),
-        *extra,
-    ]
 
 
 def proxy_command(args: argparse.Namespace, upstream: str, ring_dir: str) -> list[str]:
@@ -119,30 +99,6 @@ def vllm_environment(ring_dir: str) -> dict[str, str]:
 def _default_ring_dir() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return tempfile.mkdtemp(prefix=RING_DIR_PREFIX, dir=base)
-
-
-class NotHealthy(Exception):
-    """A server did not become healthy (it exited, or the time ran out)."""
-
-
-def wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    """Poll ``url`` until it answers 200; raise ``NotHealthy`` if ``process`` exits first or
-    ``timeout`` seconds pass (for callers that run ``serve`` as a child: demo, tests)."""
-    deadline = time.monotonic() + timeout
-    while not healthy(url):
-        if process.poll() is not None:
-            raise NotHealthy(f"the server exited with status {process.returncode}")
-        if time.monotonic() > deadline:
-            raise NotHealthy(f"{url} was not healthy after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with _DIRECT.open(url, timeout=timeout) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def _say(message: str) -> None:
@@ -218,29 +174,6 @@ def _spawn(command: Sequence[str], env: dict[str, str] | None = None) -> subproc
     return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent())
 
 
-def stop_process_group(
-    process: subprocess.Popen[bytes] | None, name: str, grace: float = VLLM_STOP_GRACE
-) -> None:
-    """Stop a process started with ``start_new_session=True``: SIGTERM to the process itself
-    (vLLM's API server then shuts its engine and workers down in order; signalling the whole
-    group at once would kill the engine under the API server's feet), SIGKILL to the whole group
-    after ``grace`` seconds, and finally SIGKILL to whatever is left of the group."""
-    if process is None:
-        return
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            _say(f"{name} did not stop in {grace:.0f} s; killing it")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-
-
 class _StopRequest:
     """SIGINT/SIGTERM only set a flag (polled by the wait loops), for the whole run *including*
     the stopping of the children: a second Ctrl-C can not interrupt that half-way. The previous
@@ -276,8 +209,8 @@ class _Children:
         return None
 
     def stop(self) -> None:
-        stop_process_group(self.proxy, "the proxy", grace=PROXY_STOP_GRACE)
-        stop_process_group(self.vllm, "vLLM", grace=VLLM_STOP_GRACE)
+        stop_process_group(self.proxy, "the proxy", grace=PROXY_STOP_GRACE, say=_say)
+        stop_process_group(self.vllm, "vLLM", grace=VLLM_STOP_GRACE, say=_say)
 
 
 def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:

@@ -36,8 +36,9 @@ from vllm_hidden_state_proxy.bench.procs import (
     tree_memory,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.servers import chat_environment, free_port
+from vllm_hidden_state_proxy.bench.servers import chat_environment
 from vllm_hidden_state_proxy.cli import build_parser
+from vllm_hidden_state_proxy.processes import free_port
 
 
 def parse(*argv: str) -> bench_options.BenchOptions:

@@ -5,15 +5,20 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hidden_state_proxy.bench.lock import one_vllm_at_a_time
-from vllm_hidden_state_proxy.serve import NotHealthy, stop_process_group, wait_until_healthy
+from vllm_hidden_state_proxy.processes import (
+    NotHealthy,
+    free_port,
+    offline_environment,
+    one_vllm_at_a_time,
+    stop_process_group,
+    wait_until_healthy,
+)
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
 MAX_NUM_BATCHED_TOKENS = 128
@@ -56,12 +61,6 @@ class RunningStack:
             return "(no log)"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
     try:
         wait_until_healthy(url, process, timeout)
@@ -71,8 +70,7 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log
 
 
 def stack_environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env = offline_environment()
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.commands import CHART_DIR, chart_commands, compose_commands, localize
-from vllm_hidden_state_proxy.serve import stop_process_group
+from vllm_hidden_state_proxy.processes import stop_process_group
 
 from .reference import Reference, assert_matches
 from .server import (

@@ -21,8 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from vllm_hidden_state_proxy.processes import stop_process_group, vllm_command
 from vllm_hidden_state_proxy.ring import RingReader
-from vllm_hidden_state_proxy.serve import stop_process_group, vllm_command, vllm_environment
+from vllm_hidden_state_proxy.serve import vllm_environment
 
 from .reference import Reference, assert_matches
 from .server import (

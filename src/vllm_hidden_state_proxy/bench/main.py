@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from ..processes import free_port
 from .client import BenchError
 from .cpu import measure_cpu
 from .embeddings import embeddings_routes, measure_embeddings, skipped_arms
@@ -30,7 +31,7 @@ from .progress import Progress
 from .report import render_markdown, write_reports
 from .results import BenchResults, LatencyArm
 from .ring_micro import measure_ring
-from .servers import ChatStack, chat_stack, free_port, is_local, pooling_server, port_of
+from .servers import ChatStack, chat_stack, is_local, pooling_server, port_of
 from .streaming import measure_streaming, stream_routes
 from .targets import evaluate
 from .throughput import load_routes, measure_throughput

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..serve import healthy, stop_process_group
+from ..processes import healthy, stop_process_group
 from .client import BenchError
 
 STARTUP_TIMEOUT = 15.0

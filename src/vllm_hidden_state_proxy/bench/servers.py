@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,10 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..processes import (
+    NotHealthy,
+    free_port,
+    log_tail,
+    offline_environment,
+    one_vllm_at_a_time,
+    stop_process_group,
+    vllm_command,
+    wait_until_healthy,
+)
 from ..protocol import HOOK_ENABLED_ENV
-from ..serve import NotHealthy, stop_process_group, vllm_command, wait_until_healthy
 from .client import BenchError
-from .lock import one_vllm_at_a_time
 from .options import API_KEY_ENV
 from .progress import Progress
 
@@ -74,30 +80,6 @@ def is_local(url: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def server_environment() -> dict[str, str]:
-    """Offline, quiet: no hub, no usage statistics; a small CPU KV cache unless one is set."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["VLLM_NO_USAGE_STATS"] = "1"
-    env["DO_NOT_TRACK"] = "1"
-    return env
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 @contextlib.contextmanager
 def _running(
     command: Sequence[str],
@@ -124,7 +106,7 @@ def _running(
                 wait_until_healthy(health_url, process, timeout)
             except NotHealthy as problem:
                 raise BenchError(
-                    f"{name}: {problem}; last lines of {log_path}:\n{_tail(log_path)}"
+                    f"{name}: {problem}; last lines of {log_path}:\n{log_tail(log_path)}"
                 ) from None
             startup = time.monotonic() - started
             progress.say(f"{name} is ready after {startup:.0f} s")
@@ -135,9 +117,9 @@ def _running(
 
 
 def chat_environment(api_key: str | None) -> dict[str, str]:
-    """``server_environment`` for ``serve``: the proxy's key is ``api_key`` (in the environment,
+    """``offline_environment`` for ``serve``: the proxy's key is ``api_key`` (in the environment,
     not on the visible command line) or none, whatever the bench's own environment says."""
-    env = server_environment()
+    env = offline_environment()
     env.pop(API_KEY_ENV, None)
     if api_key is not None:
         env[API_KEY_ENV] = api_key
@@ -193,7 +175,7 @@ def pooling_server(
     command = vllm_command(
         str(model_dir), port, [*VLLM_ARGS, *POOLING_ARGS, json.dumps(POOLER_CONFIG)]
     )
-    env = server_environment()
+    env = offline_environment()
     env[HOOK_ENABLED_ENV] = "0"
     url = f"http://127.0.0.1:{port}"
     with _running(

