@@ -34,7 +34,7 @@ from vllm_hidden_state_proxy.ring import (
     HEADER_SIZE,
     INDEX_ENTRY_SIZE,
     INDEX_OFFSET,
-    KEY_BYTES,
+    REQUEST_KEY_BYTES,
     SLOT_CRC_OFFSET,
     SLOT_KEY_OFFSET,
     SLOT_LEN_OFFSET,
@@ -60,12 +60,12 @@ MODEL = "test/model-7b"
 
 def key_for(i: int) -> bytes:
     # Same derivation as in WRITER_SCRIPT below.
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=REQUEST_KEY_BYTES).digest()
 
 
 def vector_for(key: bytes, hidden_size: int) -> bytes:
     # Same derivation as in WRITER_SCRIPT below. hidden_size must be a multiple of 4.
-    return key * (4 * hidden_size // KEY_BYTES)
+    return key * (4 * hidden_size // REQUEST_KEY_BYTES)
 
 
 def floats_vector(values: list[float]) -> bytes:
@@ -193,12 +193,14 @@ def test_header_bytes_match_contract(tmp_path: Path) -> None:
     assert struct.unpack_from("<I", data, HDR_SLOT_COUNT_OFFSET)[0] == 4
     assert struct.unpack_from("<Q", data, HDR_PUBLISH_COUNT_OFFSET)[0] == 1
     assert struct.unpack_from("<Q", data, ring.HDR_EPOCH_OFFSET)[0] == w.epoch
-    assert data[INDEX_OFFSET : INDEX_OFFSET + KEY_BYTES] == k
-    assert data[INDEX_OFFSET + KEY_BYTES : INDEX_OFFSET + 2 * KEY_BYTES] == bytes(KEY_BYTES)
+    assert data[INDEX_OFFSET : INDEX_OFFSET + REQUEST_KEY_BYTES] == k
+    assert data[INDEX_OFFSET + REQUEST_KEY_BYTES : INDEX_OFFSET + 2 * REQUEST_KEY_BYTES] == bytes(
+        REQUEST_KEY_BYTES
+    )
     off = slot_offset(w, 0)
     assert off % 64 == 0
     assert struct.unpack_from("<Q", data, off + SLOT_SEQ_OFFSET)[0] == 2  # even after one write
-    assert data[off + SLOT_KEY_OFFSET : off + SLOT_KEY_OFFSET + KEY_BYTES] == k
+    assert data[off + SLOT_KEY_OFFSET : off + SLOT_KEY_OFFSET + REQUEST_KEY_BYTES] == k
     n = struct.unpack_from("<I", data, off + SLOT_LEN_OFFSET)[0]
     payload = data[off + SLOT_PAYLOAD_OFFSET : off + SLOT_PAYLOAD_OFFSET + n]
     assert struct.unpack_from("<I", data, off + SLOT_CRC_OFFSET)[0] == zlib.crc32(payload)
@@ -217,7 +219,7 @@ def test_slot_size_for() -> None:
     for hidden in (1, 8, 4096, 8192):
         size = slot_size_for(hidden, MODEL)
         assert size % 64 == 0
-        assert size >= SLOT_PAYLOAD_OFFSET + 4 * hidden + KEY_BYTES
+        assert size >= SLOT_PAYLOAD_OFFSET + 4 * hidden + REQUEST_KEY_BYTES
     assert slot_size_for(4096, "m" * 200) > slot_size_for(4096, "m")
     with pytest.raises(ValueError):
         slot_size_for(0, MODEL)
@@ -231,7 +233,7 @@ def test_publish_and_create_validation(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         w.publish(b"short", b"\x00" * 32, position=0, num_prompt_tokens=1)
     with pytest.raises(ValueError):
-        w.publish(bytes(KEY_BYTES), b"\x00" * 32, position=0, num_prompt_tokens=1)
+        w.publish(bytes(REQUEST_KEY_BYTES), b"\x00" * 32, position=0, num_prompt_tokens=1)
     with pytest.raises(ValueError):
         w.publish(good, b"\x00" * 32, position=1 << 70, num_prompt_tokens=1)
     assert w.publish_count == 0  # nothing was written by the rejected calls
@@ -254,7 +256,7 @@ def test_lookup_rejects_malformed_keys(tmp_path: Path) -> None:
     assert r.lookup(k) is not None
     assert r.lookup(k[:15]) is None
     assert r.lookup(k + b"\x00") is None
-    assert r.lookup(bytes(KEY_BYTES)) is None  # empty index entries are zeros
+    assert r.lookup(bytes(REQUEST_KEY_BYTES)) is None  # empty index entries are zeros
     assert r.lookup(bytearray(k)) is None  # type: ignore[arg-type]
     r.close()
     assert r.lookup(k) is None  # closed reader: a miss, not a crash
@@ -316,10 +318,10 @@ def test_changed_slot_key(rw_map: tuple[RingWriter, RingReader, mmap.mmap]) -> N
     w, r, mm = rw_map
     k = publish_index(w, 0)
     off = slot_offset(w, 0) + SLOT_KEY_OFFSET
-    mm[off : off + KEY_BYTES] = key_for(99)
+    mm[off : off + REQUEST_KEY_BYTES] = key_for(99)
     assert r.lookup(k) is None
     assert r.lookup(key_for(99)) is None  # not in the index
-    mm[off : off + KEY_BYTES] = k
+    mm[off : off + REQUEST_KEY_BYTES] = k
     assert_is_record_of(r.lookup(k), 0, 8)
 
 
@@ -341,15 +343,15 @@ def test_index_hit_on_overwritten_slot_never_returns_other_record(
     k0 = publish_index(w, 0)  # slot 0
     k1 = publish_index(w, 1)  # slot 1
     # Index now claims k0 lives in slot 1 (which holds k1's record), and forgets slot 0.
-    mm[INDEX_OFFSET : INDEX_OFFSET + KEY_BYTES] = bytes(KEY_BYTES)
-    mm[INDEX_OFFSET + KEY_BYTES : INDEX_OFFSET + 2 * KEY_BYTES] = k0
+    mm[INDEX_OFFSET : INDEX_OFFSET + REQUEST_KEY_BYTES] = bytes(REQUEST_KEY_BYTES)
+    mm[INDEX_OFFSET + REQUEST_KEY_BYTES : INDEX_OFFSET + 2 * REQUEST_KEY_BYTES] = k0
     assert r.lookup(k0) is None
     # Also forge slot 1's key field to k0: the payload (valid CRC) still says k1.
     off = slot_offset(w, 1) + SLOT_KEY_OFFSET
-    mm[off : off + KEY_BYTES] = k0
+    mm[off : off + REQUEST_KEY_BYTES] = k0
     assert r.lookup(k0) is None
     # Restoring slot 0's index entry makes k0 findable again (the test setup is not vacuous).
-    mm[INDEX_OFFSET : INDEX_OFFSET + KEY_BYTES] = k0
+    mm[INDEX_OFFSET : INDEX_OFFSET + REQUEST_KEY_BYTES] = k0
     assert_is_record_of(r.lookup(k0), 0, 8)
     assert r.lookup(k1) is None  # k1 lost its index entry
 
@@ -1048,7 +1050,7 @@ def _check_garbage_file(directory: Path, data: bytes, keys: list[bytes]) -> None
 
 _KEYS = st.lists(
     st.one_of(
-        st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES),
+        st.binary(min_size=REQUEST_KEY_BYTES, max_size=REQUEST_KEY_BYTES),
         st.binary(max_size=24),
         st.integers(0, 5).map(key_for),
     ),

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from vllm_hidden_state_proxy.ring import (
     HEADER_FMT,
     HEADER_SIZE,
-    KEY_BYTES,
+    REQUEST_KEY_BYTES,
     LAYOUT_VERSION,
     MAGIC,
     Record,
@@ -56,7 +56,7 @@ FUZZ = settings(
 
 
 def key_for(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=REQUEST_KEY_BYTES).digest()
 
 
 KEYS = [key_for(i) for i in range(4)]
@@ -70,7 +70,7 @@ def write_file(path: Path, data: bytes, mode: int = 0o600) -> None:
 
 
 def slots_offset(slot_count: int) -> int:
-    return (HEADER_SIZE + KEY_BYTES * slot_count + 63) // 64 * 64
+    return (HEADER_SIZE + REQUEST_KEY_BYTES * slot_count + 63) // 64 * 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def slots(draw: st.DrawFn, key: bytes) -> dict[str, Any]:
     payload = draw(payloads(key))
     return {
         "seq": draw(mostly(st.sampled_from([0, 2, (1 << 64) - 2]), st.sampled_from([1, 3]))),
-        "key": draw(mostly(st.just(key), st.sampled_from([*KEYS, bytes(KEY_BYTES)]))),
+        "key": draw(mostly(st.just(key), st.sampled_from([*KEYS, bytes(REQUEST_KEY_BYTES)]))),
         "payload": payload,
         "length": draw(mostly(st.just(len(payload)), st.integers(0, (1 << 32) - 1))),
         "crc": draw(mostly(st.none(), st.integers(0, (1 << 32) - 1))),
@@ -168,7 +168,7 @@ def build_ring(
         HEADER_SIZE,
         slot_size,
         slot_count,
-        KEY_BYTES,
+        REQUEST_KEY_BYTES,
         HIDDEN,
         12345,
         os.getpid(),
@@ -177,7 +177,9 @@ def build_ring(
         0,
     )
     for i, entry in enumerate(index):
-        data[HEADER_SIZE + KEY_BYTES * i : HEADER_SIZE + KEY_BYTES * (i + 1)] = entry
+        data[HEADER_SIZE + REQUEST_KEY_BYTES * i : HEADER_SIZE + REQUEST_KEY_BYTES * (i + 1)] = (
+            entry
+        )
     cap = slot_size - SLOT_HEADER
     for i, slot in enumerate(slot_list):
         off = slots_offset(slot_count) + i * slot_size
@@ -214,8 +216,8 @@ def record_in_slot(data: bytes, slot_count: int, slot_size: int, i: int, key: by
 
 def expected_lookup(data: bytes, slot_count: int, slot_size: int, key: bytes) -> Any:
     for i in range(slot_count):
-        start = HEADER_SIZE + KEY_BYTES * i
-        if data[start : start + KEY_BYTES] == key:
+        start = HEADER_SIZE + REQUEST_KEY_BYTES * i
+        if data[start : start + REQUEST_KEY_BYTES] == key:
             record = record_in_slot(data, slot_count, slot_size, i, key)
             if record is not None:
                 return record
@@ -227,7 +229,9 @@ def forged_rings(draw: st.DrawFn) -> tuple[int, int, bytes]:
     slot_count = draw(st.integers(1, 4))
     slot_size = slot_size_for(HIDDEN, "") + 64 * draw(st.integers(0, 1))
     target = draw(st.sampled_from(KEYS))
-    entries = st.one_of(st.sampled_from(KEYS), st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES))
+    entries = st.one_of(
+        st.sampled_from(KEYS), st.binary(min_size=REQUEST_KEY_BYTES, max_size=REQUEST_KEY_BYTES)
+    )
     index = draw(
         st.lists(mostly(st.just(target), entries), min_size=slot_count, max_size=slot_count)
     )
@@ -398,7 +402,7 @@ def test_directory_of_garbage_around_a_live_writer(
         for key in live:
             found = rings.lookup(key)
             assert found is not None and found.key == key
-        for key in [*KEYS, key_for(100), key_for(104), bytes(KEY_BYTES), b"short"]:
+        for key in [*KEYS, key_for(100), key_for(104), bytes(REQUEST_KEY_BYTES), b"short"]:
             found = rings.lookup(key)
             assert found is None or found.key == key
         # Change everything under it (files replaced, removed, truncated), then ask again.
@@ -447,7 +451,7 @@ def test_huge_sparse_ring_is_mapped_not_read(tmp_path: Path) -> None:
     header = bytearray(HEADER_SIZE)
     struct.pack_into(
         HEADER_FMT, header, 0, MAGIC, LAYOUT_VERSION, HEADER_SIZE, slot_size, slot_count,
-        KEY_BYTES, HIDDEN, 1, 1, 0, 0, 0,
+        REQUEST_KEY_BYTES, HIDDEN, 1, 1, 0, 0, 0,
     )  # fmt: skip
     with open(path, "wb") as f:
         f.write(header)

@@ -1,110 +1,39 @@
-"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model|bench``."""
+"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model|bench``.
+
+The proxy's options come from its settings table (``proxy/settings.py``); ``serve`` adds the
+few that concern vLLM and the pair of processes.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-from .bench.options import add_arguments as add_bench_arguments
-from .protocol import RING_DIR_ENV, ring_dir_from_env
-from .proxy.embeddings_request import DEFAULT_TEMPLATE, check_template
+from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
-DEFAULT_PORT = 8000
 DEFAULT_VLLM_PORT = 8001
-DEFAULT_VECTOR_TIMEOUT = 5.0
-#: Read by the proxy (compose and the Helm chart set it): the embedding template.
-EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
-#: Read by the proxy: its API key, and vLLM's (when vLLM has a different one). Environment
-#: variables keep secrets out of process listings.
-API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
-UPSTREAM_API_KEY_ENV = "HIDDEN_STATE_PROXY_UPSTREAM_API_KEY"
 
 
-def _add_proxy_options(parser: argparse.ArgumentParser, *, default_host: str) -> None:
-    parser.add_argument(
-        "--host", default=default_host, help=f"address to bind (default {default_host})"
-    )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="proxy port (default 8000)")
-    parser.add_argument(
-        "--vector-timeout",
-        type=float,
-        default=DEFAULT_VECTOR_TIMEOUT,
-        metavar="SECONDS",
-        help="how long a flagged request waits for its vector once vLLM has answered "
-        f"(default {DEFAULT_VECTOR_TIMEOUT}); then 504",
-    )
-    parser.add_argument(
-        "--max-body-size",
-        type=int,
-        default=32 * 1024 * 1024,
-        metavar="BYTES",
-        help="largest request body accepted; larger bodies get 413 (default 32 MiB)",
-    )
-    parser.add_argument(
-        "--embedding-template",
-        default=os.environ.get(EMBEDDING_TEMPLATE_ENV) or DEFAULT_TEMPLATE,
-        metavar="TEMPLATE",
-        help="/v1/embeddings: prompt template for text inputs, with a {text} placeholder "
-        f"(default ${EMBEDDING_TEMPLATE_ENV} or {DEFAULT_TEMPLATE!r})",
-    )
-    parser.add_argument(
-        "--max-embedding-inputs",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="/v1/embeddings: most inputs per request; more get 400 (default 2048)",
-    )
-    parser.add_argument(
-        "--fan-out-limit",
-        type=int,
-        default=64,
-        metavar="N",
-        help="most vLLM requests one client request keeps in flight (an embeddings input list, "
-        "a flagged list of completions prompts; default 64)",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        metavar="KEY",
-        help=f"clients must send 'Authorization: Bearer KEY' (default ${API_KEY_ENV}; prefer "
-        "the variable: arguments are visible in process listings); /health stays open",
-    )
-    parser.add_argument(
-        "--ring-owner-uid",
-        type=int,
-        action="append",
-        default=None,
-        metavar="UID",
-        help="trust ring files owned by this user (repeatable; default: the proxy's own user "
-        "and root); ring files of other users are refused",
-    )
-    parser.add_argument(
-        "--protect-metrics",
-        action="store_true",
-        help="with an API key, /metrics needs it too",
-    )
-    parser.add_argument(
-        "--upstream-api-key",
-        default=os.environ.get(UPSTREAM_API_KEY_ENV) or None,
-        metavar="KEY",
-        help=f"vLLM's own --api-key, if it differs from the proxy's: sent to vLLM instead of "
-        f"the client's Authorization header (default ${UPSTREAM_API_KEY_ENV})",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="proxy log level (default info)",
-    )
+def layer_list(text: str) -> tuple[int, ...]:
+    """``--hidden-state-layers``: comma-separated layer indices, e.g. ``4,8,-1``."""
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices such as 4,8,-1, not {text!r}"
+        ) from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer index")
+    return layers
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hidden-state-proxy",
-        description="Return a chat model's last hidden state from vLLM, in the same "
-        "OpenAI-style call.",
+        description="Return a chat model's hidden states from vLLM, in the same OpenAI-style call.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -118,18 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         "and the exit status is non-zero; Ctrl-C stops both.",
     )
     serve.add_argument("model", help="model name or path, as for `vllm serve`")
-    _add_proxy_options(serve, default_host="127.0.0.1")
+    proxy_settings.add_arguments(serve, skip=("upstream_url", "ring_dir"))
     serve.add_argument(
         "--vllm-port",
         type=int,
         default=DEFAULT_VLLM_PORT,
-        help="vLLM port on 127.0.0.1 (default 8001)",
+        help=f"vLLM port on 127.0.0.1 (default {DEFAULT_VLLM_PORT})",
     )
     serve.add_argument(
         "--ring-dir",
         default=None,
+        metavar="DIR",
         help="shared-memory ring directory (default: a fresh private directory in /dev/shm, "
         "removed at exit)",
+    )
+    serve.add_argument(
+        "--hidden-state-layers",
+        type=layer_list,
+        default=None,
+        metavar="LAYERS",
+        help="layers the worker hook captures, e.g. 4,8,-1 (Transformers' hidden_states "
+        f"indices; -1 is the final layer after the final norm). Sets {LAYERS_ENV} for vLLM. "
+        "Default: the final layer only",
     )
     serve.add_argument(
         "--startup-timeout",
@@ -146,18 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the proxy alone in front of a vLLM server that has this package "
         "installed (the worker hook) and shares the ring directory.",
     )
-    proxy.add_argument(
-        "--upstream",
-        required=True,
-        metavar="URL",
-        help="vLLM's base URL, e.g. http://127.0.0.1:8001",
-    )
-    _add_proxy_options(proxy, default_host="127.0.0.1")
-    proxy.add_argument(
-        "--ring-dir",
-        default=None,
-        help=f"shared-memory ring directory (default ${RING_DIR_ENV} or {ring_dir_from_env()})",
-    )
+    proxy_settings.add_arguments(proxy, required=("upstream_url",))
 
     tiny = commands.add_parser(
         "build-tiny-model",
@@ -170,9 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         allow_abbrev=False,
         help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
-        description="Start the tiny offline stack (or target running servers) and measure "
-        "latency, streaming, throughput, memory and the ring; write bench.md, bench.json and "
-        "bench.png.",
     )
     add_bench_arguments(bench)
     return parser
@@ -184,40 +109,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("serve", "proxy"):
-        try:
-            check_template(args.embedding_template)
+        overrides = {"upstream_url": "http://127.0.0.1", "ring_dir": "/"}
+        try:  # check the proxy's options before anything starts
+            proxy_settings.from_arguments(
+                args, **{k: v for k, v in overrides.items() if args.command == "serve"}
+            )
         except ValueError as problem:
-            parser.error(f"--embedding-template: {problem}")
+            parser.error(str(problem))
     if args.command == "proxy":
-        from .proxy.server import run_proxy
-        from .proxy.settings import ProxySettings, default_ring_owners
+        from vllm_hidden_state_proxy.proxy.server import serve_proxy
 
-        settings = ProxySettings(
-            upstream_url=args.upstream,
-            ring_dir=args.ring_dir or ring_dir_from_env(),
-            vector_timeout=args.vector_timeout,
-            max_body_bytes=args.max_body_size,
-            embedding_template=args.embedding_template,
-            max_embedding_inputs=args.max_embedding_inputs,
-            fan_out_limit=args.fan_out_limit,
-            api_key=args.api_key,
-            ring_owner_uids=tuple(args.ring_owner_uid or default_ring_owners()),
-            protect_metrics=args.protect_metrics,
-            upstream_api_key=args.upstream_api_key,
-        )
-        run_proxy(settings, host=args.host, port=args.port, log_level=args.log_level)
+        serve_proxy(proxy_settings.from_arguments(args))
         return 0
     if args.command == "serve":
-        from .serve import serve
+        from vllm_hidden_state_proxy.serve import serve
 
         return serve(args, extra)
     if args.command == "build-tiny-model":
-        from .tiny_model import build_tiny_model
+        from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.path, force=args.force))
         return 0
     if args.command == "bench":
-        from .bench.main import run_bench
+        from vllm_hidden_state_proxy.bench.main import run_bench
 
         return run_bench(args)
     parser.error(f"unknown command {args.command}")

@@ -17,8 +17,14 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from .processes import NotHealthy, free_port, log_tail, stop_process_group, wait_until_healthy
-from .tiny_model import build_tiny_model
+from vllm_hidden_state_proxy.processes import (
+    NotHealthy,
+    free_port,
+    log_tail,
+    stop_process_group,
+    wait_until_healthy,
+)
+from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
 SERVED_MODEL_NAME = "tiny-chat"
 

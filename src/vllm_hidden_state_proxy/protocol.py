@@ -1,8 +1,25 @@
-"""Names shared by the proxy and the worker hook: the wire contract between the two sides.
+"""What the proxy and the worker hook agree on: names, environment variables, the request key.
 
-The proxy selects a request by adding ``{XARGS_KEY: <32 hex chars>}`` to the request's
-``vllm_xargs``; vLLM hands it to the worker as ``SamplingParams.extra_args``. The worker hook
-publishes the vector into the shared-memory ring under the 16 raw bytes of that key.
+Vocabulary (one word per concept, used in code, docs and messages):
+
+- **request key**: the fresh 128-bit random token the proxy gives one flagged request. It
+  travels to vLLM as the ``vllm_xargs`` entry :data:`REQUEST_KEY_ENTRY` (32 hex characters),
+  reaches the worker as ``SamplingParams.extra_args``, and is what a record is found by. Never
+  derived from client input. (The *API key* is the unrelated client credential.)
+- **engine**: one vLLM engine core (one data-parallel rank, ``data_parallel_index``); it has
+  one publishing worker. **instance**: one vLLM server, i.e. the engines started together.
+- **ring**: one shared-memory file per engine, written by its worker hook, read by proxies.
+- **record**: what the hook publishes for one request key: its vectors and where they were
+  taken, or the reason there are none (an error record).
+- **vector**: ``hidden_size`` float32 values: one layer's state, at the last prompt position
+  (pooling ``"last"``) or averaged over every prompt position (pooling ``"mean"``).
+- **layer**: an index into Transformers' ``output_hidden_states``: 0 is the embeddings, ``k``
+  the residual stream after ``k`` decoder layers, ``N`` (= ``num_hidden_layers``) and ``-1``
+  the final layer after the final norm.
+
+Code conventions that follow from it: fixed facts of one object (a ring's hidden size, its
+slot count) are properties; anything read from live shared memory or the file system (publish
+counters, which rings are live) is a method. This module imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -10,47 +27,66 @@ from __future__ import annotations
 import os
 import secrets
 
-#: Name of the entry in ``vllm_xargs`` / ``SamplingParams.extra_args`` that carries the key.
-XARGS_KEY = "hidden_state_proxy_key"
+# -- the request key -------------------------------------------------------------------------
 
-#: Raw key length in bytes (128-bit random).
-KEY_BYTES = 16
+#: Prefix of every ``vllm_xargs`` entry the proxy owns (clients may not set any of them).
+XARGS_PREFIX = "hidden_state_proxy_"
+#: ``vllm_xargs`` entry carrying the request key (hex).
+REQUEST_KEY_ENTRY = XARGS_PREFIX + "key"
+#: ``vllm_xargs`` entry listing the layers a flagged request wants (absolute indices).
+LAYERS_ENTRY = XARGS_PREFIX + "layers"
+#: ``vllm_xargs`` entry naming the pooling a flagged request wants ("last" or "mean").
+POOLING_ENTRY = XARGS_PREFIX + "pooling"
 
-#: Directory holding the ring files (one per writer). Shared by vLLM and the proxy.
+#: Request key length in bytes (128-bit random).
+REQUEST_KEY_BYTES = 16
+
+#: The two poolings a record can hold.
+POOLINGS = ("last", "mean")
+
+# -- environment variables -------------------------------------------------------------------
+# Deliberately not VLLM_*: vLLM warns about every VLLM_* variable it does not know.
+
+#: Directory holding the rings (one file per engine). Read by the hook and the proxy.
 RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm/vllm-hidden-states"
-
-#: Number of slots in a ring (writer side).
+#: Slots per ring (hook).
 RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
 DEFAULT_RING_SLOTS = 1024
-
-#: Set to "0" to keep the worker hook from wrapping the model runner.
-HOOK_ENABLED_ENV = "HIDDEN_STATE_PROXY_HOOK"
-
 #: Octal group-readable mode for the ring directory (e.g. "0750") when proxy and vLLM run as
-#: different users in one group. Default: 0700 directory, 0600 files.
+#: different users in one group (hook). Default: 0700 directory, 0600 files.
 RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
+#: "0" keeps the hook from wrapping the model runner (hook).
+HOOK_ENABLED_ENV = "HIDDEN_STATE_PROXY_HOOK"
+#: The layers the hook captures, e.g. "4,8,-1" (hook; ``serve --hidden-state-layers``).
+LAYERS_ENV = "HIDDEN_STATE_PROXY_LAYERS"
+#: The proxy's API key (clients send it as a Bearer token).
+API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
+#: vLLM's own API key, when it differs from the proxy's.
+UPSTREAM_API_KEY_ENV = "HIDDEN_STATE_PROXY_UPSTREAM_API_KEY"
+#: The proxy's ``/v1/embeddings`` prompt template.
+EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
 
 
 def ring_dir_from_env() -> str:
     return os.environ.get(RING_DIR_ENV) or DEFAULT_RING_DIR
 
 
-def new_key() -> bytes:
-    """A fresh 128-bit random key; never derived from client input."""
-    return secrets.token_bytes(KEY_BYTES)
+def new_request_key() -> bytes:
+    """A fresh 128-bit random request key; never derived from client input."""
+    return secrets.token_bytes(REQUEST_KEY_BYTES)
 
 
-def key_to_wire(key: bytes) -> str:
+def request_key_to_wire(key: bytes) -> str:
     return key.hex()
 
 
-def key_from_wire(value: object) -> bytes | None:
-    """Parse the key from ``extra_args``; ``None`` if it is not a well-formed key."""
-    if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
+def request_key_from_wire(value: object) -> bytes | None:
+    """Parse a request key from ``extra_args``; ``None`` if it is not a well-formed key."""
+    if not isinstance(value, str) or len(value) != 2 * REQUEST_KEY_BYTES:
         return None
     try:
         key = bytes.fromhex(value)  # note: fromhex skips whitespace, hence the length check
     except ValueError:
         return None
-    return key if len(key) == KEY_BYTES else None
+    return key if len(key) == REQUEST_KEY_BYTES else None

@@ -30,8 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from .processes import VLLM_LOOPBACK, healthy, stop_process_group, vllm_command
-from .protocol import HOOK_ENABLED_ENV, RING_DIR_ENV
+from vllm_hidden_state_proxy.processes import (
+    VLLM_LOOPBACK,
+    healthy,
+    stop_process_group,
+    vllm_command,
+)
+from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_DIR_ENV
+from vllm_hidden_state_proxy.proxy import settings as proxy_settings
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 PLUGIN_NAME = "hidden_state_hook"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
@@ -42,52 +49,32 @@ VLLM_STOP_GRACE = 20.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def proxy_command(args: argparse.Namespace, upstream: str, ring_dir: str) -> list[str]:
+def proxy_settings_for(args: argparse.Namespace, upstream: str, ring_dir: str) -> ProxySettings:
+    return proxy_settings.from_arguments(args, upstream_url=upstream, ring_dir=ring_dir)
+
+
+def proxy_command(settings: ProxySettings) -> list[str]:
+    """The ``hidden-state-proxy proxy`` child; its secrets go in :func:`proxy_environment`."""
     return [
         sys.executable,
         "-m",
         "vllm_hidden_state_proxy.cli",
         "proxy",
-        "--upstream",
-        upstream,
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--ring-dir",
-        ring_dir,
-        "--vector-timeout",
-        str(args.vector_timeout),
-        "--max-body-size",
-        str(args.max_body_size),
-        "--embedding-template",
-        args.embedding_template,
-        "--max-embedding-inputs",
-        str(args.max_embedding_inputs),
-        "--fan-out-limit",
-        str(args.fan_out_limit),
-        *(["--protect-metrics"] if args.protect_metrics else []),
-        *(arg for uid in args.ring_owner_uid or () for arg in ("--ring-owner-uid", str(uid))),
-        "--log-level",
-        args.log_level,
+        *proxy_settings.command_line(settings),
     ]
 
 
-def proxy_environment(args: argparse.Namespace) -> dict[str, str]:
+def proxy_environment(settings: ProxySettings) -> dict[str, str]:
     """The proxy's environment: API keys travel here, not in its (visible) command line."""
-    from .cli import API_KEY_ENV, UPSTREAM_API_KEY_ENV
-
-    env = dict(os.environ)
-    for name, value in ((API_KEY_ENV, args.api_key), (UPSTREAM_API_KEY_ENV, args.upstream_api_key)):
-        if value:
-            env[name] = value
-    return env
+    return {**os.environ, **proxy_settings.secret_environment(settings)}
 
 
-def vllm_environment(ring_dir: str) -> dict[str, str]:
+def vllm_environment(ring_dir: str, layers: Sequence[int] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env[RING_DIR_ENV] = ring_dir
     env.pop(HOOK_ENABLED_ENV, None)
+    if layers is not None:
+        env[LAYERS_ENV] = ",".join(map(str, layers))
     plugins = env.get("VLLM_PLUGINS")
     if plugins is not None:
         names = [p.strip() for p in plugins.split(",") if p.strip()]
@@ -267,14 +254,15 @@ def _run(
     command = vllm_command(args.model, args.vllm_port, vllm_args)
     _say(f"starting vLLM on {VLLM_LOOPBACK}:{args.vllm_port} (ring directory {ring_dir})")
     _say("$ " + " ".join(command))
-    children.vllm = _spawn(command, env=vllm_environment(ring_dir))
+    children.vllm = _spawn(command, env=vllm_environment(ring_dir, args.hidden_state_layers))
     upstream = f"http://{VLLM_LOOPBACK}:{args.vllm_port}"
     status = _wait_healthy(upstream + "/health", "vLLM", args.startup_timeout, children, stop)
     if status is not None:
         return status
     proxy_url = _local_url(args.host, args.port)
     _say(f"starting the proxy on {args.host}:{args.port}")
-    children.proxy = _spawn(proxy_command(args, upstream, ring_dir), proxy_environment(args))
+    settings = proxy_settings_for(args, upstream, ring_dir)
+    children.proxy = _spawn(proxy_command(settings), proxy_environment(settings))
     status = _wait_healthy(
         proxy_url + "/health", "the proxy", PROXY_STARTUP_TIMEOUT, children, stop
     )

@@ -32,7 +32,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .tiny_model import SPECIAL_TOKENS, chatml_tokenizer, finish_model_dir, is_built
+from vllm_hidden_state_proxy.tiny_model import (
+    SPECIAL_TOKENS,
+    chatml_tokenizer,
+    finish_model_dir,
+    is_built,
+)
 
 #: Bump when anything below changes, so cached copies are rebuilt.
 TINY_VLM_REVISION = "1"

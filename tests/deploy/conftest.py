@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from .commands import chart_manifests
-from .deploy_helpers import VALUES_FILES
+from tests.deploy.commands import chart_manifests
+from tests.deploy.deploy_helpers import VALUES_FILES
 
 
 @pytest.fixture(scope="session")

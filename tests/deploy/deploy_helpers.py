@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .commands import CHART_DIR, REPO
+from tests.deploy.commands import CHART_DIR, REPO
 
 #: Values sets the chart is checked with: the defaults and every file under ci/.
 VALUES_FILES: dict[str, Path | None] = {"default": None} | {

@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .commands import CHART_DIR, REPO, chart_commands, chart_manifests
-from .deploy_helpers import (
+from tests.deploy.commands import CHART_DIR, REPO, chart_commands, chart_manifests
+from tests.deploy.deploy_helpers import (
     VALUES_FILES,
     argv_of,
     container,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .commands import (
+from tests.deploy.commands import (
     CHART_DIR,
     InterpolationError,
     chart_commands,
@@ -19,7 +19,7 @@ from .commands import (
     interpolate,
     localize,
 )
-from .deploy_helpers import VALUES_FILES, flag_value
+from tests.deploy.deploy_helpers import VALUES_FILES, flag_value
 
 VLLM_MODULE = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 CPU_VALUES = CHART_DIR / "ci" / "cpu-values.yaml"

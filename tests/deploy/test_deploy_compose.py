@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
-from .commands import COMPOSE_FILE, DOCKER_DIR, compose_commands, image_config, load_compose
-from .deploy_helpers import flag_value
+from tests.deploy.commands import (
+    COMPOSE_FILE,
+    DOCKER_DIR,
+    compose_commands,
+    image_config,
+    load_compose,
+)
+from tests.deploy.deploy_helpers import flag_value
 
 CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
 PAIRS = [("vllm", "proxy"), ("vllm-cpu", "proxy-cpu")]

@@ -16,8 +16,8 @@ from typing import Any
 import dockerfile
 import pytest
 
-from .commands import DOCKER_DIR, REPO, image_config
-from .deploy_helpers import dockerignore_ignores, dockerignore_rules
+from tests.deploy.commands import DOCKER_DIR, REPO, image_config
+from tests.deploy.deploy_helpers import dockerignore_ignores, dockerignore_rules
 
 DOCKERFILES = sorted(DOCKER_DIR.glob("*Dockerfile"))
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .commands import chart_commands, compose_commands
-from .deploy_helpers import VALUES_FILES, copy_docker_context
+from tests.deploy.commands import chart_commands, compose_commands
+from tests.deploy.deploy_helpers import VALUES_FILES, copy_docker_context
 
 BASE_IMPORTS = "import starlette, uvicorn, httpx, msgpack, orjson, vllm_hidden_state_proxy"
 

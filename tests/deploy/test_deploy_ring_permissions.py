@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from .commands import CHART_DIR, DOCKER_DIR, REPO, chart_commands, compose_commands, image_config
+from tests.deploy.commands import (
+    CHART_DIR,
+    DOCKER_DIR,
+    REPO,
+    chart_commands,
+    compose_commands,
+    image_config,
+)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as two users"

@@ -9,8 +9,8 @@ import pytest
 
 from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
-from .reference import MEASURED, Reference
-from .server import SERVED_MODEL_NAME, RunningStack, run_serve
+from tests.e2e.reference import MEASURED, Reference
+from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

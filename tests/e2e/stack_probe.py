@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from .server import RunningStack
+from tests.e2e.server import RunningStack
 
 MIB = 1024 * 1024
 

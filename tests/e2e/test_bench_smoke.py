@@ -17,7 +17,7 @@ import pytest
 
 from vllm_hidden_state_proxy.cli import API_KEY_ENV, main
 
-from .server import RunningStack, proxy_process, wait_healthy
+from tests.e2e.server import RunningStack, proxy_process, wait_healthy
 
 LATENCY_ARMS = ("direct", "passthrough", "flagged_float")
 STREAM_ARMS = ("stream_direct", "stream_proxy")

@@ -23,8 +23,8 @@ import pytest
 from tests.deploy.commands import CHART_DIR, chart_commands, compose_commands, localize
 from vllm_hidden_state_proxy.processes import stop_process_group
 
-from .reference import Reference, assert_matches
-from .server import (
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import (
     SERVED_MODEL_NAME,
     STARTUP_TIMEOUT,
     TEST_VLLM_ARGS,

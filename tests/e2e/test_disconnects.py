@@ -35,9 +35,9 @@ import httpx
 import psutil
 import pytest
 
-from .reference import Reference, assert_matches
-from .server import RunningStack, free_port
-from .stack_probe import (
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import RunningStack, free_port
+from tests.e2e.stack_probe import (
     MIB,
     connections_to,
     finished,

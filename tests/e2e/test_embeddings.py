@@ -12,8 +12,8 @@ import pytest
 
 from vllm_hidden_state_proxy.proxy.embeddings_request import DEFAULT_TEMPLATE
 
-from .reference import Reference, assert_matches
-from .server import MAX_MODEL_LEN, RunningStack
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import MAX_MODEL_LEN, RunningStack
 
 TEXTS = [
     f"Document {i} is about {topic}."

@@ -7,10 +7,10 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 
-from .reference import Reference, assert_matches
-from .server import MAX_BODY_SIZE, MAX_MODEL_LEN, RunningStack
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import MAX_BODY_SIZE, MAX_MODEL_LEN, RunningStack
 
 CHAT = "/v1/chat/completions"
 
@@ -71,11 +71,11 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         (
             {
                 "kv_transfer_params": {"return_last_hidden_state": True},
-                "vllm_xargs": {XARGS_KEY: "00" * 16},
+                "vllm_xargs": {REQUEST_KEY_ENTRY: "00" * 16},
             },
             "vllm_xargs",
         ),
-        ({"vllm_xargs": {XARGS_KEY: "00" * 16}}, "vllm_xargs"),
+        ({"vllm_xargs": {REQUEST_KEY_ENTRY: "00" * 16}}, "vllm_xargs"),
     ],
 )
 def test_bad_flagged_input_is_a_400_naming_the_field(

@@ -25,8 +25,8 @@ from vllm_hidden_state_proxy.processes import stop_process_group, vllm_command
 from vllm_hidden_state_proxy.ring import RingReader
 from vllm_hidden_state_proxy.serve import vllm_environment
 
-from .reference import Reference, assert_matches
-from .server import (
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import (
     SERVED_MODEL_NAME,
     STARTUP_TIMEOUT,
     TEST_VLLM_ARGS,

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from .reference import Reference, assert_matches
-from .server import RunningStack
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import RunningStack
 
 FLAG = {"return_last_hidden_state": True}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .server import RunningStack, free_port, proxy_process, wait_healthy
+from tests.e2e.server import RunningStack, free_port, proxy_process, wait_healthy
 
 CHAT = "/v1/chat/completions"
 

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from .server import RunningStack
+from tests.e2e.server import RunningStack
 
 
 def non_loopback_addresses() -> list[str]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from .reference import Reference, assert_matches
-from .server import RunningStack, run_serve
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import RunningStack, run_serve
 
 pytestmark = pytest.mark.own_server
 

@@ -7,7 +7,7 @@ import pytest
 
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import HIDDEN_SIZE
+from tests.proxy.fakes import HIDDEN_SIZE
 
 
 @pytest.fixture

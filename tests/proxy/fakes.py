@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
 from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.ring import RingWriter
@@ -35,8 +35,8 @@ def vector_bytes(values: list[float]) -> bytes:
 def forwarded_key(request: httpx.Request) -> bytes:
     """The key the proxy injected into a forwarded request (asserts it is well formed)."""
     document = json.loads(request.content)
-    wire = document["vllm_xargs"][XARGS_KEY]
-    key = key_from_wire(wire)
+    wire = document["vllm_xargs"][REQUEST_KEY_ENTRY]
+    key = request_key_from_wire(wire)
     assert key is not None, wire
     return key
 
@@ -89,7 +89,7 @@ def publishing_handler(
     """A chat endpoint that, like vLLM + the worker hook, publishes the vector for the key."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
-        if XARGS_KEY.encode() not in request.content:  # an ordinary request
+        if REQUEST_KEY_ENTRY.encode() not in request.content:  # an ordinary request
             return httpx.Response(200, json=completion(response_kv))
         key = forwarded_key(request)
         if writer is not None:

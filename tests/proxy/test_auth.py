@@ -7,7 +7,7 @@ import pytest
 
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 
-from .fakes import FakeRing, FakeVLLM, error_of, proxy_client, settings_for
+from tests.proxy.fakes import FakeRing, FakeVLLM, error_of, proxy_client, settings_for
 
 pytestmark = pytest.mark.anyio
 

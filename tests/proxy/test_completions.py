@@ -10,12 +10,12 @@ import httpx
 import orjson
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.proxy.completions import merge_completions, prompt_list
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import (
+from tests.proxy.fakes import (
     FakeVLLM,
     error_of,
     forwarded_key,
@@ -59,7 +59,7 @@ class CompletionsVLLM:
         if prompt == self.fail_prompt:
             return httpx.Response(400, json={"error": {"message": "too long", "code": 400}})
         await anyio.sleep(random.uniform(0, 0.01))
-        if XARGS_KEY in document.get("vllm_xargs", {}):
+        if REQUEST_KEY_ENTRY in document.get("vllm_xargs", {}):
             key = forwarded_key(request)
             self.keys[orjson.dumps(prompt).decode()] = key
             self.writer.publish(key, vector_bytes(vector_for(key)), position=2, num_prompt_tokens=3)

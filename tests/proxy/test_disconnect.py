@@ -15,7 +15,7 @@ import uvicorn
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.server import server_config
 
-from .fakes import AsgiCall, FakeRing, FakeVLLM, settings_for
+from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, settings_for
 
 pytestmark = pytest.mark.anyio
 

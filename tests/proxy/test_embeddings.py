@@ -21,7 +21,7 @@ from vllm_hidden_state_proxy.proxy.embeddings_request import (
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import (
+from tests.proxy.fakes import (
     HIDDEN_SIZE,
     FakeVLLM,
     error_of,

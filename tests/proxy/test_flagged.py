@@ -11,10 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import (
+from tests.proxy.fakes import (
     FakeRecord,
     FakeRing,
     FakeVLLM,
@@ -76,9 +76,9 @@ async def test_flagged_happy_path_joins_this_requests_vector(
     assert sent["messages"] == MESSAGES
     assert sent["max_tokens"] == 1
     assert sent["model"] == "m"
-    assert set(sent["vllm_xargs"]) == {"mine", XARGS_KEY}
+    assert set(sent["vllm_xargs"]) == {"mine", REQUEST_KEY_ENTRY}
     assert sent["vllm_xargs"]["mine"] == 7
-    wire = sent["vllm_xargs"][XARGS_KEY]
+    wire = sent["vllm_xargs"][REQUEST_KEY_ENTRY]
     assert len(wire) == 32 and all(c in "0123456789abcdef" for c in wire)
     assert forwarded.headers["content-length"] == str(len(forwarded.content))
     assert forwarded.headers["x-request-id"] == "r1"

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.completions import prompt_list
 from vllm_hidden_state_proxy.proxy.embeddings_request import (
@@ -56,7 +56,7 @@ from vllm_hidden_state_proxy.proxy.sse import (
 )
 from vllm_hidden_state_proxy.ring import Record
 
-from .fakes import FakeVLLM, completion, error_of, forwarded_key, running, settings_for
+from tests.proxy.fakes import FakeVLLM, completion, error_of, forwarded_key, running, settings_for
 
 pytestmark = pytest.mark.anyio
 
@@ -113,7 +113,7 @@ kv_values = st.one_of(
     json_values,
 )
 xargs_values = st.one_of(
-    st.fixed_dictionaries({}, optional={XARGS_KEY: json_values, "other": json_values}),
+    st.fixed_dictionaries({}, optional={REQUEST_KEY_ENTRY: json_values, "other": json_values}),
     json_values,
 )
 token_ids = st.lists(st.integers(min_value=-5, max_value=1 << 20), max_size=4)
@@ -173,7 +173,7 @@ documents = st.one_of(random_documents, near_flagged_documents)
 
 def _escape_names(text: str) -> str:
     """Spell the names the proxy looks for with JSON escapes (a byte search cannot see them)."""
-    for name in (FLAG, KV, XARGS, XARGS_KEY):
+    for name in (FLAG, KV, XARGS, REQUEST_KEY_ENTRY):
         text = text.replace(f'"{name}"', '"' + "".join(f"\\u{ord(c):04x}" for c in name) + '"')
     return text
 
@@ -216,7 +216,7 @@ _FRAGMENTS = [
     f'"{FORMAT}"'.encode(),
     f'"{INFO}"'.encode(),
     f'"{XARGS}"'.encode(),
-    f'"{XARGS_KEY}"'.encode(),
+    f'"{REQUEST_KEY_ENTRY}"'.encode(),
     b'"return_last_hidden_stat\\u0065"',
     b'"stream"',
     b'"use_beam_search"',
@@ -258,14 +258,14 @@ def assert_no_proxy_keys(document: Any) -> None:
         assert not any(key in kv for key in OWN_KEYS), kv
     xargs = document.get(XARGS)
     if isinstance(xargs, dict):
-        assert XARGS_KEY not in xargs, xargs
+        assert REQUEST_KEY_ENTRY not in xargs, xargs
 
 
 def injected_key(request: httpx.Request) -> bytes | None:
     """The key the proxy put into a forwarded request, if any."""
     sent = vllm_view(request.content)
     if isinstance(sent, dict) and isinstance(sent.get(XARGS), dict):
-        return key_from_wire(sent[XARGS].get(XARGS_KEY))
+        return request_key_from_wire(sent[XARGS].get(REQUEST_KEY_ENTRY))
     return None
 
 
@@ -291,7 +291,7 @@ def check_inspect(body: bytes) -> Forward | Flagged | ProxyError:
     assert decision.document.get("use_beam_search") is not True
     wire = vllm_view(flagged_request_body(decision.document, WIRE_KEY))
     assert isinstance(wire, dict)
-    assert wire[XARGS][XARGS_KEY] == WIRE_KEY
+    assert wire[XARGS][REQUEST_KEY_ENTRY] == WIRE_KEY
     assert not any(key in (wire.get(KV) or {}) for key in OWN_KEYS)
     return decision
 
@@ -300,7 +300,7 @@ def expected_outcome(document: dict[str, Any]) -> str:
     """What the proxy should decide for a (parsed) document: an independent statement of the
     rules in flag.py."""
     xargs = document.get(XARGS)
-    if xargs is not None and (not isinstance(xargs, dict) or XARGS_KEY in xargs):
+    if xargs is not None and (not isinstance(xargs, dict) or REQUEST_KEY_ENTRY in xargs):
         return "400"
     kv = document.get(KV)
     if kv is None:
@@ -367,7 +367,7 @@ def test_inspect_body_on_generated_documents(document: dict[str, Any], encoder: 
     before=st.binary(max_size=40),
     middle=st.binary(max_size=40),
     after=st.binary(max_size=40),
-    marker=st.sampled_from([FLAG, XARGS_KEY, "\\u", "last_hidden_state_format"]),
+    marker=st.sampled_from([FLAG, REQUEST_KEY_ENTRY, "\\u", "last_hidden_state_format"]),
 )
 def test_inspect_body_with_markers_in_garbage(
     before: bytes, middle: bytes, after: bytes, marker: str
@@ -791,11 +791,11 @@ async def test_any_body_gets_a_decision_through_the_app(body: bytes) -> None:
         sent = vllm_view(request.content)
         xargs = sent.get(XARGS) if isinstance(sent, dict) else None
         if request.url.path == "/v1/responses":  # the proxy adds no key there...
-            assert not (isinstance(xargs, dict) and XARGS_KEY in xargs)
+            assert not (isinstance(xargs, dict) and REQUEST_KEY_ENTRY in xargs)
             continue  # ...and guards only the reserved key
-        if isinstance(xargs, dict) and XARGS_KEY in xargs:  # the proxy's own, fresh key
-            wire = xargs.pop(XARGS_KEY)
-            assert key_from_wire(wire) is not None and wire.encode() not in body
+        if isinstance(xargs, dict) and REQUEST_KEY_ENTRY in xargs:  # the proxy's own, fresh key
+            wire = xargs.pop(REQUEST_KEY_ENTRY)
+            assert request_key_from_wire(wire) is not None and wire.encode() not in body
         assert_no_proxy_keys(sent)
 
 

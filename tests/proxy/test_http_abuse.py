@@ -23,13 +23,20 @@ import orjson
 import pytest
 import uvicorn
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.server import server_config
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import HIDDEN_SIZE, FakeVLLM, completion, settings_for, vector_bytes, vector_for
+from tests.proxy.fakes import (
+    HIDDEN_SIZE,
+    FakeVLLM,
+    completion,
+    settings_for,
+    vector_bytes,
+    vector_for,
+)
 
 LIMIT = 256 * 1024
 CHAT = b"/v1/chat/completions"
@@ -49,7 +56,7 @@ def injected_key(request: httpx.Request) -> bytes | None:
     except (ValueError, RecursionError):
         return None
     xargs = sent.get("vllm_xargs") if isinstance(sent, dict) else None
-    return key_from_wire(xargs.get(XARGS_KEY)) if isinstance(xargs, dict) else None
+    return request_key_from_wire(xargs.get(REQUEST_KEY_ENTRY)) if isinstance(xargs, dict) else None
 
 
 class ErrorLog(logging.Handler):
@@ -527,7 +534,9 @@ def test_content_length_larger_than_the_body_then_eof(served: Served) -> None:
 # bodies the proxy refuses: 400 in the OpenAI shape; vLLM sees nothing
 # ---------------------------------------------------------------------------------------------
 
-RESERVED = b'"vllm_xargs": {"' + XARGS_KEY.encode() + b'": "0123456789abcdef0123456789abcdef"}'
+RESERVED = (
+    b'"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": "0123456789abcdef0123456789abcdef"}'
+)
 REFUSED = {
     "invalid-utf8": (CHAT, b'{"x": "\xff\xfe\xc0\xaf", ' + FLAG + b"}", None),
     "nesting-100k": (CHAT, b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b", " + FLAG + b"}", None),

@@ -9,7 +9,7 @@ import pytest
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import (
+from tests.proxy.fakes import (
     FakeRing,
     FakeVLLM,
     Handler,

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_hidden_state_proxy.proxy import create_app
 
-from .fakes import AsgiCall, FakeRing, FakeVLLM, proxy_client, running, settings_for
+from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, proxy_client, running, settings_for
 
 pytestmark = pytest.mark.anyio
 

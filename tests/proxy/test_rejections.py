@@ -8,15 +8,22 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 
-from .fakes import FakeRing, FakeVLLM, error_of, proxy_client, publishing_handler, settings_for
+from tests.proxy.fakes import (
+    FakeRing,
+    FakeVLLM,
+    error_of,
+    proxy_client,
+    publishing_handler,
+    settings_for,
+)
 
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
 FLAG = b'"kv_transfer_params": {"return_last_hidden_state": true}'
-KEY = XARGS_KEY.encode()
+KEY = REQUEST_KEY_ENTRY.encode()
 WIRE = b'"0123456789abcdef0123456789abcdef"'
 
 BAD_REQUESTS = [
@@ -137,7 +144,7 @@ BAD_REQUESTS = [
         # UTF-16 JSON (vLLM accepts it): the reserved key cannot hide from a byte search.
         "internal-key-utf16",
         "/v1/completions",
-        ('{"prompt": "x", "vllm_xargs": {"' + XARGS_KEY + '": "00"}}').encode("utf-16"),
+        ('{"prompt": "x", "vllm_xargs": {"' + REQUEST_KEY_ENTRY + '": "00"}}').encode("utf-16"),
         "vllm_xargs",
     ),
     (

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import FakeVLLM, error_of, proxy_client, publishing_handler, settings_for
+from tests.proxy.fakes import FakeVLLM, error_of, proxy_client, publishing_handler, settings_for
 
 pytestmark = pytest.mark.anyio
 

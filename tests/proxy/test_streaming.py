@@ -11,10 +11,10 @@ import httpx
 import orjson
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.ring import RingWriter
 
-from .fakes import (
+from tests.proxy.fakes import (
     FakeRing,
     FakeVLLM,
     error_of,
@@ -49,7 +49,7 @@ EVENTS = [
 
 def streaming_handler(writer: RingWriter | None, events: list[bytes] = EVENTS) -> Any:
     async def handle(request: httpx.Request) -> httpx.Response:
-        flagged = XARGS_KEY.encode() in request.content
+        flagged = REQUEST_KEY_ENTRY.encode() in request.content
         if flagged and writer is not None:
             key = forwarded_key(request)
             writer.publish(key, vector_bytes(vector_for(key)), position=4, num_prompt_tokens=5)

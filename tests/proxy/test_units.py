@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
 from vllm_hidden_state_proxy.proxy.flag import (
     Flagged,
@@ -23,7 +23,7 @@ from vllm_hidden_state_proxy.proxy.flag import (
 )
 from vllm_hidden_state_proxy.proxy.vectors import wait_for_vector
 
-from .fakes import AsgiCall, FakeRecord, FakeRing, FakeVLLM, proxy_client, settings_for
+from tests.proxy.fakes import AsgiCall, FakeRecord, FakeRing, FakeVLLM, proxy_client, settings_for
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ from .fakes import AsgiCall, FakeRecord, FakeRing, FakeVLLM, proxy_client, setti
     [
         (b'{"messages": [{"role": "user", "content": "hello"}]}', False),
         (b'{"kv_transfer_params": {"return_last_hidden_state": true}}', True),
-        (b'{"vllm_xargs": {"' + XARGS_KEY.encode() + b'": "x"}}', True),
+        (b'{"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": "x"}}', True),
         (b'{"content": "caf\\u00e9"}', True),  # any escape may hide a name: inspect
         ('{"content": "café"}'.encode(), False),
     ],
@@ -55,7 +55,7 @@ def test_flagged_document_is_stripped() -> None:
 def test_flagged_request_body_merges_xargs() -> None:
     document = {"messages": [], "vllm_xargs": {"a": 1}}
     sent = orjson.loads(flagged_request_body(document, "ab" * 16))
-    assert sent == {"messages": [], "vllm_xargs": {"a": 1, XARGS_KEY: "ab" * 16}}
+    assert sent == {"messages": [], "vllm_xargs": {"a": 1, REQUEST_KEY_ENTRY: "ab" * 16}}
     assert document == {"messages": [], "vllm_xargs": {"a": 1}}  # input not mutated
 
 

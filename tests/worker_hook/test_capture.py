@@ -16,7 +16,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from tests.worker_hook.conftest import HIDDEN, MODEL
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.ring import RingDirectory, RingReader, RingWriter
 from vllm_hidden_state_proxy.worker_hook import capture as capture_mod
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
@@ -87,7 +87,7 @@ def sched(
         if req_id not in new:
             continue
         k = new[req_id]
-        extra = None if k is None else {XARGS_KEY: k.hex() if isinstance(k, bytes) else k}
+        extra = None if k is None else {REQUEST_KEY_ENTRY: k.hex() if isinstance(k, bytes) else k}
         new_reqs.append(
             NewRequestData(
                 req_id=req_id,

@@ -18,7 +18,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.worker_hook.runners import (
     V1RunnerView,
     V2RunnerView,
@@ -42,7 +42,7 @@ def new_request(
         req_id=req_id,
         prompt_token_ids=prompt,
         mm_features=[],
-        sampling_params=SamplingParams(max_tokens=16, extra_args={XARGS_KEY: KEY}),
+        sampling_params=SamplingParams(max_tokens=16, extra_args={REQUEST_KEY_ENTRY: KEY}),
         pooling_params=None,
         block_ids=([0, 1],),
         num_computed_tokens=num_computed,

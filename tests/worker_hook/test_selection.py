@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hidden_state_proxy.protocol import XARGS_KEY
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.worker_hook.selection import (
     ScheduledRequest,
     SelectedRequests,
@@ -206,12 +206,12 @@ def new_req(req_id: str, extra_args: Any = None, *, sampling: bool = True) -> Si
 
 
 def flagged(req_id: str, key: bytes) -> SimpleNamespace:
-    return new_req(req_id, {XARGS_KEY: key.hex(), "other": 1})
+    return new_req(req_id, {REQUEST_KEY_ENTRY: key.hex(), "other": 1})
 
 
 def test_key_of_parses_the_wire_form() -> None:
-    assert key_of(SimpleNamespace(extra_args={XARGS_KEY: KEY_A.hex()})) == KEY_A
-    assert key_of(SimpleNamespace(extra_args={XARGS_KEY: KEY_A.hex().upper()})) == KEY_A
+    assert key_of(SimpleNamespace(extra_args={REQUEST_KEY_ENTRY: KEY_A.hex()})) == KEY_A
+    assert key_of(SimpleNamespace(extra_args={REQUEST_KEY_ENTRY: KEY_A.hex().upper()})) == KEY_A
     assert key_of(SimpleNamespace(extra_args=None)) is None
     assert key_of(None) is None
 
@@ -221,13 +221,13 @@ def test_observe_selects_only_well_formed_keys() -> None:
     selected.observe(
         [
             flagged("good", KEY_A),
-            new_req("short", {XARGS_KEY: KEY_B.hex()[:-2]}),
-            new_req("long", {XARGS_KEY: KEY_B.hex() + "00"}),
-            new_req("nonhex", {XARGS_KEY: "zz" * 16}),
-            new_req("int", {XARGS_KEY: 12345}),
-            new_req("raw-bytes", {XARGS_KEY: KEY_B}),
-            new_req("none-value", {XARGS_KEY: None}),
-            new_req("list-args", [XARGS_KEY, KEY_B.hex()]),
+            new_req("short", {REQUEST_KEY_ENTRY: KEY_B.hex()[:-2]}),
+            new_req("long", {REQUEST_KEY_ENTRY: KEY_B.hex() + "00"}),
+            new_req("nonhex", {REQUEST_KEY_ENTRY: "zz" * 16}),
+            new_req("int", {REQUEST_KEY_ENTRY: 12345}),
+            new_req("raw-bytes", {REQUEST_KEY_ENTRY: KEY_B}),
+            new_req("none-value", {REQUEST_KEY_ENTRY: None}),
+            new_req("list-args", [REQUEST_KEY_ENTRY, KEY_B.hex()]),
             new_req("other-keys", {"something": KEY_B.hex()}),
             new_req("empty-args", {}),
             new_req("no-args", None),
@@ -244,7 +244,7 @@ def test_observe_selects_only_well_formed_keys() -> None:
 def test_observe_ignores_whitespace_padded_key(value: str) -> None:
     assert len(value) == 32
     selected = SelectedRequests()
-    selected.observe([new_req("ws", {XARGS_KEY: value})], finished_req_ids=())
+    selected.observe([new_req("ws", {REQUEST_KEY_ENTRY: value})], finished_req_ids=())
     assert selected.pending == {}
 
 

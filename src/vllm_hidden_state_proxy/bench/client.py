@@ -15,7 +15,7 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from ..proxy.embeddings_request import DEFAULT_TEMPLATE, PLACEHOLDER
+from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE, PLACEHOLDER
 
 CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"

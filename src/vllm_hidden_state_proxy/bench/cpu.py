@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 
-from .client import CHAT_PATH, chat_body, new_client, timed_post
-from .latency import Route
-from .procs import tree_cpu_seconds
-from .progress import Progress
-from .results import CpuCost
+from vllm_hidden_state_proxy.bench.client import CHAT_PATH, chat_body, new_client, timed_post
+from vllm_hidden_state_proxy.bench.latency import Route
+from vllm_hidden_state_proxy.bench.procs import tree_cpu_seconds
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import CpuCost
 
 
 async def measure_cpu(

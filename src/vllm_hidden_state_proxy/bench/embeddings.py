@@ -26,7 +26,7 @@ import anyio
 import anyio.abc
 import httpx
 
-from .client import (
+from vllm_hidden_state_proxy.bench.client import (
     CHAT_PATH,
     EMBEDDINGS_PATH,
     BenchError,
@@ -36,10 +36,10 @@ from .client import (
     new_client,
     timed_post,
 )
-from .interleave import round_robin
-from .progress import Progress
-from .results import EmbeddingsArm, EmbeddingsPoint
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import EmbeddingsArm, EmbeddingsPoint
+from vllm_hidden_state_proxy.bench.stats import summarize
 
 EMBEDDINGS_PROXY = "embeddings_proxy"
 EMBEDDINGS_DIRECT = "embeddings_direct"

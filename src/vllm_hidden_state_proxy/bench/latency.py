@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .client import (
+from vllm_hidden_state_proxy.bench.client import (
     CHAT_PATH,
     BenchError,
     Flag,
@@ -28,10 +28,10 @@ from .client import (
     returned_vector,
     timed_post,
 )
-from .interleave import round_robin
-from .progress import Progress
-from .results import LatencyArm
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import LatencyArm
+from vllm_hidden_state_proxy.bench.stats import summarize
 
 DIRECT = "direct"
 PASSTHROUGH = "passthrough"

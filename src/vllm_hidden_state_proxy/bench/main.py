@@ -18,23 +18,40 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..processes import free_port
-from .client import BenchError
-from .cpu import measure_cpu
-from .embeddings import embeddings_routes, measure_embeddings, skipped_arms
-from .latency import NGINX, LatencyOutcome, measure_latency, routes
-from .nginx import nginx_binary, nginx_proxy
-from .options import BenchOptions, OptionsError, from_args
-from .pooling import measure_pooling, skipped
-from .procs import MIB, PeakRss, listening_pid, rss_bytes, tree_cpu_seconds, tree_memory
-from .progress import Progress
-from .report import render_markdown, write_reports
-from .results import BenchResults, LatencyArm
-from .ring_micro import measure_ring
-from .servers import ChatStack, chat_stack, is_local, pooling_server, port_of
-from .streaming import measure_streaming, stream_routes
-from .targets import evaluate
-from .throughput import load_routes, measure_throughput
+from vllm_hidden_state_proxy.bench.client import BenchError
+from vllm_hidden_state_proxy.bench.cpu import measure_cpu
+from vllm_hidden_state_proxy.bench.embeddings import (
+    embeddings_routes,
+    measure_embeddings,
+    skipped_arms,
+)
+from vllm_hidden_state_proxy.bench.latency import NGINX, LatencyOutcome, measure_latency, routes
+from vllm_hidden_state_proxy.bench.nginx import nginx_binary, nginx_proxy
+from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
+from vllm_hidden_state_proxy.bench.pooling import measure_pooling, skipped
+from vllm_hidden_state_proxy.bench.procs import (
+    MIB,
+    PeakRss,
+    listening_pid,
+    rss_bytes,
+    tree_cpu_seconds,
+    tree_memory,
+)
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.report import render_markdown, write_reports
+from vllm_hidden_state_proxy.bench.results import BenchResults, LatencyArm
+from vllm_hidden_state_proxy.bench.ring_micro import measure_ring
+from vllm_hidden_state_proxy.bench.servers import (
+    ChatStack,
+    chat_stack,
+    is_local,
+    pooling_server,
+    port_of,
+)
+from vllm_hidden_state_proxy.bench.streaming import measure_streaming, stream_routes
+from vllm_hidden_state_proxy.bench.targets import evaluate
+from vllm_hidden_state_proxy.bench.throughput import load_routes, measure_throughput
+from vllm_hidden_state_proxy.processes import free_port
 
 T = TypeVar("T")
 
@@ -288,7 +305,7 @@ def _run_phases(options: BenchOptions, results: BenchResults, progress: Progress
         else:
             results.add(skipped(_pooling_skip_reason(options)))
         return
-    from ..tiny_model import build_tiny_model
+    from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
     progress.say("building the tiny offline model (cached after the first run)")
     model_dir = build_tiny_model(options.model_dir)
@@ -345,7 +362,7 @@ def run_bench(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     progress.say(f"wrote {markdown_path} and {json_path}")
     if options.plot:
-        from .plot import draw, plot_available
+        from vllm_hidden_state_proxy.bench.plot import draw, plot_available
 
         if plot_available():
             progress.say(f"wrote {draw(results, options.output_dir / 'bench.png')}")

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..processes import healthy, stop_process_group
-from .client import BenchError
+from vllm_hidden_state_proxy.bench.client import BenchError
+from vllm_hidden_state_proxy.processes import healthy, stop_process_group
 
 STARTUP_TIMEOUT = 15.0
 

@@ -7,15 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
-from .results import (
+from vllm_hidden_state_proxy.bench.embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
+from vllm_hidden_state_proxy.bench.results import (
     BenchResults,
     EmbeddingsArm,
     ThroughputArm,
     paired_embeddings_ratio,
     paired_ratio,
 )
-from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
+from vllm_hidden_state_proxy.bench.throughput import (
+    THROUGHPUT_DIRECT,
+    THROUGHPUT_FLAGGED,
+    THROUGHPUT_PASSTHROUGH,
+)
 
 #: Target checks drawn in the left panel (ratios below a limit).
 _LATENCY_LABELS = (

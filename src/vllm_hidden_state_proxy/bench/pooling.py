@@ -8,10 +8,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .client import EMBEDDINGS_PATH, BenchError, embeddings_body, new_client, timed_post
-from .progress import Progress
-from .results import PoolingArm
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.client import (
+    EMBEDDINGS_PATH,
+    BenchError,
+    embeddings_body,
+    new_client,
+    timed_post,
+)
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import PoolingArm
+from vllm_hidden_state_proxy.bench.stats import summarize
 
 POOLING = "pooling"
 DESCRIPTION = (

@@ -6,8 +6,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY, FAN_OUT_LIMIT
-from .results import (
+from vllm_hidden_state_proxy.bench.embeddings import (
+    EMBEDDINGS_DIRECT,
+    EMBEDDINGS_PROXY,
+    FAN_OUT_LIMIT,
+)
+from vllm_hidden_state_proxy.bench.results import (
     Arm,
     BenchResults,
     EmbeddingsArm,
@@ -19,7 +23,11 @@ from .results import (
     paired_embeddings_ratio,
     paired_ratio,
 )
-from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
+from vllm_hidden_state_proxy.bench.throughput import (
+    THROUGHPUT_DIRECT,
+    THROUGHPUT_FLAGGED,
+    THROUGHPUT_PASSTHROUGH,
+)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

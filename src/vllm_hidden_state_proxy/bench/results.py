@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
-from .stats import Summary, percentile
+from vllm_hidden_state_proxy.bench.stats import Summary, percentile
 
 Status = Literal["ok", "unsupported", "skipped"]
 

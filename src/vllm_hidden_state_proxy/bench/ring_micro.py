@@ -16,11 +16,11 @@ from pathlib import Path
 
 import orjson
 
-from ..protocol import DEFAULT_RING_SLOTS, new_key
-from ..ring import RingDirectory, RingWriter
-from .progress import Progress
-from .results import RingPoint
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import RingPoint
+from vllm_hidden_state_proxy.bench.stats import summarize
+from vllm_hidden_state_proxy.protocol import DEFAULT_RING_SLOTS, new_request_key
+from vllm_hidden_state_proxy.ring import Record, RingDirectory, RingWriter
 
 HIDDEN_SIZES = (1024, 4096, 8192)
 MODEL_NAME = "bench/model"
@@ -45,7 +45,6 @@ def measure_size(hidden_size: int, operations: int) -> RingPoint:
     try:
         writer = RingWriter.create(
             directory,
-            writer_id="bench",
             hidden_size=hidden_size,
             model=MODEL_NAME,
             slot_count=DEFAULT_RING_SLOTS,
@@ -60,20 +59,20 @@ def measure_size(hidden_size: int, operations: int) -> RingPoint:
             as_base64: list[float] = []
             clock = time.perf_counter_ns
             for number in range(operations):
-                key = new_key()
+                key = new_request_key()
                 vector = vectors[number % len(vectors)]
                 t0 = clock()
                 writer.publish(key, vector, position=number, num_prompt_tokens=number + 1)
                 t1 = clock()
                 record = rings.lookup(key)
                 t2 = clock()
-                if record is None or record.vector != vector:
+                if not isinstance(record, Record) or record.vector(1) != vector:
                     raise RuntimeError(f"ring lookup lost the record it was just given ({key!r})")
-                floats = record.as_floats()
+                floats = record.floats(1)
                 t3 = clock()
                 orjson.dumps(floats)
                 t4 = clock()
-                base64.b64encode(record.vector)
+                base64.b64encode(record.vector(1))
                 t5 = clock()
                 publish.append((t1 - t0) / 1e3)
                 lookup.append((t2 - t1) / 1e3)

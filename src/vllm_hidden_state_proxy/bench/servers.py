@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..processes import (
+from vllm_hidden_state_proxy.bench.client import BenchError
+from vllm_hidden_state_proxy.bench.options import API_KEY_ENV
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     free_port,
     log_tail,
@@ -27,10 +30,7 @@ from ..processes import (
     vllm_command,
     wait_until_healthy,
 )
-from ..protocol import HOOK_ENABLED_ENV
-from .client import BenchError
-from .options import API_KEY_ENV
-from .progress import Progress
+from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 
 SERVED_MODEL_NAME = "tiny-chat"
 #: vLLM options of both servers: as the e2e tests' server (float32, eager mode: what a 2-core

@@ -15,11 +15,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from .client import StreamTiming, chat_body, new_client, timed_stream
-from .interleave import round_robin
-from .progress import Progress
-from .results import StreamArm
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.client import StreamTiming, chat_body, new_client, timed_stream
+from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import StreamArm
+from vllm_hidden_state_proxy.bench.stats import summarize
 
 STREAM_DIRECT = "stream_direct"
 STREAM_PROXY = "stream_proxy"

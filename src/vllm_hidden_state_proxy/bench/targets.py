@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from .embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
-from .latency import DIRECT, FLAGGED_BASE64, FLAGGED_FLOAT, NGINX, PASSTHROUGH
-from .pooling import POOLING
-from .results import (
+from vllm_hidden_state_proxy.bench.embeddings import EMBEDDINGS_DIRECT, EMBEDDINGS_PROXY
+from vllm_hidden_state_proxy.bench.latency import (
+    DIRECT,
+    FLAGGED_BASE64,
+    FLAGGED_FLOAT,
+    NGINX,
+    PASSTHROUGH,
+)
+from vllm_hidden_state_proxy.bench.pooling import POOLING
+from vllm_hidden_state_proxy.bench.results import (
     BenchResults,
     EmbeddingsArm,
     PoolingArm,
@@ -15,9 +21,13 @@ from .results import (
     paired_embeddings_ratio,
     paired_ratio,
 )
-from .stats import ratio
-from .streaming import STREAM_DIRECT, STREAM_PROXY
-from .throughput import THROUGHPUT_DIRECT, THROUGHPUT_FLAGGED, THROUGHPUT_PASSTHROUGH
+from vllm_hidden_state_proxy.bench.stats import ratio
+from vllm_hidden_state_proxy.bench.streaming import STREAM_DIRECT, STREAM_PROXY
+from vllm_hidden_state_proxy.bench.throughput import (
+    THROUGHPUT_DIRECT,
+    THROUGHPUT_FLAGGED,
+    THROUGHPUT_PASSTHROUGH,
+)
 
 TARGET_CONCURRENCY = 16
 TARGET_RING_HIDDEN_SIZE = 4096

@@ -20,12 +20,18 @@ import anyio
 import anyio.abc
 import httpx
 
-from .client import CHAT_PATH, BenchError, chat_body, new_client, timed_post
-from .interleave import round_robin
-from .latency import Route
-from .progress import Progress
-from .results import ThroughputArm, ThroughputPoint
-from .stats import summarize
+from vllm_hidden_state_proxy.bench.client import (
+    CHAT_PATH,
+    BenchError,
+    chat_body,
+    new_client,
+    timed_post,
+)
+from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.latency import Route
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.results import ThroughputArm, ThroughputPoint
+from vllm_hidden_state_proxy.bench.stats import summarize
 
 THROUGHPUT_DIRECT = "throughput_direct"
 THROUGHPUT_PASSTHROUGH = "throughput_passthrough"

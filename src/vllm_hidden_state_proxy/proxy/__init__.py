@@ -1,4 +1,26 @@
-"""The HTTP proxy in front of vLLM's OpenAI server (see ``app.create_app``)."""
+"""The HTTP proxy in front of vLLM's OpenAI server. One flagged request, stop by stop::
+
+client
+  │  POST /v1/chat/completions  {"kv_transfer_params": {"return_last_hidden_state": true}}
+  ▼
+server.py            uvicorn runs the app that app.py assembles (routes, lifespan)
+auth.py              the API key, if the proxy has one
+chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
+  │                  ops_app.py: the others)
+  ▼
+admission.py         read the body (asgi.py), inspect it (inspection.py): Ordinary | Flagged;
+  │                  resolve the layers asked for against the live rings (vector_lookup.py)
+  ├─ Ordinary ─────▶ relay.py: forward byte for byte (upstream.py, headers.py)
+  ▼
+flagged_exchange.py  a fresh request key into vllm_xargs; send to vLLM (upstream.py)
+  ├─ JSON ─────────▶ vector_lookup.py: the record from the rings ──▶ answer_join.py
+  └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
+                     there (vector_lookup.py, answer_join.py), relay the rest
+fan_out.py           several flagged requests for one client request (prompt lists,
+                     embeddings inputs)
+errors.py            every error the proxy answers itself, and the factories naming the fix
+settings.py          the options table; state.py, metrics.py: per-app state
+"""
 
 from vllm_hidden_state_proxy.proxy.app import create_app
 from vllm_hidden_state_proxy.proxy.server import serve_proxy

@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, body_too_large
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -81,8 +83,23 @@ async def send_response(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def run_until_disconnect(receive: Receive, exchange: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``exchange`` while watching ``receive`` for ``http.disconnect``.
+async def send_error(send: Send, error: ProxyError) -> None:
+    await send_response(send, error.status, error.body(), b"application/json")
+
+
+async def receive_body(scope: Scope, receive: Receive, send: Send, limit: int) -> bytes | None:
+    """The request body, or ``None`` if the request is already answered (413) or abandoned."""
+    try:
+        return await read_body(scope, receive, limit)
+    except BodyTooLarge:
+        await send_error(send, body_too_large(limit))
+    except ClientDisconnected:
+        pass
+    return None
+
+
+async def run_until_disconnect(receive: Receive, exchange: Awaitable[None]) -> bool:
+    """Await ``exchange`` while watching ``receive`` for ``http.disconnect``.
 
     Must be called after the request body has been read completely. If the client disconnects
     first, ``exchange`` is cancelled (its ``finally`` blocks close the upstream response).
@@ -99,7 +116,7 @@ async def run_until_disconnect(receive: Receive, exchange: Callable[[], Awaitabl
                     return
 
         group.start_soon(watch)
-        await exchange()
+        await exchange
         completed = True
         group.cancel_scope.cancel()
     return completed

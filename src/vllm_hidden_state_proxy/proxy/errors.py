@@ -1,14 +1,28 @@
-"""OpenAI-shaped error responses produced by the proxy itself.
+"""Errors the proxy answers itself, in the OpenAI shape, and the factories that name the fix.
 
 Shape: ``{"error": {"message": str, "type": str, "param": str | null, "code": int}}``.
 Errors coming from vLLM are never rewritten; these are only for decisions the proxy makes.
+
+    ProxyError(status, message, param)
+     ├── 400  bad_request(...)                   the client's request (names the field)
+     ├── 413  body_too_large(limit)
+     ├── 401  (auth.py)                          missing or wrong API key
+     ├── 502  hook_error(message)                the worker hook published an error record
+     │        (upstream.py) vLLM unreachable, or broke off the exchange
+     ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
+     │        engines_without_ring(failures)     the engines whose hook could not start
+     └── 504  vector_timeout(seconds)            vLLM answered, the vector never arrived
+              vector_overwritten(slots)          its ring slot was reused before it was read
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 
-from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
+from vllm_hidden_state_proxy.protocol import RING_SLOTS_ENV
+from vllm_hidden_state_proxy.ring import EngineFailure
 
 #: Error ``type`` per HTTP status for the statuses the proxy produces.
 _TYPES = {
@@ -50,5 +64,46 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, param)
 
 
-async def send_error(send: Send, error: ProxyError) -> None:
-    await send_response(send, error.status, error.body(), b"application/json")
+def body_too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"Request body exceeds the proxy's limit of {limit} bytes.")
+
+
+def no_ring(ring_dir: str) -> ProxyError:
+    return ProxyError(
+        503,
+        "The hidden-state worker hook is not active in the vLLM environment: install "
+        "vllm-hidden-state-proxy into vLLM's Python environment (it registers a "
+        "`vllm.general_plugins` entry point), make sure VLLM_PLUGINS (if set) includes "
+        f"`hidden_state_hook`, and that vLLM and the proxy use the same ring directory "
+        f"({ring_dir}) on shared memory.",
+    )
+
+
+def engines_without_ring(failures: Sequence[EngineFailure]) -> ProxyError:
+    described = "; ".join(failure.describe() for failure in failures)
+    return ProxyError(
+        503,
+        f"The hidden state was not published: this request may have been served by an engine "
+        f"without a ring. {described}. Fix the cause and restart vLLM (vLLM's log has details).",
+    )
+
+
+def hook_error(message: str) -> ProxyError:
+    return ProxyError(502, f"The vLLM worker hook could not produce the hidden state: {message}")
+
+
+def vector_timeout(seconds: float) -> ProxyError:
+    return ProxyError(
+        504,
+        f"The hidden state did not arrive within {seconds:g} s of vLLM's answer: it was not "
+        "published by the vLLM worker hook.",
+    )
+
+
+def vector_overwritten(slots: int | None) -> ProxyError:
+    return ProxyError(
+        504,
+        f"The hidden state was overwritten in the shared-memory ring ({slots} slots) before the "
+        "proxy read it: more flagged prompts were prefilled meanwhile than the ring holds. "
+        f"Retry, or raise {RING_SLOTS_ENV} in vLLM's environment.",
+    )

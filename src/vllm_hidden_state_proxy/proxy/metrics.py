@@ -57,7 +57,7 @@ class Histogram:
         return lines
 
 
-MISS_REASONS = ("overwritten", "not_published")
+MISS_REASONS = ("overwritten", "not_published", "engine_without_ring")
 
 
 class ProxyMetrics:
@@ -72,12 +72,14 @@ class ProxyMetrics:
         self.upstream_errors = 0
         self.vector_wait = Histogram(WAIT_BUCKETS)
 
-    def render(self) -> bytes:
+    def render(self, *, live_rings: int, engines_without_ring: int) -> bytes:
         requests = f"{PREFIX}requests_total"
         flagged = f"{PREFIX}flagged_requests_total"
         misses = f"{PREFIX}vector_misses_total"
         errors = f"{PREFIX}upstream_errors_total"
         wait = f"{PREFIX}vector_wait_seconds"
+        rings = f"{PREFIX}live_rings"
+        without = f"{PREFIX}engines_without_ring"
         lines = [
             f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
             "/v1/embeddings).",
@@ -88,13 +90,21 @@ class ProxyMetrics:
             f"# TYPE {flagged} counter",
             f"{flagged} {self.flagged_received}",
             f"# HELP {misses} Flagged requests answered 504 without their hidden state, by "
-            "reason (overwritten: the ring reused the slot; not_published).",
+            "reason (overwritten: the ring reused the slot; not_published; engine_without_ring: an "
+            "engine of this vLLM has no ring).",
             f"# TYPE {misses} counter",
             *(f'{misses}{{reason="{r}"}} {self.vector_misses[r]}' for r in MISS_REASONS),
             f"# HELP {errors} Failed exchanges with vLLM (connect errors, timeouts, broken "
             "streams).",
             f"# TYPE {errors} counter",
             f"{errors} {self.upstream_errors}",
+            f"# HELP {rings} Rings whose worker hook is alive (one per publishing vLLM engine).",
+            f"# TYPE {rings} gauge",
+            f"{rings} {live_rings}",
+            f"# HELP {without} vLLM engines whose worker hook could not start its ring (see the "
+            "proxy's log and /health).",
+            f"# TYPE {without} gauge",
+            f"{without} {engines_without_ring}",
             f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
             f"# TYPE {wait} histogram",
             *self.vector_wait.render(wait),

@@ -11,19 +11,17 @@ from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
-def server_config(
-    settings: ProxySettings, host: str, port: int, *, log_level: str = "info"
-) -> uvicorn.Config:
+def server_config(settings: ProxySettings) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(settings),
-        host=host,
-        port=port,
+        host=settings.host,
+        port=settings.port,
         loop="uvloop",
         http="httptools",
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # the proxy never looks at the client address
-        log_level=log_level,
+        log_level=settings.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         # vLLM's own Date/Server headers pass through; uvicorn must not add second copies.
         server_header=False,
@@ -31,10 +29,6 @@ def server_config(
     )
 
 
-def serve_proxy(settings: ProxySettings, host: str, port: int, *, log_level: str = "info") -> None:
+def serve_proxy(settings: ProxySettings) -> None:
     """Serve until interrupted (blocking)."""
-    uvicorn.Server(server_config(settings, host, port, log_level=log_level)).run()
-
-
-#: Name used by ``cli.py``.
-run_proxy = serve_proxy
+    uvicorn.Server(server_config(settings)).run()

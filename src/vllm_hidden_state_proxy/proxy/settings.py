@@ -1,59 +1,184 @@
-"""Proxy configuration: one frozen value object, built once by the caller (CLI, tests)."""
+"""The proxy's settings: one table, from which the CLI, ``serve``'s child command line and the
+README's option table are all built.
+
+Each field of :class:`ProxySettings` is one fact: its name, type, default, and, for the ones a
+user can set, the command-line flag, the environment variable that supplies its default, and
+its help text (:func:`option`). :func:`add_arguments` turns the table into ``argparse``
+options, :func:`from_arguments` back into settings, :func:`command_line` and
+:func:`secret_environment` into the ``hidden-state-proxy proxy`` child that ``serve`` starts
+(secrets travel in the environment, never in the visible command line), and
+:func:`options_table` into Markdown (a test keeps ``docs/api.md`` equal to it). The environment
+is read here, when arguments are parsed, and nowhere else in the proxy.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm_hidden_state_proxy.protocol import ring_dir_from_env
-from vllm_hidden_state_proxy.proxy.embeddings_request import DEFAULT_TEMPLATE, check_template
+from vllm_hidden_state_proxy.protocol import (
+    API_KEY_ENV,
+    DEFAULT_RING_DIR,
+    EMBEDDING_TEMPLATE_ENV,
+    POOLINGS,
+    RING_DIR_ENV,
+    UPSTREAM_API_KEY_ENV,
+)
+from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE, check_template
 
 MIB = 1024 * 1024
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def default_ring_owners() -> tuple[int, ...]:
+@dataclass(frozen=True)
+class Option:
+    """How a setting is given on the command line."""
+
+    flag: str
+    help: str
+    metavar: str | None = None
+    #: Environment variable whose value, when set, replaces the default.
+    env: str | None = None
+    #: Passed to ``serve``'s proxy child through ``env`` instead of its command line.
+    secret: bool = False
+    choices: tuple[str, ...] | None = None
+    #: How the default reads in help and docs, when the value itself would mislead.
+    shown_default: str | None = None
+    #: Parses one command-line value; ``bool`` makes a flag without a value; ``list`` of a
+    #: type makes a repeatable option.
+    parse: Callable[[str], Any] = str
+    repeat: bool = False
+
+
+def option(default: Any, flag: str, help: str, **details: Any) -> Any:
+    """A settings field that users can set (see :class:`Option` for ``details``)."""
+    return field(default=default, metadata={"option": Option(flag, help, **details)})
+
+
+def _own_user_and_root() -> tuple[int, ...]:
     return tuple(sorted({os.getuid(), 0}))
 
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """Everything the proxy needs to know; no other module reads the environment."""
+    """Everything the proxy needs to know, built once by the caller (CLI, ``serve``, tests)."""
 
-    #: Base URL of vLLM's OpenAI server, e.g. ``http://127.0.0.1:8000`` (no trailing path needed).
-    upstream_url: str
-    #: Directory holding the worker hook's shared-memory rings (same as vLLM's).
-    ring_dir: str = field(default_factory=ring_dir_from_env)
-    #: Users whose ring files the proxy trusts (a ring file owned by anyone else is refused);
-    #: by default the proxy's own user and root.
-    ring_owner_uids: tuple[int, ...] = field(default_factory=lambda: default_ring_owners())
-    #: Seconds to wait, after vLLM answered 200, for the hidden state to show up in the ring.
-    vector_timeout: float = 5.0
-    #: Largest request body accepted (bytes); larger bodies get 413.
-    max_body_bytes: int = 32 * MIB
+    upstream_url: str = option(
+        "",
+        "--upstream",
+        "vLLM's base URL, e.g. http://127.0.0.1:8001",
+        metavar="URL",
+        shown_default="required",
+    )
+    host: str = option("127.0.0.1", "--host", "address the proxy binds")
+    port: int = option(8000, "--port", "port the proxy listens on", parse=int)
+    ring_dir: str = option(
+        DEFAULT_RING_DIR,
+        "--ring-dir",
+        "shared-memory ring directory, the same as vLLM's",
+        metavar="DIR",
+        env=RING_DIR_ENV,
+    )
+    ring_owner_uids: tuple[int, ...] = option(
+        (),
+        "--ring-owner-uid",
+        "trust ring files owned by this user (repeatable); ring files of other users are refused",
+        metavar="UID",
+        parse=int,
+        repeat=True,
+        shown_default="the proxy's own user and root",
+    )
+    vector_timeout: float = option(
+        5.0,
+        "--vector-timeout",
+        "how long a flagged request waits for its vector once vLLM has answered; then 504",
+        metavar="SECONDS",
+        parse=float,
+    )
+    max_body_bytes: int = option(
+        32 * MIB,
+        "--max-body-size",
+        "largest request body accepted; larger bodies get 413",
+        metavar="BYTES",
+        parse=int,
+        shown_default="33554432 (32 MiB)",
+    )
+    embedding_template: str = option(
+        DEFAULT_TEMPLATE,
+        "--embedding-template",
+        "/v1/embeddings: prompt template for text inputs, with a {text} placeholder",
+        metavar="TEMPLATE",
+        env=EMBEDDING_TEMPLATE_ENV,
+    )
+    embedding_layer: int = option(
+        -1,
+        "--embedding-layer",
+        "/v1/embeddings: the layer a request without 'layer' gets (one the server captures)",
+        metavar="LAYER",
+        parse=int,
+    )
+    embedding_pooling: str = option(
+        "last",
+        "--embedding-pooling",
+        "/v1/embeddings: the pooling a request without 'pooling' gets",
+        choices=POOLINGS,
+    )
+    max_embedding_inputs: int = option(
+        2048,
+        "--max-embedding-inputs",
+        "/v1/embeddings: most inputs per request; more get 400",
+        metavar="N",
+        parse=int,
+    )
+    fan_out_limit: int = option(
+        64,
+        "--fan-out-limit",
+        "most vLLM requests one client request keeps in flight (embeddings inputs, a flagged "
+        "list of completions prompts)",
+        metavar="N",
+        parse=int,
+    )
+    api_key: str | None = option(
+        None,
+        "--api-key",
+        "clients must send 'Authorization: Bearer KEY' (401 otherwise; /health stays open); "
+        "prefer the variable: arguments show in process listings",
+        metavar="KEY",
+        env=API_KEY_ENV,
+        secret=True,
+        shown_default="none",
+    )
+    protect_metrics: bool = option(
+        False, "--protect-metrics", "with an API key, /metrics needs it too", parse=bool
+    )
+    upstream_api_key: str | None = option(
+        None,
+        "--upstream-api-key",
+        "vLLM's own --api-key, when it differs from the proxy's: sent to vLLM instead of the "
+        "client's Authorization header",
+        metavar="KEY",
+        env=UPSTREAM_API_KEY_ENV,
+        secret=True,
+        shown_default="none",
+    )
+    log_level: str = option("info", "--log-level", "proxy log level", choices=LOG_LEVELS)
+    # -- not on the command line ---------------------------------------------------------------
     #: Size of the pooled connection set towards vLLM.
     max_connections: int = 1000
     #: Seconds to establish a TCP connection to vLLM.
     connect_timeout: float = 5.0
     #: Read/write timeout towards vLLM in seconds; ``None`` waits forever (long generations).
     request_timeout: float | None = None
-    #: If set, clients must send ``Authorization: Bearer <api_key>`` (401 otherwise).
-    api_key: str | None = None
-    #: With ``api_key``: ``/metrics`` needs the key too (``/health`` never does).
-    protect_metrics: bool = False
-    #: Sent to vLLM as ``Authorization: Bearer ...`` instead of the client's header (when vLLM's
-    #: own ``--api-key`` differs from the proxy's).
-    upstream_api_key: str | None = None
     #: Seconds ``GET /health`` waits for vLLM's own ``/health``.
     health_timeout: float = 2.0
-    #: Most upstream requests one client request fans out to at a time (a flagged list of
-    #: completions prompts, embeddings inputs).
-    fan_out_limit: int = 64
-    #: ``/v1/embeddings``: the prompt template for text inputs (must contain ``{text}``).
-    embedding_template: str = DEFAULT_TEMPLATE
-    #: ``/v1/embeddings``: most inputs per request (more get 400).
-    max_embedding_inputs: int = 2048
 
     def __post_init__(self) -> None:
+        if not self.ring_owner_uids:
+            object.__setattr__(self, "ring_owner_uids", _own_user_and_root())
         if not self.upstream_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"upstream_url must start with http:// or https://: {self.upstream_url!r}"
@@ -63,14 +188,13 @@ class ProxySettings:
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
         check_template(self.embedding_template)
+        if self.embedding_pooling not in POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None disables it)")
-        if self.max_embedding_inputs <= 0:
-            raise ValueError("max_embedding_inputs must be > 0")
-        if self.fan_out_limit <= 0:
-            raise ValueError("fan_out_limit must be > 0")
-        if self.max_connections <= 0:
-            raise ValueError("max_connections must be > 0")
+        for name in ("max_embedding_inputs", "fan_out_limit", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
         if self.connect_timeout <= 0 or self.health_timeout <= 0:
             raise ValueError("connect_timeout and health_timeout must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
@@ -90,3 +214,118 @@ class ProxySettings:
     def upstream_base(self) -> str:
         """``upstream_url`` without a trailing slash, ready for ``base + path``."""
         return self.upstream_url.rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------
+# The table, turned into a CLI, a child command line and docs
+# ---------------------------------------------------------------------------------------------
+
+
+def options() -> Iterable[tuple[dataclasses.Field[Any], Option]]:
+    for f in dataclasses.fields(ProxySettings):
+        spec = f.metadata.get("option")
+        if spec is not None:
+            yield f, spec
+
+
+def _default(f: dataclasses.Field[Any], spec: Option, environ: Mapping[str, str]) -> Any:
+    if spec.env and environ.get(spec.env):
+        return spec.parse(environ[spec.env])
+    return f.default
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    skip: Sequence[str] = (),
+    required: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """One ``argparse`` option per settings field that has a flag (minus ``skip``)."""
+    env = os.environ if environ is None else environ
+    for f, spec in options():
+        if f.name in skip:
+            continue
+        default = _default(f, spec, env)
+        shown = spec.shown_default or ("none" if default is None else str(default))
+        if spec.env:
+            shown = f"${spec.env} or {shown}"
+        text = f"{spec.help} (default {shown})"
+        if spec.parse is bool:
+            parser.add_argument(spec.flag, dest=f.name, action="store_true", help=spec.help)
+        elif spec.repeat:
+            parser.add_argument(
+                spec.flag,
+                dest=f.name,
+                type=spec.parse,
+                action="append",
+                default=None,
+                metavar=spec.metavar,
+                help=text,
+            )
+        else:
+            parser.add_argument(
+                spec.flag,
+                dest=f.name,
+                type=spec.parse,
+                default=None if f.name in required else default,
+                required=f.name in required,
+                metavar=spec.metavar,
+                choices=spec.choices,
+                help=text,
+            )
+
+
+def from_arguments(args: argparse.Namespace, **overrides: Any) -> ProxySettings:
+    """Settings from parsed arguments (fields ``add_arguments`` skipped keep their defaults)."""
+    values: dict[str, Any] = {}
+    for f, _ in options():
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    values.update(overrides)
+    if values.get("ring_owner_uids") is None:
+        values.pop("ring_owner_uids", None)
+    return ProxySettings(**values)
+
+
+def command_line(settings: ProxySettings) -> list[str]:
+    """``hidden-state-proxy proxy`` arguments that reproduce ``settings`` (secrets excluded)."""
+    argv: list[str] = []
+    for f, spec in options():
+        value = getattr(settings, f.name)
+        if spec.secret or value is None:
+            continue
+        if spec.parse is bool:
+            argv += [spec.flag] if value else []
+        elif spec.repeat:
+            for item in value:
+                argv += [spec.flag, str(item)]
+        else:
+            argv += [spec.flag, str(value)]
+    return argv
+
+
+def secret_environment(settings: ProxySettings) -> dict[str, str]:
+    """The secrets of ``settings``, as the environment variables the proxy reads them from."""
+    secrets: dict[str, str] = {}
+    for f, spec in options():
+        value = getattr(settings, f.name)
+        if spec.secret and spec.env and value:
+            secrets[spec.env] = str(value)
+    return secrets
+
+
+def options_table() -> str:
+    """The Markdown table of the proxy's options (``docs/api.md`` carries it verbatim)."""
+    lines = ["| option | environment | default | meaning |", "|---|---|---|---|"]
+    for f, spec in options():
+        default = spec.shown_default or ("none" if f.default is None else f"`{f.default}`")
+        if spec.parse is bool:
+            default = "off"
+        flag = f"`{spec.flag}`" + (f" `{spec.metavar}`" if spec.metavar else "")
+        if spec.choices:
+            flag += " " + " \\| ".join(f"`{choice}`" for choice in spec.choices)
+        env = f"`{spec.env}`" if spec.env else ""
+        lines.append(f"| {flag} | {env} | {default} | {spec.help} |")
+    return "\n".join(lines) + "\n"

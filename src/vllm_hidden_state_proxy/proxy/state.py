@@ -1,39 +1,48 @@
-"""Per-app runtime state: settings, metrics, and the resources the lifespan opens."""
+"""Per-app runtime state: settings, metrics, and what the lifespan opens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.vectors import VectorSource
+from vllm_hidden_state_proxy.proxy.vector_lookup import RingSource
 
 
-@dataclass
+@dataclass(frozen=True)
+class Connections:
+    """What the lifespan opens: the pool towards vLLM, the small ops pool, the rings."""
+
+    transport: httpx.AsyncBaseTransport
+    ops_client: httpx.AsyncClient
+    rings: RingSource
+
+
 class ProxyState:
-    settings: ProxySettings
-    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
-    http: httpx.AsyncBaseTransport | None = None
-    ops_http: httpx.AsyncClient | None = None
-    vectors: VectorSource | None = None
+    """Shared by the endpoint apps of one proxy; ``connections`` is set while the app runs."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self.connections: Connections | None = None
+
+    def _open(self) -> Connections:
+        if self.connections is None:
+            raise RuntimeError("proxy not started: run the app's lifespan first")
+        return self.connections
 
     @property
-    def client(self) -> httpx.AsyncBaseTransport:
-        if self.http is None:
-            raise RuntimeError("proxy not started: run the app's lifespan first")
-        return self.http
+    def transport(self) -> httpx.AsyncBaseTransport:
+        """The pooled connection set towards vLLM (requests are sent through it directly)."""
+        return self._open().transport
 
     @property
     def ops_client(self) -> httpx.AsyncClient:
         """The small pool for /health and /metrics."""
-        if self.ops_http is None:
-            raise RuntimeError("proxy not started: run the app's lifespan first")
-        return self.ops_http
+        return self._open().ops_client
 
     @property
-    def ring(self) -> VectorSource:
-        if self.vectors is None:
-            raise RuntimeError("proxy not started: run the app's lifespan first")
-        return self.vectors
+    def rings(self) -> RingSource:
+        return self._open().rings

@@ -56,16 +56,26 @@ import logging
 import os
 from typing import Any
 
-from ..protocol import (
+from vllm_hidden_state_proxy.protocol import (
     DEFAULT_RING_SLOTS,
     RING_DIR_MODE_ENV,
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
-from .device_copy import RowCopier, copier_for
-from .publication_queue import PublicationQueue, RecordTarget
-from .runners import RunnerView, UnsupportedRunner, step_hidden_states
-from .selection import SelectedRequests, last_prompt_row
+from vllm_hidden_state_proxy.ring import FailureNote, RingWriter
+from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
+from vllm_hidden_state_proxy.worker_hook.engine import (
+    EngineIdentity,
+    engine_identity,
+    is_publishing_rank,
+)
+from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    RunnerView,
+    UnsupportedRunner,
+    step_hidden_states,
+)
+from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests, last_prompt_row
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -86,13 +96,6 @@ class _LogOnce:
         )
 
 
-def _is_publishing_rank() -> bool:
-    """Only tensor-parallel rank 0 of the last pipeline stage publishes."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-    return bool(get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank)
-
-
 def _check_parallelism(vllm_config: Any) -> None:
     """Refuse layouts where a rank's step state is not the whole batch."""
     size = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
@@ -103,8 +106,63 @@ def _check_parallelism(vllm_config: Any) -> None:
         )
 
 
-def _data_parallel_rank(vllm_config: Any) -> int:
-    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+#: Failure notes of this process's engines, held (live) for the process's lifetime.
+_NOTES: list[FailureNote] = []
+
+
+def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
+    """Tell proxies that this engine has no ring, and why (best effort: never raises)."""
+    try:
+        dir_mode, file_mode = _ring_modes()
+        _NOTES.append(
+            FailureNote.write(
+                ring_dir_from_env(),
+                instance=identity.instance,
+                engine=identity.engine,
+                message=f"{type(error).__name__}: {error}",
+                dir_mode=dir_mode,
+                file_mode=file_mode,
+            )
+        )
+    except Exception as note_error:
+        logger.warning(
+            "vllm-hidden-state-proxy: could not leave a failure note for proxies either: %s",
+            note_error,
+        )
+
+
+def _create_ring(
+    runner: Any, view: RunnerView, identity: EngineIdentity, model_name: str
+) -> RingWriter:
+    view.check(runner)  # raises UnsupportedRunner before any ring file exists
+    vllm_config = runner.vllm_config
+    _check_parallelism(vllm_config)
+    model_config = vllm_config.model_config
+    dir_mode, file_mode = _ring_modes()
+    slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
+    hidden_size = int(model_config.get_hidden_size())
+    writer = RingWriter.create(
+        ring_dir_from_env(),
+        instance=identity.instance,
+        engine=identity.engine,
+        hidden_size=hidden_size,
+        num_hidden_layers=int(model_config.get_total_num_hidden_layers()),
+        model=model_name,
+        slot_count=slots,
+        dir_mode=dir_mode,
+        file_mode=file_mode,
+    )
+    logger.info(
+        "vllm-hidden-state-proxy: worker hook active (%s runner), engine %d of instance %016x, "
+        "publishing %d-d vectors to %s (%d slots)",
+        view.name,
+        identity.engine,
+        identity.instance,
+        hidden_size,
+        writer.path,
+        slots,
+    )
+    return writer
 
 
 def _ring_modes() -> tuple[int, int]:
@@ -140,38 +198,25 @@ class StepCapture:
 
     @classmethod
     def for_runner(cls, runner: Any, view: RunnerView) -> StepCapture:
+        """The capture for ``runner``; on the publishing worker, with its engine's ring.
+
+        If the ring cannot be started there, a failure note takes its place (so proxies can
+        name this engine and the cause) and the error is raised.
+        """
         vllm_config = runner.vllm_config
         model_config = vllm_config.model_config
         served = getattr(model_config, "served_model_name", None)
         if isinstance(served, (list, tuple)):
             served = served[0] if served else None
         model_name = str(served or model_config.model)
-        if not _is_publishing_rank():
+        if not is_publishing_rank(vllm_config.parallel_config):
             return cls(view, None, model_name)
-        view.check(runner)  # raises UnsupportedRunner before any ring file exists
-        _check_parallelism(vllm_config)
-        from ..ring import RingWriter
-
-        dir_mode, file_mode = _ring_modes()
-        slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
-        hidden_size = int(model_config.get_hidden_size())
-        writer = RingWriter.create(
-            ring_dir_from_env(),
-            writer_id=f"dp{_data_parallel_rank(vllm_config)}",
-            hidden_size=hidden_size,
-            model=model_name,
-            slot_count=slots,
-            dir_mode=dir_mode,
-            file_mode=file_mode,
-        )
-        logger.info(
-            "vllm-hidden-state-proxy: worker hook active (%s runner), publishing %d-d vectors "
-            "to %s (%d slots)",
-            view.name,
-            hidden_size,
-            writer.path,
-            slots,
-        )
+        identity = engine_identity(vllm_config)
+        try:
+            writer = _create_ring(runner, view, identity, model_name)
+        except Exception as error:
+            _leave_note(identity, error)
+            raise
         return cls(view, writer, model_name)
 
     @property

@@ -28,9 +28,14 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ..protocol import HOOK_ENABLED_ENV
-from .capture import StepCapture
-from .runners import RunnerView, UnsupportedRunner, V1RunnerView, V2RunnerView
+from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    RunnerView,
+    UnsupportedRunner,
+    V1RunnerView,
+    V2RunnerView,
+)
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .device_copy import PendingRows
+from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows
 
 
 @dataclass(frozen=True, slots=True)

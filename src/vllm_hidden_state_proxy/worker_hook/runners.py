@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from .selection import ScheduledRequest
+from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest
 
 
 class RunnerView(Protocol):

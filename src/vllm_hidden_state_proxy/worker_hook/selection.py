@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol import XARGS_KEY, key_from_wire
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +45,8 @@ def key_of(sampling_params: Any) -> bytes | None:
     extra_args = getattr(sampling_params, "extra_args", None)
     if not extra_args:
         return None
-    value = extra_args.get(XARGS_KEY) if isinstance(extra_args, Mapping) else None
-    return None if value is None else key_from_wire(value)
+    value = extra_args.get(REQUEST_KEY_ENTRY) if isinstance(extra_args, Mapping) else None
+    return None if value is None else request_key_from_wire(value)
 
 
 class SelectedRequests:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import httpx
 
-from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, send_error
+from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, send_error, send_response
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 
@@ -25,8 +25,25 @@ async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Resp
         )
 
 
+def partial_failure(state: ProxyState) -> str | None:
+    """Why the proxy is not ready although vLLM is: some engine of a vLLM whose other engines
+    publish has no ring, so a share of flagged requests would fail (routing decides which).
+    A vLLM whose hook is off everywhere is not this: every flagged request gets a clear 503,
+    and ordinary traffic should keep flowing."""
+    rings = state.rings
+    failures = rings.failed_engines()
+    if not failures:
+        return None
+    publishing = rings.publishing_instances()
+    partial = [failure for failure in failures if failure.instance in publishing]
+    if not partial:
+        return None
+    return "; ".join(failure.describe() for failure in partial)
+
+
 class HealthApp:
-    """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout``."""
+    """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout`` and no engine
+    of a publishing vLLM lacks its ring."""
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -42,7 +59,12 @@ class HealthApp:
             problem = f"{exc!r}"
         else:
             if response.status_code == 200:
-                await send_response(send, 200, b"", b"text/plain; charset=utf-8")
+                missing = partial_failure(self.state)
+                if missing is None:
+                    await send_response(send, 200, b"", b"text/plain; charset=utf-8")
+                    return
+                message = f"vLLM at {upstream} is healthy, but {missing}."
+                await send_error(send, ProxyError(503, message))
                 return
             problem = f"/health answered {response.status_code}"
         await send_error(send, ProxyError(503, f"vLLM at {upstream} is not healthy: {problem}."))
@@ -61,7 +83,11 @@ class MetricsApp:
         upstream = await self._upstream_metrics()
         if upstream and not upstream.endswith(b"\n"):
             upstream += b"\n"
-        await send_response(send, 200, upstream + self.state.metrics.render(), CONTENT_TYPE)
+        rings = self.state.rings
+        own = self.state.metrics.render(
+            live_rings=rings.live_ring_count(), engines_without_ring=len(rings.failed_engines())
+        )
+        await send_response(send, 200, upstream + own, CONTENT_TYPE)
 
     async def _upstream_metrics(self) -> bytes:
         try:

@@ -9,7 +9,9 @@ Each input becomes one flagged one-token request to the chat model vLLM already 
   ``add_generation_prompt`` false unless the request says otherwise (as in vLLM's embeddings
   API), ``continue_final_message`` and ``chat_template_kwargs`` as given.
 
-Pure functions: no I/O. Every error is a 400 naming its field.
+The vector is one layer's (``layer``, default the server's ``--embedding-layer``), pooled as
+asked (``pooling``, default ``--embedding-pooling``). Pure functions: no I/O. Every error is a
+400 naming its field.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
-from vllm_hidden_state_proxy.proxy.flag import FORMATS
+from vllm_hidden_state_proxy.proxy.inspection import VectorRequest, check_format, check_pooling
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -45,6 +47,8 @@ class EmbeddingsPlan:
     encoding_format: str
     normalize: bool
     dimensions: int | None
+    #: The one layer and the pooling every input's vector is taken with.
+    vectors: VectorRequest
     #: The request field the inputs came from ("input" or "messages"), for error messages.
     field: str
 
@@ -119,13 +123,34 @@ def _messages_options(document: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def plan_embeddings(document: dict[str, Any], template: str, max_inputs: int) -> EmbeddingsPlan:
-    """Validate ``document`` (an embeddings request) and plan its vLLM requests."""
-    encoding_format = document.get("encoding_format") or "float"
-    if encoding_format not in FORMATS:
+@dataclass(frozen=True)
+class EmbeddingsDefaults:
+    """The server's side of an embeddings request."""
+
+    template: str
+    max_inputs: int
+    layer: int = -1
+    pooling: str = "last"
+
+
+def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRequest:
+    layer = document.get("layer")
+    if layer is None:
+        layer = defaults.layer
+    elif not _is_int(layer):
         raise bad_request(
-            f"'encoding_format' must be one of {', '.join(FORMATS)}.", "encoding_format"
+            "'layer' must be an integer layer index (negative ones count from the end).", "layer"
         )
+    pooling = document.get("pooling")
+    pooling = defaults.pooling if pooling is None else check_pooling(pooling, "pooling")
+    return VectorRequest(layers=(layer,), pooling=pooling)
+
+
+def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> EmbeddingsPlan:
+    """Validate ``document`` (an embeddings request) and plan its vLLM requests."""
+    template, max_inputs = defaults.template, defaults.max_inputs
+    encoding_format = check_format(document.get("encoding_format") or "float", "encoding_format")
+    vectors = _vectors(document, defaults)
     normalize = _optional_bool(document, "normalize", True)
     dimensions = document.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions <= 0):
@@ -154,7 +179,7 @@ def plan_embeddings(document: dict[str, Any], template: str, max_inputs: int) ->
                 "'instruction' applies to text inputs, not 'messages'.", "instruction"
             )
         calls = [_chat_call(model, messages, _messages_options(document))]
-        return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, "messages")
+        return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, vectors, "messages")
 
     texts, token_prompts = _inputs(document["input"])
     count = len(texts) + len(token_prompts)
@@ -172,7 +197,7 @@ def plan_embeddings(document: dict[str, Any], template: str, max_inputs: int) ->
         if model is not None:
             body["model"] = model
         calls.append((COMPLETIONS_PATH, body))
-    return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, "input")
+    return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, vectors, "input")
 
 
 def dimensions_error(dimensions: int, hidden_size: int) -> ProxyError:

@@ -1,19 +1,35 @@
-"""Find the first server-sent event of a stream that carries a choice, and rewrite only it.
+"""Stream rewriting: the vectors ride on the first server-sent event that carries a choice.
 
 vLLM streams ``data: <json>\\n\\n`` events (chat and completions chunks, an optional usage
-chunk with ``"choices": []``, in-stream errors, ``data: [DONE]``). The proxy puts the vector on
-the first chunk whose ``choices`` list is non-empty and relays every other byte unchanged: it
-looks at events only until that one is found, then the stream is a plain byte copy.
+chunk with ``"choices": []``, in-stream errors, ``data: [DONE]``). The proxy holds the stream
+until its first chunk whose ``choices`` list is non-empty, joins the vectors into that chunk's
+``kv_transfer_params`` and relays every other byte unchanged: it looks at events only until
+that one is found, then the stream is a plain byte copy. Headers and that first chunk are sent
+once the vectors are in hand (they were published at prefill, before vLLM produced the chunk),
+so a missing vector is a proper error response before any byte of the stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 
+from vllm_hidden_state_proxy.proxy.answer_join import with_kv_fields
+from vllm_hidden_state_proxy.proxy.asgi import Send
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.relay import relay_body
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.upstream import transport_error
+
+#: Most bytes of a stream buffered while looking for its first choice (vLLM's is ~300).
+MAX_STREAM_PREFIX = 1024 * 1024
+#: The streamed body changes length where the vectors are joined in.
+_STREAM_DROP = frozenset({b"content-length"})
 
 #: Event separators (the SSE spec allows LF, CRLF and CR line ends; vLLM writes LF).
 _SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
@@ -95,3 +111,50 @@ def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str
     except orjson.JSONEncodeError as exc:
         raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
     return bytes(buffer[: event.start]) + b"data: " + data + buffer[event.end :]
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
+
+
+async def relay_with_vectors(
+    state: ProxyState,
+    send: Send,
+    response: httpx.Response,
+    fields: Callable[[], Awaitable[dict[str, Any]]],
+) -> None:
+    """Hold the stream until its first choice chunk, join ``fields()`` there, relay the rest.
+
+    Raises ``ProxyError`` only before the response has started.
+    """
+    chunks = response.aiter_raw()
+    buffer = bytearray()
+    scanner = FirstChoiceScanner()
+    found: ChoiceEvent | None = None
+    try:
+        async for chunk in chunks:
+            buffer += chunk
+            scanned = scanner.scan(buffer)
+            if scanned is not None:
+                found = scanned if isinstance(scanned, ChoiceEvent) else None
+                break
+            if len(buffer) > MAX_STREAM_PREFIX:
+                raise ProxyError(
+                    502, f"vLLM's stream had no choice in its first {MAX_STREAM_PREFIX} bytes."
+                )
+    except httpx.HTTPError as exc:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, exc) from exc
+    head = bytes(buffer)
+    if found is not None:
+        head = replace_event(buffer, found, with_kv_fields(found.chunk, await fields()))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": downstream_response_headers(response.headers.raw, drop=_STREAM_DROP),
+        }
+    )
+    await send({"type": "http.response.body", "body": head, "more_body": True})
+    await relay_body(state, send, chunks)

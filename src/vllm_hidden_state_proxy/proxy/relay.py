@@ -1,4 +1,4 @@
-"""Streaming passthrough: send a request to vLLM and relay the response byte for byte."""
+"""Relaying: send a request to vLLM and stream its answer back byte for byte."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, send_error
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
@@ -24,7 +24,7 @@ async def open_upstream(state: ProxyState, request: httpx.Request) -> httpx.Resp
     response (``close_quietly``).
     """
     try:
-        return await state.client.handle_async_request(request)
+        return await state.transport.handle_async_request(request)
     except httpx.TransportError as exc:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, exc) from exc

@@ -1,24 +1,36 @@
-"""``POST /v1/completions`` with the flag and a list of prompts: one vector per prompt.
+"""``POST /v1/completions``: like chat, and a flagged list of prompts gets one entry per prompt.
 
 vLLM runs every prompt of a list as its own engine request but with one shared
-``SamplingParams``, so one key cannot tell the prompts apart. The proxy therefore fans the list
-out: one upstream request per prompt, each with its own key (exact under any concurrency),
-at most ``settings.fan_out_limit`` in flight per client request, then merges the answers the
-way vLLM would have (choices numbered in prompt order, usage summed). If any prompt fails, the
-client gets that failure (the first in prompt order) and never a partial list.
+``SamplingParams``, so one request key cannot tell the prompts apart. The proxy therefore fans
+the list out: one upstream request per prompt, each with its own key (exact under any
+concurrency), at most ``settings.fan_out_limit`` in flight per client request, then merges the
+answers the way vLLM would have (choices numbered in prompt order, usage summed). If any prompt
+fails, the client gets that failure (the first in prompt order) and never a partial list.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, send_error
-from vllm_hidden_state_proxy.proxy.fan_out import answers, fetch_all, first_failure
-from vllm_hidden_state_proxy.proxy.flag import FLAG, KV, VectorOptions
-from vllm_hidden_state_proxy.proxy.flagged import send_answer_unchanged, send_joined
+from vllm_hidden_state_proxy.proxy.admission import read_decision, resolve_wanted
+from vllm_hidden_state_proxy.proxy.answer_join import (
+    prompt_list_fields,
+    send_joined,
+    send_unchanged,
+)
+from vllm_hidden_state_proxy.proxy.asgi import (
+    Receive,
+    Scope,
+    Send,
+    run_until_disconnect,
+    send_error,
+)
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
+from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
+from vllm_hidden_state_proxy.proxy.inspection import FLAG, KV, Ordinary, WantedVectors
+from vllm_hidden_state_proxy.proxy.relay import forward
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_fields import prompt_list_fields
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
 _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -98,31 +110,54 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-async def completions_exchange(
+class CompletionsApp:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        decision = await read_decision(state, scope, receive, send)
+        if decision is None:
+            return
+        if isinstance(decision, Ordinary):
+            await run_until_disconnect(receive, forward(state, scope, send, decision.body))
+            return
+        document = decision.document
+        try:
+            prompts = prompt_list(document)
+            wanted = resolve_wanted(state, decision)
+        except ProxyError as error:
+            await send_error(send, error)
+            return
+        if prompts is None:
+            exchange = flagged_exchange(state, scope, send, document, wanted)
+        else:
+            exchange = _prompt_list_exchange(state, scope, send, document, wanted, prompts)
+        await run_until_disconnect(receive, exchange)
+
+
+async def _prompt_list_exchange(
     state: ProxyState,
     scope: Scope,
     send: Send,
     document: dict[str, Any],
-    options: VectorOptions,
+    wanted: WantedVectors,
     prompts: list[Any],
 ) -> None:
-    """Fan a flagged list of prompts out, answer with ``last_hidden_states`` in prompt order."""
-    results = await fetch_all(state, [(scope, {**document, "prompt": p}) for p in prompts])
-    failure = first_failure(results)
-    if failure is not None:
-        _, failed = failure
-        if isinstance(failed, ProxyError):
-            await send_error(send, failed)
-        else:
-            await send_answer_unchanged(send, failed)  # vLLM's own error for that prompt
+    """Fan a flagged list of prompts out; answer with one entry per prompt, in prompt order."""
+    jobs = [(scope, {**document, "prompt": prompt}) for prompt in prompts]
+    answers = await fetch_all(state, jobs, wanted)
+    if isinstance(answers, Failed):
+        failure = answers.failure
+        if isinstance(failure, ProxyError):
+            await send_error(send, failure)
+        else:  # vLLM's own error for that prompt
+            await send_unchanged(send, failure.status, failure.headers, failure.content)
         return
-    complete = answers(results)
-    completions = [a.completion for a in complete if a.completion is not None]
-    records = [a.record for a in complete if a.record is not None]
-    fields = prompt_list_fields(records, options)
+    fields = prompt_list_fields([answer.record for answer in answers], wanted)
     try:
-        merged = merge_completions(completions)
-        await send_joined(send, complete[0].headers, merged, fields)
+        merged = merge_completions([answer.completion for answer in answers])
+        await send_joined(send, answers[0].headers, merged, fields)
     except (TypeError, ValueError) as exc:  # not the completions shape vLLM writes
         await send_error(
             send, ProxyError(502, f"vLLM's completions answers cannot be merged: {exc}")

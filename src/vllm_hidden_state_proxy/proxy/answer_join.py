@@ -1,0 +1,128 @@
+"""Joining records into vLLM's answer: the ``kv_transfer_params`` fields, and whole responses.
+
+Fields of a flagged answer (``kv_transfer_params``; others that vLLM returns are kept):
+
+- ``last_hidden_state``: the final layer's vector, whenever the final layer was asked for or
+  no layers were given; a JSON list of floats (format ``"float"``) or base64 of little-endian
+  float32 (``"base64"``, like OpenAI embeddings' ``encoding_format``; the ring already stores
+  that byte layout, so no float list is built on this path).
+- ``last_hidden_states_by_layer``: with ``last_hidden_state_layers``, each requested layer,
+  written as in the request (``"4"``, ``"-1"``), to its vector.
+- ``last_hidden_state_info`` (on request): where and what the vectors are.
+- A request with several prompts (``/v1/completions`` with a list) gets the same fields in the
+  plural (``last_hidden_states``, ``last_hidden_state_infos``) or, for layers, a list of
+  objects: one entry per prompt, in prompt order.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Send, send_response
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.inspection import KV, WantedVectors
+from vllm_hidden_state_proxy.ring import Record
+
+VECTOR = "last_hidden_state"
+VECTORS = "last_hidden_states"
+BY_LAYER = "last_hidden_states_by_layer"
+INFO = "last_hidden_state_info"
+INFOS = "last_hidden_state_infos"
+
+#: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
+_REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
+
+
+def encode_vector(vector: bytes, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(vector).decode("ascii")
+    return Record.floats_of(vector)
+
+
+def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "position": record.position,
+        "num_prompt_tokens": record.num_prompt_tokens,
+        "hidden_size": record.hidden_size,
+        "dtype": "float32",
+        "pooling": record.pooling,
+    }
+    if wanted.final_layer in wanted.layers:
+        info["layer"] = "final_norm"
+    if wanted.request.layers is not None:
+        info["layers"] = list(wanted.request.layers)
+    return info
+
+
+def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
+    fmt = wanted.request.format
+    fields: dict[str, Any] = {}
+    if wanted.final_layer in wanted.layers:
+        fields[VECTOR] = encode_vector(record.vector(wanted.final_layer), fmt)
+    if wanted.request.layers is not None:
+        fields[BY_LAYER] = {
+            str(label): encode_vector(record.vector(layer), fmt)
+            for label, layer in zip(wanted.request.layers, wanted.layers, strict=True)
+        }
+    return fields
+
+
+def single_prompt_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
+    fields = _vector_fields(record, wanted)
+    if wanted.request.info:
+        fields[INFO] = vector_info(record, wanted)
+    return fields
+
+
+def prompt_list_fields(records: Sequence[Record], wanted: WantedVectors) -> dict[str, Any]:
+    per_prompt = [_vector_fields(record, wanted) for record in records]
+    fields: dict[str, Any] = {}
+    if wanted.final_layer in wanted.layers:
+        fields[VECTORS] = [prompt[VECTOR] for prompt in per_prompt]
+    if wanted.request.layers is not None:
+        fields[BY_LAYER] = [prompt[BY_LAYER] for prompt in per_prompt]
+    if wanted.request.info:
+        fields[INFOS] = [vector_info(record, wanted) for record in records]
+    return fields
+
+
+def with_kv_fields(document: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``document`` with ``fields`` merged into its ``kv_transfer_params`` (others kept)."""
+    kv = document.get(KV)
+    merged = dict(kv) if isinstance(kv, dict) else {}
+    merged.update(fields)
+    return {**document, KV: merged}
+
+
+async def send_whole(
+    send: Send, status: int, upstream_headers: RawHeaders, body: bytes, content_type: bytes
+) -> None:
+    """A complete response with vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
+    headers = downstream_response_headers(upstream_headers, drop=_REBUILT_DROP)
+    await send_response(send, status, body, content_type, headers)
+
+
+async def send_joined(
+    send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``."""
+    try:
+        body = orjson.dumps(with_kv_fields(completion, fields))
+    except orjson.JSONEncodeError as exc:  # e.g. nested deeper than orjson writes
+        raise ProxyError(502, f"vLLM's answer cannot be re-encoded with the vector: {exc}") from exc
+    await send_whole(send, 200, headers, body, b"application/json")
+
+
+async def send_unchanged(send: Send, status: int, headers: RawHeaders, content: bytes) -> None:
+    """A complete answer as vLLM wrote it (status, content type, body)."""
+    content_type = b"application/json"
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            content_type = value
+            break
+    await send_whole(send, status, headers, content, content_type)

@@ -1,0 +1,134 @@
+"""``POST /v1/embeddings`` served from the chat model's hidden states (OpenAI shape).
+
+The inputs fan out as flagged one-token requests (:mod:`.embeddings_plan` plans them), at most
+``settings.fan_out_limit`` at a time; the answer lists the vectors in input order with usage
+summed. If any input fails, the request fails with that error, naming the input's index.
+A client disconnect cancels what is still in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+from array import array
+from typing import Any
+
+import orjson
+
+from vllm_hidden_state_proxy.proxy.answer_join import send_whole
+from vllm_hidden_state_proxy.proxy.asgi import (
+    Receive,
+    Scope,
+    Send,
+    receive_body,
+    run_until_disconnect,
+    send_error,
+)
+from vllm_hidden_state_proxy.proxy.embeddings_plan import (
+    EmbeddingsDefaults,
+    EmbeddingsPlan,
+    dimensions_error,
+    plan_embeddings,
+)
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
+from vllm_hidden_state_proxy.proxy.flagged_exchange import JoinableAnswer, VllmAnswer
+from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, parse_object, resolve_layers
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
+from vllm_hidden_state_proxy.ring import Record
+
+
+def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> list[float] | str:
+    """A vector (LE float32 bytes), scaled to unit L2 norm on request, as floats or base64."""
+    if not normalize:
+        if encoding_format == "base64":
+            return base64.b64encode(vector).decode("ascii")
+        return Record.floats_of(vector)
+    values = Record.floats_of(vector)
+    norm = math.hypot(*values)
+    if norm > 0:
+        scale = 1.0 / norm
+        values = [v * scale for v in values]
+    if encoding_format != "base64":
+        return values
+    packed = array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
+    """The failure of one input, as the request's error, naming the input."""
+    where = f"{field}[{index}]" if field == "input" else field
+    if isinstance(failure, ProxyError):
+        return ProxyError(failure.status, f"{where}: {failure.message}", failure.param or field)
+    message = failure.content.decode("utf-8", "replace")
+    try:
+        error = orjson.loads(failure.content).get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            message = error["message"]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return ProxyError(failure.status, f"{where}: {message}", field)
+
+
+def embeddings_response(
+    plan: EmbeddingsPlan, wanted: WantedVectors, answers: list[JoinableAnswer]
+) -> dict[str, Any]:
+    layer = wanted.layers[0]
+    data = []
+    prompt_tokens = 0
+    for index, answer in enumerate(answers):
+        vector = answer.record.vector(layer)
+        embedding = embedding_of(vector, plan.normalize, plan.encoding_format)
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+        prompt_tokens += answer.record.num_prompt_tokens
+    return {
+        "object": "list",
+        "data": data,
+        "model": answers[0].completion.get("model"),
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+
+
+class EmbeddingsApp:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        settings = state.settings
+        self.defaults = EmbeddingsDefaults(
+            template=settings.embedding_template,
+            max_inputs=settings.max_embedding_inputs,
+            layer=settings.embedding_layer,
+            pooling=settings.embedding_pooling,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        body = await receive_body(scope, receive, send, state.settings.max_body_bytes)
+        if body is None:
+            return
+        try:
+            plan = plan_embeddings(parse_object(body), self.defaults)
+            shapes = check_rings(state.rings, state.settings.ring_dir)
+            wanted = resolve_layers(plan.vectors, shapes, param="layer")
+            hidden_size = shapes[0].hidden_size
+            if plan.dimensions is not None and plan.dimensions != hidden_size:
+                raise dimensions_error(plan.dimensions, hidden_size)
+        except ProxyError as error:
+            await send_error(send, error)
+            return
+        state.metrics.requests["embeddings"] += 1
+        await run_until_disconnect(receive, self._answer(scope, send, plan, wanted))
+
+    async def _answer(
+        self, scope: Scope, send: Send, plan: EmbeddingsPlan, wanted: WantedVectors
+    ) -> None:
+        jobs = [(at_path(scope, path), document) for path, document in plan.calls]
+        answers = await fetch_all(self.state, jobs, wanted)
+        if isinstance(answers, Failed):
+            await send_error(send, input_error(answers.index, plan.field, answers.failure))
+            return
+        payload = orjson.dumps(embeddings_response(plan, wanted, answers))
+        await send_whole(send, 200, answers[0].headers, payload, b"application/json")

@@ -1,0 +1,189 @@
+"""One flagged request to vLLM: a fresh request key in, vLLM's answer and the record out.
+
+- vLLM answers other than 200 pass through unchanged, with no lookup.
+- A JSON 200 gets its vectors joined in (:mod:`.answer_join`).
+- A streamed 200 (``text/event-stream``) gets them on its first chunk that carries a choice
+  (:mod:`.stream_rewrite`).
+
+A flagged request never gets a 200 without its vectors: if they cannot be had, the client gets
+an error (:mod:`.vector_lookup`) instead, before any byte of vLLM's answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from vllm_hidden_state_proxy.protocol import new_request_key, request_key_to_wire
+from vllm_hidden_state_proxy.proxy.answer_join import send_joined, single_prompt_fields
+from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Scope, Send, send_error
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, flagged_body, parse_completion
+from vllm_hidden_state_proxy.proxy.relay import close_quietly, open_upstream, relay_response
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.stream_rewrite import is_event_stream, relay_with_vectors
+from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
+from vllm_hidden_state_proxy.proxy.vector_lookup import capturing_early, wait_for_record
+from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
+
+#: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
+_NO_ENCODING = frozenset({b"accept-encoding"})
+
+
+@dataclass(frozen=True)
+class KeyedRequest:
+    """A flagged request body with its fresh request key, and the rings' counters at sending."""
+
+    key: bytes
+    body: bytes
+    wanted: WantedVectors
+    marks: PublishMarks
+
+    @classmethod
+    def prepare(
+        cls, state: ProxyState, document: dict[str, Any], wanted: WantedVectors
+    ) -> KeyedRequest:
+        key = new_request_key()
+        body = flagged_body(document, request_key_to_wire(key), wanted)
+        return cls(key, body, wanted, state.rings.publish_marks())
+
+
+@dataclass(frozen=True)
+class VllmAnswer:
+    """vLLM answered other than 200: relayed as it is, no record looked up."""
+
+    status: int
+    headers: RawHeaders
+    content: bytes
+
+
+@dataclass(frozen=True)
+class JoinableAnswer:
+    """vLLM's 200 JSON completion, and the request's record."""
+
+    headers: RawHeaders
+    completion: dict[str, Any]
+    record: Record
+
+
+Answer = VllmAnswer | JoinableAnswer
+
+
+async def record_of(state: ProxyState, request: KeyedRequest, early: Found | None = None) -> Record:
+    """The request's record; ``ProxyError`` if there is none (see :mod:`.vector_lookup`)."""
+    return await wait_for_record(
+        state.rings,
+        request.key,
+        request.marks,
+        state.settings.vector_timeout,
+        state.metrics,
+        early,
+    )
+
+
+async def _open(state: ProxyState, scope: Scope, request: KeyedRequest) -> httpx.Response:
+    upstream = build_request(state.settings, scope, request.body, drop=_NO_ENCODING)
+    return await open_upstream(state, upstream)
+
+
+async def _read_all(response: httpx.Response) -> httpx.HTTPError | None:
+    try:
+        await response.aread()
+    except httpx.HTTPError as exc:  # broken connection, undecodable content-encoding
+        return exc
+    return None
+
+
+async def _read_answer(
+    state: ProxyState, request: KeyedRequest, response: httpx.Response
+) -> Answer:
+    """Read a whole answer; for a 200, the parsed body and the record (or ``ProxyError``)."""
+    if response.status_code == 200:
+        return await _read_completion(state, request, response)
+    failure = await _read_all(response)
+    if failure is not None:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, failure) from failure
+    return VllmAnswer(response.status_code, list(response.headers.raw), response.content)
+
+
+async def _read_completion(
+    state: ProxyState, request: KeyedRequest, response: httpx.Response
+) -> JoinableAnswer:
+    """Read a 200 JSON answer, picking the record up meanwhile if the answer takes long."""
+    failures: list[httpx.HTTPError] = []
+
+    async def read() -> None:
+        failure = await _read_all(response)
+        if failure is not None:
+            failures.append(failure)
+
+    early = await capturing_early(state.rings, request.key, request.marks, read())
+    if failures:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, failures[0]) from failures[0]
+    completion = parse_completion(response.content)
+    if completion is None:
+        raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
+    record = await record_of(state, request, early)
+    return JoinableAnswer(list(response.headers.raw), completion, record)
+
+
+async def fetch_flagged_json(
+    state: ProxyState, scope: Scope, document: dict[str, Any], wanted: WantedVectors
+) -> Answer:
+    """Send one flagged, non-streaming request and read the whole answer (the fan-out's
+    building block). Raises ``ProxyError`` when there is no usable answer."""
+    request = KeyedRequest.prepare(state, document, wanted)
+    response = await _open(state, scope, request)
+    try:
+        return await _read_answer(state, request, response)
+    finally:
+        await close_quietly(response)
+
+
+async def flagged_exchange(
+    state: ProxyState,
+    scope: Scope,
+    send: Send,
+    document: dict[str, Any],
+    wanted: WantedVectors,
+) -> None:
+    """Forward one flagged request and answer the client (JSON or stream)."""
+    request = KeyedRequest.prepare(state, document, wanted)
+    try:
+        response = await _open(state, scope, request)
+    except ProxyError as error:
+        await send_error(send, error)
+        return
+    try:
+        await _answer(state, send, request, response)
+    except ProxyError as error:
+        await send_error(send, error)
+    finally:
+        await close_quietly(response)
+
+
+def _answer(
+    state: ProxyState, send: Send, request: KeyedRequest, response: httpx.Response
+) -> Awaitable[None]:
+    if response.status_code != 200:
+        return relay_response(state, send, response)  # vLLM's own error, unchanged
+    if is_event_stream(response):
+
+        async def fields() -> dict[str, Any]:
+            return single_prompt_fields(await record_of(state, request), request.wanted)
+
+        return relay_with_vectors(state, send, response, fields)
+    return _send_json(state, send, request, response)
+
+
+async def _send_json(
+    state: ProxyState, send: Send, request: KeyedRequest, response: httpx.Response
+) -> None:
+    answer = await _read_completion(state, request, response)
+    fields = single_prompt_fields(answer.record, request.wanted)
+    await send_joined(send, answer.headers, answer.completion, fields)

@@ -1,0 +1,182 @@
+"""Finding a flagged request's record in the rings, once vLLM has answered.
+
+The hook publishes a record before the step's output leaves the worker, so by the time vLLM's
+answer (or its first streamed chunk) reaches the proxy, the record is in its engine's ring: the
+first lookup normally finds it. When it does not:
+
+- an engine of this vLLM has a failure note (its hook could not start): the request may have
+  landed there, and waiting cannot help: 503 at once, naming the engine and the cause;
+- a ring reused every slot since the request was sent: the record may be overwritten: 504 at
+  once, saying to raise the slot count;
+- otherwise the lookup is repeated with a growing interval until ``--vector-timeout``: 504.
+
+An error record (the hook could not produce this request's vectors) is a 502 with its message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from typing import Protocol
+
+import anyio
+
+from vllm_hidden_state_proxy.proxy.errors import (
+    engines_without_ring,
+    hook_error,
+    no_ring,
+    vector_overwritten,
+    vector_timeout,
+)
+from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    ErrorRecord,
+    Found,
+    PublishMarks,
+    Record,
+    RingShape,
+)
+
+#: First poll interval after a miss, and the cap it doubles up to (seconds).
+FIRST_BACKOFF = 50e-6
+MAX_BACKOFF = 5e-3
+#: While a response is still being generated: first look after this long, then at this interval.
+EARLY_DELAY = 0.05
+EARLY_INTERVAL = 0.02
+
+
+class RingSource(Protocol):
+    """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
+
+    def lookup(self, key: bytes) -> Found | None: ...
+
+    def has_ring(self) -> bool: ...
+
+    def live_ring_count(self) -> int: ...
+
+    def live_shapes(self) -> tuple[RingShape, ...]: ...
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]: ...
+
+    def publishing_instances(self) -> frozenset[int]: ...
+
+    def publish_marks(self) -> PublishMarks: ...
+
+    def overwritten_since(self, marks: PublishMarks) -> bool: ...
+
+    def smallest_slot_count(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def _matching(rings: RingSource, key: bytes) -> Found | None:
+    found = rings.lookup(key)
+    if found is None or found.key != key:  # a record for another key is never ours
+        return None
+    return found
+
+
+def _as_record(found: Found) -> Record:
+    if isinstance(found, ErrorRecord):
+        raise hook_error(found.message)
+    return found
+
+
+async def wait_for_record(
+    rings: RingSource,
+    key: bytes,
+    marks: PublishMarks,
+    timeout: float,
+    metrics: ProxyMetrics,
+    early: Found | None = None,
+) -> Record:
+    """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
+
+    ``marks`` are the rings' publish counters when the request was sent.
+    """
+    start = time.monotonic()
+    found = early if early is not None else _matching(rings, key)
+    if found is None:
+        failures = rings.failed_engines()
+        if failures:
+            metrics.vector_misses["engine_without_ring"] += 1
+            raise engines_without_ring(failures)
+        found = await _poll(rings, key, marks, start + timeout)
+    if found is None:
+        if rings.overwritten_since(marks):
+            metrics.vector_misses["overwritten"] += 1
+            raise vector_overwritten(rings.smallest_slot_count())
+        metrics.vector_misses["not_published"] += 1
+        raise vector_timeout(timeout)
+    metrics.vector_wait.observe(time.monotonic() - start)
+    return _as_record(found)
+
+
+async def _poll(
+    rings: RingSource, key: bytes, marks: PublishMarks, deadline: float
+) -> Found | None:
+    """Look again with a doubling interval, until found, overwritten or ``deadline``."""
+    delay = FIRST_BACKOFF
+    while not rings.overwritten_since(marks):
+        now = time.monotonic()
+        if now >= deadline:
+            return None
+        await anyio.sleep(min(delay, deadline - now))
+        found = _matching(rings, key)
+        if found is not None:
+            return found
+        delay = min(delay * 2, MAX_BACKOFF)
+    return None
+
+
+class EarlyCapture:
+    """Picks a record up while its (long) generation is still running.
+
+    The worker publishes at prefill; a response with many output tokens completes much later,
+    and meanwhile other flagged prefills advance the rings. Taking the record early means its
+    slot cannot be reused before the proxy reads it. Short requests never get past the first
+    sleep: they finish first and look the record up directly (:func:`wait_for_record`).
+    """
+
+    def __init__(self, rings: RingSource, key: bytes, marks: PublishMarks) -> None:
+        self.rings = rings
+        self.key = key
+        self.marks = marks
+        self.found: Found | None = None
+
+    async def run(self) -> None:
+        await anyio.sleep(EARLY_DELAY)
+        while True:
+            try:
+                found = _matching(self.rings, self.key)
+            except Exception:  # the direct lookup afterwards reports ring trouble
+                return
+            if found is not None:
+                self.found = found
+                return
+            if self.rings.overwritten_since(self.marks):
+                return
+            await anyio.sleep(EARLY_INTERVAL)
+
+
+async def capturing_early(
+    rings: RingSource, key: bytes, marks: PublishMarks, work: Awaitable[None]
+) -> Found | None:
+    """Await ``work`` (which must not raise) with an :class:`EarlyCapture` beside it; the
+    record if it was captured meanwhile."""
+    capture = EarlyCapture(rings, key, marks)
+    async with anyio.create_task_group() as group:
+        group.start_soon(capture.run)
+        await work
+        group.cancel_scope.cancel()
+    return capture.found
+
+
+def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
+    """The live rings' shapes, before a flagged request is sent; 503 if there are none."""
+    shapes = rings.live_shapes() if rings.has_ring() else ()
+    if not shapes:
+        failures = rings.failed_engines()
+        raise engines_without_ring(failures) if failures else no_ring(ring_dir)
+    return shapes

@@ -1,0 +1,338 @@
+"""Every ring of a directory, as the proxy sees it: one per engine, of one or more vLLM servers.
+
+A request may be served by any engine, so a lookup searches every mapped ring (each search is
+a dictionary probe, see :mod:`.reader`). The directory follows engines that start, restart
+(new file) or die, and the failure notes of engines whose hook could not start
+(:mod:`.notes`).
+
+A ring is *live* while its writer holds the file's lock. Rings whose writer is gone stay mapped
+and searchable until their file is removed (a record published just before a crash can still
+be read), but only live ones count as publishing. Thread-safe: one lock around scans, probes
+and lookups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+
+from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingShape
+from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
+from vllm_hidden_state_proxy.ring.reader import RingReader
+
+logger = logging.getLogger("vllm_hidden_state_proxy.ring")
+
+_StatSig = tuple[int, int, int, int, int, int, int]
+#: Publish counters of the live rings at one moment, by file identity.
+PublishMarks = Mapping[tuple[int, int], int]
+
+
+def _stat_sig(st: os.stat_result) -> _StatSig:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
+
+
+class RingDirectory:
+    """Every ``ring-*.bin`` and ``ring-*.failed`` in a directory."""
+
+    #: Minimum seconds between two directory checks triggered by lookups.
+    CHECK_INTERVAL = 0.05
+    #: Seconds a liveness answer (rings and notes) is reused before probing again.
+    LIVENESS_INTERVAL = 0.1
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, owner_uids: files.Owners = None
+    ) -> None:
+        self.directory = Path(directory)
+        self._owner_uids = owner_uids
+        self._readers: dict[str, RingReader] = {}
+        self._listing: dict[str, int] = {}
+        self._refused: dict[str, _StatSig] = {}
+        self._lock = threading.RLock()
+        self._next_check = 0.0
+        self._closed = False
+        self._dir_error_logged = False
+        self._live: tuple[RingReader, ...] = ()
+        self._failures: tuple[EngineFailure, ...] = ()
+        self._live_until = 0.0
+        self._dead_logged: set[tuple[int, int]] = set()
+        self._failures_logged: set[tuple[int, int, int]] = set()
+        self.refresh()
+
+    # -- scanning ------------------------------------------------------------------------------
+
+    def _entries(self) -> Iterator[os.DirEntry[str]]:
+        try:
+            it = os.scandir(self.directory)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if not self._dir_error_logged:
+                logger.warning("cannot list ring directory %s: %s", self.directory, exc)
+                self._dir_error_logged = True
+            return
+        with it:
+            for entry in it:
+                if files.parse_name(entry.name) is not None:
+                    yield entry
+
+    def refresh(self) -> None:
+        """Rescan: open new ring files, drop replaced/removed ones, log each refusal once."""
+        with self._lock:
+            if self._closed:
+                return
+            stats: dict[str, os.stat_result] = {}
+            for entry in self._entries():
+                with contextlib.suppress(OSError):  # vanished between readdir and stat
+                    stats[entry.name] = entry.stat(follow_symlinks=False)
+            for name, reader in list(self._readers.items()):
+                st = stats.get(name)
+                if st is None or (st.st_dev, st.st_ino) != reader.identity or reader.is_stale():
+                    logger.info(
+                        "ring file %s %s (epoch %016x); dropping it",
+                        reader.path,
+                        "removed" if st is None else "replaced",
+                        reader.epoch,
+                    )
+                    reader.close()
+                    del self._readers[name]
+            for name in list(self._refused):
+                if name not in stats:
+                    del self._refused[name]
+            for name, st in stats.items():
+                if name in self._readers or not name.endswith(files.RING_SUFFIX):
+                    continue
+                sig = _stat_sig(st)
+                if self._refused.get(name) == sig:
+                    continue  # the same bad file as last time: already logged
+                try:
+                    reader = RingReader.open(self.directory / name, owner_uids=self._owner_uids)
+                except RingFormatError as exc:
+                    self._refused[name] = sig
+                    logger.warning("refusing ring file %s", exc)
+                    continue
+                self._refused.pop(name, None)
+                self._readers[name] = reader
+                logger.info(
+                    "opened ring file %s (engine %d, epoch %016x, writer pid %d, %d slots, "
+                    "hidden_size %d, layers %s)",
+                    reader.path,
+                    reader.engine,
+                    reader.epoch,
+                    reader.writer_pid,
+                    reader.slot_count,
+                    reader.hidden_size,
+                    ",".join(map(str, reader.layers)),
+                )
+            self._listing = {name: st.st_ino for name, st in stats.items()}
+            self._next_check = time.monotonic() + self.CHECK_INTERVAL
+            self._forget_liveness()
+            self._dead_logged &= {reader.identity for reader in self._readers.values()}
+
+    def _changed(self) -> bool:
+        if self._refused:
+            return True  # let refresh() re-stat refused files (it only reopens changed ones)
+        listing = {entry.name: entry.inode() for entry in self._entries()}
+        if listing != self._listing:
+            return True
+        return any(reader.is_stale() for reader in self._readers.values())
+
+    def _maybe_refresh(self) -> bool:
+        """Rescan if the periodic check is due and the directory changed; True if it did."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.CHECK_INTERVAL
+        if not self._changed():
+            return False
+        self.refresh()
+        return True
+
+    def _drop_broken(self, name: str, reader: RingReader, exc: RingFormatError) -> None:
+        logger.warning("refusing ring file %s", exc)
+        reader.close()
+        self._readers.pop(name, None)
+        self._forget_liveness()
+        with contextlib.suppress(OSError):
+            self._refused[name] = _stat_sig(os.stat(reader.path, follow_symlinks=False))
+
+    def _search(self, key: bytes) -> tuple[Found | None, RingReader | None]:
+        for name, reader in list(self._readers.items()):
+            try:
+                found = reader.lookup(key)
+            except RingFormatError as exc:
+                self._drop_broken(name, reader, exc)
+                continue
+            if found is not None:
+                return found, reader
+        return None, None
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _forget_liveness(self) -> None:
+        self._live = ()
+        self._failures = ()
+        self._live_until = 0.0
+
+    def _probe(self) -> None:
+        """Which mapped rings have a live writer, and which engines hold a failure note instead;
+        reused for ``LIVENESS_INTERVAL``."""
+        if time.monotonic() < self._live_until:
+            return
+        live: list[RingReader] = []
+        for reader in self._readers.values():
+            if reader.is_live():
+                live.append(reader)
+            elif reader.identity not in self._dead_logged:
+                self._dead_logged.add(reader.identity)
+                logger.info(
+                    "ring file %s (epoch %016x): its writer (pid %d) is gone; not counting it "
+                    "as an active worker hook",
+                    reader.path,
+                    reader.epoch,
+                    reader.writer_pid,
+                )
+        publishing = {(reader.instance, reader.engine) for reader in live}
+        failures = []
+        for name in self._listing:
+            if not name.endswith(files.NOTE_SUFFIX):
+                continue
+            failure = read_live_note(self.directory / name, self._owner_uids)
+            if failure is None or (failure.instance, failure.engine) in publishing:
+                continue
+            failures.append(failure)
+            seen = (failure.instance, failure.engine, failure.pid)
+            if seen not in self._failures_logged:
+                self._failures_logged.add(seen)
+                logger.error("no ring for %s", failure.describe())
+        self._live = tuple(live)
+        self._failures = tuple(sorted(failures, key=lambda f: (f.instance, f.engine)))
+        self._live_until = time.monotonic() + self.LIVENESS_INTERVAL
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> Found | None:
+        """The record (or error record) published under ``key`` in any mapped ring, or ``None``.
+
+        At most every ~50 ms, notices new, restarted and removed rings and searches again.
+        """
+        with self._lock:
+            if self._closed:
+                return None
+            found, source = self._search(key)
+            if not self._maybe_refresh():
+                return found
+            if source is not None and self._readers.get(source.path.name) is source:
+                return found  # found in a file that is still current
+            return self._search(key)[0]
+
+    def has_ring(self) -> bool:
+        """True if at least one ring's writer is alive (rescans the directory if none is).
+
+        A True answer is reused for up to ``LIVENESS_INTERVAL`` seconds, so a writer that has
+        just died can still count as live for that long.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            self._probe()
+            if self._live:
+                return True
+            self.refresh()  # a writer may have started since
+            self._probe()
+            return bool(self._live)
+
+    def live_ring_count(self) -> int:
+        with self._lock:
+            if self._closed:
+                return 0
+            self._maybe_refresh()
+            self._probe()
+            return len(self._live)
+
+    def live_shapes(self) -> tuple[RingShape, ...]:
+        """The shapes (hidden size, captured layers, ...) of the live rings."""
+        with self._lock:
+            if self._closed:
+                return ()
+            self._probe()
+            return tuple(reader.shape for reader in self._live)
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]:
+        """Engines that hold a live failure note and no live ring (their hook did not start)."""
+        with self._lock:
+            if self._closed:
+                return ()
+            self._maybe_refresh()
+            self._probe()
+            return self._failures
+
+    def publishing_instances(self) -> frozenset[int]:
+        """The vLLM instances with at least one live ring."""
+        with self._lock:
+            if self._closed:
+                return frozenset()
+            self._probe()
+            return frozenset(reader.instance for reader in self._live)
+
+    def publish_marks(self) -> PublishMarks:
+        """The live rings' publish counters now: pass to :meth:`overwritten_since` later."""
+        with self._lock:
+            if self._closed:
+                return {}
+            self._probe()
+            marks: dict[tuple[int, int], int] = {}
+            for reader in self._live:
+                try:
+                    marks[reader.identity] = reader.publish_count()
+                except RingFormatError as exc:
+                    self._drop_broken(reader.path.name, reader, exc)
+            return marks
+
+    def overwritten_since(self, marks: PublishMarks) -> bool:
+        """True if some live ring published at least its slot count since ``marks``: a record
+        published there after the marks may already have been overwritten (FIFO reuse), so
+        waiting longer for it cannot help. A ring that started since counts from 0."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._probe()
+            for reader in self._live:
+                try:
+                    count = reader.publish_count()
+                except RingFormatError:
+                    continue
+                if count - marks.get(reader.identity, 0) >= reader.slot_count:
+                    return True
+            return False
+
+    def smallest_slot_count(self) -> int | None:
+        """The smallest slot count of the live rings (for messages); ``None`` if none is live."""
+        with self._lock:
+            self._probe()
+            return min((reader.slot_count for reader in self._live), default=None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
+            self._forget_liveness()
+
+    def __enter__(self) -> RingDirectory:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""Failure notes: an engine whose worker hook could not start its ring says so, and why.
+
+When an engine's hook fails to start (no space for its ring, an unsupported model runner, ...),
+it writes ``ring-<instance>-dp<engine>.failed`` (a small JSON object) where its ring would be,
+and holds an exclusive ``flock`` on it for its lifetime, exactly as a writer holds its ring: a
+note is *live* while that engine's process is. A proxy that sees a live note knows that flagged
+requests routed to that engine cannot get vectors, names the engine and the cause in its answer
+at once (instead of waiting out the vector timeout), and reports it in ``/metrics`` and, when
+other engines of the same vLLM do publish, in ``/health``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hidden_state_proxy.ring import files
+
+#: Largest note a reader accepts.
+MAX_NOTE_BYTES = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """A live note: which engine of which vLLM instance has no ring, and why."""
+
+    instance: int
+    engine: int
+    pid: int
+    message: str
+
+    def describe(self) -> str:
+        return (
+            f"engine {self.engine} (data-parallel index) of vLLM instance {self.instance:016x}, "
+            f"pid {self.pid}: its worker hook could not start: {self.message}"
+        )
+
+
+class FailureNote:
+    """The note an engine holds while it lives (written by the hook's process)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        files.forget_in_forked_children(self)
+
+    @classmethod
+    def write(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        instance: int,
+        engine: int,
+        message: str,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+    ) -> FailureNote:
+        d = Path(directory)
+        files.create_directory(d, dir_mode)
+        final = d / files.note_name(instance, engine)
+        body = json.dumps(
+            {"instance": instance, "engine": engine, "pid": os.getpid(), "message": message[:4000]}
+        ).encode("utf-8")
+        fd, tmp_name = files.new_locked_temp(d, final.stem, file_mode)
+        try:
+            os.write(fd, body)
+            files.install(tmp_name, final)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+            raise
+        return cls(final, fd)
+
+    def forget_after_fork(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        """Release the note (it stays on disk, no longer live) and remove it."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(fd)
+
+
+def read_live_note(path: Path, owner_uids: files.Owners) -> EngineFailure | None:
+    """The note at ``path`` if it is trusted, well-formed and its engine's process lives."""
+    try:
+        fd, st = files.open_trusted(path, owner_uids)
+    except files.Untrusted:
+        return None
+    try:
+        if st.st_size > MAX_NOTE_BYTES or not files.writer_alive(fd):
+            return None
+        try:
+            document = json.loads(os.pread(fd, MAX_NOTE_BYTES, 0))
+        except (OSError, ValueError):
+            return None
+    finally:
+        os.close(fd)
+    if not isinstance(document, dict):
+        return None
+    instance, engine = document.get("instance"), document.get("engine")
+    pid, message = document.get("pid"), document.get("message")
+    if not (
+        type(instance) is int and type(engine) is int and type(pid) is int and type(message) is str
+    ):
+        return None
+    return EngineFailure(instance, engine, pid, message)

@@ -1,0 +1,288 @@
+"""The proxy's side of one ring file: open and validate it, find a record by its request key.
+
+**Finding a record.** The reader keeps its own map from request key to slot. Each lookup reads
+the header's publish counter; if it moved, the reader reads only the index entries of the slots
+published since (or the whole index, after more than N), so a lookup costs a dictionary probe
+plus the new entries, whatever the slot count, and the proxy's cost per lookup stays flat as
+rings are added. For a slot found that way it reads the seq (must be even), checks the slot's
+key, CRCs the payload and decodes it straight out of the mapping, re-reads the seq (must be
+unchanged), then requires the payload's own key to be the requested one and its shape to match
+the header. Anything else is a miss (``None``), never another request's record. On weakly
+ordered CPUs Python issues no memory fences; the CRC and the two key checks are the backstop.
+
+**A shrinking file** under a live mapping would make reads fault (SIGBUS). Writers never
+truncate, and only a ring's owner (a trusted user: vLLM's, or root) could. Before reading a
+slot, and when the directory checks its files (every ~50 ms), the reader compares ``os.fstat``
+of the open file against the mapped size and raises :class:`RingFormatError` if it shrank.
+The publish counter, read on every lookup of every ring, is not guarded by that system call:
+it would make a lookup's cost grow by a microsecond per ring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import zlib
+from pathlib import Path
+from types import TracebackType
+
+import msgpack
+
+from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.layout import (
+    FIXED_HEADER_SIZE,
+    HDR_PUBLISH_COUNT_OFFSET,
+    INDEX_ENTRY_SIZE,
+    KEY_BYTES,
+    PUBLISH_COUNT,
+    SEQ,
+    SLOT_KEY_OFFSET,
+    SLOT_META,
+    SLOT_PAYLOAD_OFFSET,
+    ZERO_KEY,
+    Found,
+    RingFormatError,
+    RingHeader,
+    RingShape,
+    decode_payload,
+    fixed_header_fields,
+    parse_header,
+)
+
+logger = logging.getLogger("vllm_hidden_state_proxy.ring")
+
+
+class RingReader:
+    """Read-only view of one ring file. Not thread-safe: the directory serialises its readers."""
+
+    def __init__(
+        self, *, path: Path, fd: int, mm: mmap.mmap, st: os.stat_result, header: RingHeader
+    ) -> None:
+        # Use RingReader.open().
+        self.path = path
+        self.header = header
+        self._fd: int | None = fd
+        self._mm: mmap.mmap | None = mm
+        self._mv: memoryview | None = memoryview(mm)
+        self._identity = (st.st_dev, st.st_ino)
+        self._size = len(mm)
+        shape = header.shape
+        self._shape = shape
+        #: request key -> slot, and slot -> request key, for the slots read so far.
+        self._slot_of: dict[bytes, int] = {}
+        self._key_at: list[bytes | None] = [None] * shape.slot_count
+        self._seen = 0
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, owner_uids: files.Owners = None) -> RingReader:
+        """Open and validate a ring file; :class:`RingFormatError` (naming the file) otherwise.
+
+        ``owner_uids``: the uid (or uids) the file must belong to; ``None`` accepts any.
+        """
+        p = Path(path)
+        try:
+            fd, st = files.open_trusted(p, owner_uids)
+        except files.Untrusted as exc:
+            raise RingFormatError(f"{p}: {exc}") from None
+        try:
+            header = _read_header(fd, st.st_size)
+            mm = mmap.mmap(fd, header.shape.file_size, access=mmap.ACCESS_READ)
+            if os.fstat(fd).st_size < header.shape.file_size:
+                mm.close()
+                raise RingFormatError("file shrank while opening")
+        except RingFormatError as exc:
+            os.close(fd)
+            raise RingFormatError(f"{p}: {exc}") from None
+        except (OSError, ValueError, OverflowError) as exc:
+            os.close(fd)
+            raise RingFormatError(f"{p}: cannot read/map: {exc}") from exc
+        return cls(path=p, fd=fd, mm=mm, st=st, header=header)
+
+    # -- fixed facts ---------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> RingShape:
+        return self._shape
+
+    @property
+    def hidden_size(self) -> int:
+        return self._shape.hidden_size
+
+    @property
+    def slot_count(self) -> int:
+        return self._shape.slot_count
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self._shape.layers
+
+    @property
+    def epoch(self) -> int:
+        return self.header.epoch
+
+    @property
+    def engine(self) -> int:
+        return self.header.engine
+
+    @property
+    def instance(self) -> int:
+        return self.header.instance
+
+    @property
+    def writer_pid(self) -> int:
+        return self.header.writer_pid
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the mapped file."""
+        return self._identity
+
+    # -- live state ----------------------------------------------------------------------------
+
+    def publish_count(self) -> int:
+        """Records published into this ring so far (read from the header)."""
+        mm = self._mm
+        if mm is None:
+            return 0
+        self._check_size()
+        value: int = PUBLISH_COUNT.unpack_from(mm, HDR_PUBLISH_COUNT_OFFSET)[0]
+        return value
+
+    def lookup(self, key: bytes) -> Found | None:
+        """The record published under ``key``, or ``None``.
+
+        Raises :class:`RingFormatError` only if the file shrank under the mapping.
+        """
+        mm = self._mm
+        if mm is None or not isinstance(key, bytes) or len(key) != KEY_BYTES or key == ZERO_KEY:
+            return None
+        # The counter is read without the size check: it is the per-ring cost of every lookup
+        # (see the module docstring for why that is safe enough); the slot read is checked.
+        count = PUBLISH_COUNT.unpack_from(mm, HDR_PUBLISH_COUNT_OFFSET)[0]
+        if count != self._seen:
+            self._read_index(count)
+        slot = self._slot_of.get(bytes(key))  # bytes(): a subclass could override __eq__
+        if slot is None:
+            return None
+        self._check_size()
+        return self._read_slot(slot, bytes(key))
+
+    def _read_index(self, count: int) -> None:
+        """Bring the key map up to ``count`` published records."""
+        mm = self._mm
+        if mm is None:
+            return
+        n = self._shape.slot_count
+        if count < self._seen or count - self._seen >= n:
+            slots: range | list[int] = range(n)  # a new file's history, or we fell behind
+        else:
+            slots = [c % n for c in range(self._seen, count)]
+        base = self._shape.index_offset
+        for slot in slots:
+            at = base + slot * INDEX_ENTRY_SIZE
+            key = mm[at : at + INDEX_ENTRY_SIZE]
+            old = self._key_at[slot]
+            if old is not None and self._slot_of.get(old) == slot:
+                del self._slot_of[old]
+            if key == ZERO_KEY:  # being rewritten: its new record comes with a later count
+                self._key_at[slot] = None
+            else:
+                self._key_at[slot] = key
+                self._slot_of[key] = slot
+        self._seen = count
+
+    def _read_slot(self, slot: int, key: bytes) -> Found | None:
+        mm = self._mm
+        mv = self._mv
+        if mm is None or mv is None:
+            return None
+        shape = self._shape
+        off = shape.slots_offset + slot * shape.slot_size
+        seq = SEQ.unpack_from(mm, off)[0]
+        if seq & 1:
+            return None  # the writer is working on this slot
+        slot_key, n, crc = SLOT_META.unpack_from(mm, off + SLOT_KEY_OFFSET)
+        if slot_key != key or n > shape.payload_capacity:
+            return None
+        start = off + SLOT_PAYLOAD_OFFSET
+        with mv[start : start + n] as payload:
+            if zlib.crc32(payload) != crc:
+                return None
+            try:
+                obj = msgpack.unpackb(payload, raw=False)
+            except Exception:
+                return None
+        if SEQ.unpack_from(mm, off)[0] != seq:
+            return None  # overwritten while we read it
+        return decode_payload(obj, key, shape)
+
+    def _check_size(self) -> None:
+        fd = self._fd
+        if fd is None:
+            raise RingFormatError(f"{self.path}: reader is closed")
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise RingFormatError(f"{self.path}: fstat failed: {exc}") from exc
+        if size < self._size:
+            raise RingFormatError(
+                f"{self.path}: truncated after mapping ({size} < {self._size} bytes)"
+            )
+
+    def is_live(self) -> bool:
+        """True while a writer holds this file's liveness lock (its process is alive).
+
+        False for a closed reader. A probe error (no locking on this file system) counts as
+        live.
+        """
+        fd = self._fd
+        if fd is None:
+            return False
+        return files.writer_alive(fd)
+
+    def is_stale(self) -> bool:
+        """True if ``self.path`` is gone, now names a different file than the one mapped, or
+        the mapped file shrank."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._identity or st.st_size < self._size
+
+    def close(self) -> None:
+        mv, self._mv = self._mv, None
+        mm, self._mm = self._mm, None
+        fd, self._fd = self._fd, None
+        self._slot_of.clear()
+        if mv is not None:
+            mv.release()
+        if mm is not None:
+            # BufferError: a slice is still referenced (e.g. by a traceback); GC unmaps it.
+            with contextlib.suppress(BufferError):
+                mm.close()
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> RingReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _read_header(fd: int, file_size: int) -> RingHeader:
+    """Read and validate the header with ``pread`` (nothing is mapped before it is valid)."""
+    fixed = os.pread(fd, FIXED_HEADER_SIZE, 0)
+    if len(fixed) < FIXED_HEADER_SIZE:
+        return parse_header(fixed, file_size)  # raises: truncated
+    header_size, _ = fixed_header_fields(fixed)
+    if header_size > len(fixed):
+        fixed = os.pread(fd, min(header_size, file_size, 1 << 16), 0)
+    return parse_header(fixed, file_size)

@@ -1,0 +1,328 @@
+"""The worker hook's side: create one engine's ring and publish records into it.
+
+Publishing one record (slot = counter % N): zero the slot's index entry -> seq := seq+1 (odd)
+-> key, length, crc, payload -> seq := seq+2 (even) -> index entry := key -> header publish
+counter += 1. The seq and publish counter are stored with the host's native 8-byte ``memcpy``
+(``struct`` native mode, little-endian hosts) so they are single aligned stores. The writer
+never waits for readers: slots are reused in FIFO order.
+
+The writer never truncates its file (a mapping of a shrunk file faults with SIGBUS): a restarted
+writer makes a new file, named for its instance and engine, and old files of dead writers are
+swept (see :mod:`.files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from vllm_hidden_state_proxy.protocol import POOLINGS, RING_DIR_ENV
+from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.layout import (
+    HDR_PUBLISH_COUNT_OFFSET,
+    HDR_VERSION_OFFSET,
+    INDEX_ENTRY_SIZE,
+    KEY_BYTES,
+    LAYOUT_VERSION,
+    MAX_SLOT_COUNT,
+    MAX_SLOT_SIZE,
+    PUBLISH_COUNT,
+    SEQ,
+    SLOT_KEY_OFFSET,
+    SLOT_META,
+    SLOT_PAYLOAD_OFFSET,
+    VERSION,
+    ZERO_KEY,
+    Record,
+    RingHeader,
+    RingShape,
+    check_layers,
+    pack_error,
+    pack_header,
+    pack_record,
+    slot_size_for,
+)
+
+logger = logging.getLogger("vllm_hidden_state_proxy.ring")
+
+
+class RingInUseError(Exception):
+    """Another live writer holds the ring file this writer was to create."""
+
+
+class RingWriter:
+    """Single-process writer of one ring file. ``publish`` never blocks on readers.
+
+    Holds an exclusive ``flock`` on the file from :meth:`create` until :meth:`close` (or until
+    the process exits): that lock is what readers see as "the writer is alive".
+    """
+
+    def __init__(
+        self, *, path: Path, fd: int, mm: mmap.mmap, header: RingHeader, model: str
+    ) -> None:
+        # Use RingWriter.create(); this only wires up an already initialised mapping.
+        self.path = path
+        self.header = header
+        self.model = model
+        self._fd: int | None = fd  # holds the liveness lock
+        self._mm: mmap.mmap | None = mm
+        self._count = 0
+        self._lock = threading.Lock()
+        files.forget_in_forked_children(self)
+
+    # -- fixed facts ---------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> RingShape:
+        return self.header.shape
+
+    @property
+    def hidden_size(self) -> int:
+        return self.header.shape.hidden_size
+
+    @property
+    def slot_count(self) -> int:
+        return self.header.shape.slot_count
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.header.shape.layers
+
+    @property
+    def epoch(self) -> int:
+        return self.header.epoch
+
+    @classmethod
+    def create(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        hidden_size: int,
+        model: str,
+        slot_count: int,
+        instance: int = 0,
+        engine: int = 0,
+        num_hidden_layers: int = 1,
+        layers: Sequence[int] | None = None,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+    ) -> RingWriter:
+        """Make ``<directory>/ring-<instance>-dp<engine>.bin`` and hold its liveness lock.
+
+        ``layers`` (absolute indices, default: the final layer ``num_hidden_layers`` only) are
+        what records of this ring may hold. Sweeps files of writers that are gone; raises
+        :class:`RingInUseError` (and leaves everything as it was) if a live writer holds the
+        name.
+        """
+        if not isinstance(model, str):
+            raise TypeError("model must be a str")
+        model.encode("utf-8")  # surrogates would fail later, in publish; fail here instead
+        if isinstance(slot_count, bool) or not isinstance(slot_count, int):
+            raise TypeError("slot_count must be an int")
+        if not 1 <= slot_count <= MAX_SLOT_COUNT:
+            raise ValueError(f"slot_count must be in [1, {MAX_SLOT_COUNT}], got {slot_count}")
+        if not 0 <= instance < 1 << 64 or not 0 <= engine < 1 << 31:
+            raise ValueError(f"instance {instance} or engine {engine} out of range")
+        if file_mode & 0o022:
+            raise ValueError(
+                f"file_mode {file_mode:#o} is group/other-writable; readers refuse such files"
+            )
+        captured = (num_hidden_layers,) if layers is None else tuple(sorted(set(layers)))
+        check_layers(captured, num_hidden_layers)
+        slot_size = slot_size_for(hidden_size, len(captured), model)
+        if slot_size > MAX_SLOT_SIZE:
+            raise ValueError(f"slot size {slot_size} exceeds {MAX_SLOT_SIZE} (model name?)")
+        shape = RingShape(slot_count, slot_size, hidden_size, num_hidden_layers, captured)
+        header = RingHeader(
+            shape=shape,
+            epoch=secrets.randbits(64) or 1,
+            writer_pid=os.getpid(),
+            engine=engine,
+            instance=instance,
+        )
+        d = Path(directory)
+        files.create_directory(d, dir_mode)
+        final = d / files.ring_name(instance, engine)
+        files.sweep_dead(d)
+        fd, tmp_name = files.new_locked_temp(d, final.stem, file_mode)
+        mm: mmap.mmap | None = None
+        try:
+            _reserve(fd, shape.file_size, d)
+            mm = mmap.mmap(fd, shape.file_size)
+            raw = pack_header(header)
+            mm[: len(raw)] = raw
+            VERSION.pack_into(mm, HDR_VERSION_OFFSET, LAYOUT_VERSION)  # ready flag, last
+            try:
+                files.install(tmp_name, final)
+            except files.InUse as exc:
+                raise RingInUseError(
+                    f"{exc}: another vLLM engine with the same instance and engine index is "
+                    f"publishing there. Give each vLLM its own ring directory ({RING_DIR_ENV})."
+                ) from None
+        except BaseException:
+            if mm is not None:
+                mm.close()
+            os.close(fd)  # releases the lock
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+            raise
+        logger.info(
+            "created ring file %s (epoch %016x, %d slots x %d bytes, hidden_size %d, layers %s)",
+            final,
+            header.epoch,
+            slot_count,
+            slot_size,
+            hidden_size,
+            ",".join(map(str, captured)),
+        )
+        return cls(path=final, fd=fd, mm=mm, header=header, model=model)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop our copies of the descriptors (without unlocking)."""
+        mm, self._mm = self._mm, None
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(Exception):
+            if mm is not None:
+                mm.close()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish_count(self) -> int:
+        """Records published so far by this writer."""
+        return self._count
+
+    def publish(
+        self,
+        key: bytes,
+        vectors: bytes,
+        *,
+        position: int,
+        num_prompt_tokens: int,
+        layers: Sequence[int] | None = None,
+        pooling: str = "last",
+    ) -> None:
+        """Publish ``vectors`` (LE float32, one ``hidden_size`` block per layer of ``layers``,
+        default: the final layer) under ``key``."""
+        _check_key(key)
+        taken = (self.shape.num_hidden_layers,) if layers is None else tuple(layers)
+        if not taken or len(set(taken)) != len(taken) or not set(taken) <= set(self.layers):
+            raise ValueError(f"layers {taken} are not distinct captured layers {self.layers}")
+        expected = 4 * self.hidden_size * len(taken)
+        if len(vectors) != expected:
+            raise ValueError(
+                f"vectors must be {expected} bytes (float32 x {self.hidden_size} x "
+                f"{len(taken)} layers), got {len(vectors)}"
+            )
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
+        for name, value in (("position", position), ("num_prompt_tokens", num_prompt_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int")
+            if not 0 <= value < (1 << 64):
+                raise ValueError(f"{name} out of range")
+        record = Record(
+            key=key,
+            model=self.model,
+            position=position,
+            num_prompt_tokens=num_prompt_tokens,
+            pooling=pooling,
+            layers=taken,
+            hidden_size=self.hidden_size,
+            vectors=bytes(vectors),
+        )
+        self._write(key, pack_record(record))
+
+    def publish_error(self, key: bytes, message: str) -> None:
+        """Publish an error record: the proxy answers this request key with ``message`` at once
+        instead of waiting for vectors that will not come."""
+        _check_key(key)
+        self._write(key, pack_error(key, message))
+
+    def _write(self, key: bytes, payload: bytes) -> None:
+        n = len(payload)
+        capacity = self.shape.payload_capacity
+        if n > capacity:  # cannot happen given slot_size_for; keep the file sane
+            raise ValueError(f"payload of {n} bytes exceeds the slot capacity {capacity}")
+        crc = zlib.crc32(payload)
+        shape = self.shape
+        with self._lock:
+            mm = self._mm
+            if mm is None:
+                raise ValueError("ring writer is closed")
+            count = self._count
+            slot = count % shape.slot_count
+            idx = shape.index_offset + slot * INDEX_ENTRY_SIZE
+            off = shape.slots_offset + slot * shape.slot_size
+            mm[idx : idx + KEY_BYTES] = ZERO_KEY
+            seq = SEQ.unpack_from(mm, off)[0] | 1  # odd: writer at work
+            SEQ.pack_into(mm, off, seq)
+            SLOT_META.pack_into(mm, off + SLOT_KEY_OFFSET, key, n, crc)
+            start = off + SLOT_PAYLOAD_OFFSET
+            mm[start : start + n] = payload
+            SEQ.pack_into(mm, off, (seq + 1) & 0xFFFFFFFFFFFFFFFF)  # even: done
+            mm[idx : idx + KEY_BYTES] = key
+            self._count = count + 1
+            PUBLISH_COUNT.pack_into(mm, HDR_PUBLISH_COUNT_OFFSET, self._count)
+
+    def close(self) -> None:
+        """Unmap and release the liveness lock. The file stays: readers may still be reading it.
+
+        Readers then see the ring as not live, and a new writer may take its name.
+        """
+        with self._lock:
+            mm, self._mm = self._mm, None
+            fd, self._fd = self._fd, None
+        try:
+            if mm is not None:
+                mm.close()
+        finally:
+            if fd is not None:
+                # Explicit: the mapping's own descriptor shares the lock until it is closed.
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+    def __enter__(self) -> RingWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes")
+    if key == ZERO_KEY:
+        raise ValueError("the all-zero key marks empty index entries and cannot be used")
+
+
+def _reserve(fd: int, size: int, directory: Path) -> None:
+    """Size the file, reserving the pages so that a full tmpfs fails here, not as SIGBUS later."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.ftruncate(fd, size)
+        else:
+            raise OSError(
+                exc.errno,
+                f"cannot reserve {size} bytes for a ring file in {directory}: {exc.strerror}",
+            ) from exc
