@@ -314,9 +314,9 @@ def resolve_layers(
             listed = ", ".join(str(k) for k in sorted(captured))
             raise bad_request(
                 f"Layer {layer} is not captured by this server. It captures layers {listed} "
-                f"(of {final}; -1 is {final}, the final layer after the final norm). Choose "
-                "from those, or restart vLLM with the layer in --hidden-state-layers "
-                "(HIDDEN_STATE_PROXY_LAYERS).",
+                f"(the model has {final} decoder layers; -1 means {final}, the final layer "
+                "after the final norm). Choose from those, or restart vLLM with the layer in "
+                "--hidden-state-layers (HIDDEN_STATE_PROXY_LAYERS).",
                 param,
             )
         resolved.append(absolute)

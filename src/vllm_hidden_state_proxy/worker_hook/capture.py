@@ -2,8 +2,13 @@
 
 It never raises into vLLM. An exception inside a wrapped ``execute_model``/``sample_tokens``
 would kill the engine and every request with it, so every entry point here catches, logs once,
-drops the keys of the affected step (those requests then get a clear 504 from the proxy) and
-carries on.
+publishes error records for the keys of the affected step (those requests then get a clear
+error from the proxy at once) and carries on.
+
+Per flagged request (see :mod:`.selection`): with pooling ``"last"``, the rows of its last
+prompt position in each wanted layer, in the step that computes that position; with ``"mean"``,
+its prompt rows summed per layer in every step that computes some (:mod:`.pooling`), and the
+mean in the step that completes the prompt.
 
 **CPU** (``device_copy.SyncRowCopier``): the rows are copied and published before
 ``execute_model`` returns; there is no device work to overlap.
@@ -69,15 +74,29 @@ from vllm_hidden_state_proxy.worker_hook.engine import (
     engine_identity,
     is_publishing_rank,
 )
-from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
-from vllm_hidden_state_proxy.worker_hook.runners import (
-    RunnerView,
-    UnsupportedRunner,
-    step_hidden_states,
+from vllm_hidden_state_proxy.worker_hook.layers import (
+    CapturedLayers,
+    LayerConfigError,
+    configured_layers,
+    enable_aux_outputs,
 )
-from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests, last_prompt_row
+from vllm_hidden_state_proxy.worker_hook.pooling import MeanPooling
+from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
+from vllm_hidden_state_proxy.worker_hook.runners import RunnerView, UnsupportedRunner, step_layers
+from vllm_hidden_state_proxy.worker_hook.selection import (
+    MeanGap,
+    ScheduledRequest,
+    SelectedRequests,
+    Selection,
+    last_prompt_row,
+)
 
 logger = logging.getLogger("vllm.hidden_state_hook")
+
+#: Where ``prepare_layers`` leaves its outcome on the runner: ``CapturedLayers`` or the error.
+_LAYERS_ATTR = "_hidden_state_proxy_layers"
+#: The error record of a request whose step could not be captured.
+STEP_FAILED = "capturing the hidden states failed in the vLLM worker (see vLLM's log)"
 
 
 class _LogOnce:
@@ -90,7 +109,7 @@ class _LogOnce:
         self._seen.add(where)
         logger.exception(
             "vllm-hidden-state-proxy: error in the worker hook (%s); the affected flagged "
-            "requests get no vector (the proxy answers 504), vLLM keeps serving. "
+            "requests get an error instead of vectors, vLLM keeps serving. "
             "Further errors here are not logged.",
             where,
         )
@@ -104,6 +123,44 @@ def _check_parallelism(vllm_config: Any) -> None:
             f"prefill_context_parallel_size={size}: prefill context parallelism splits each "
             "step's batch across ranks, which this hook does not support yet"
         )
+
+
+def prepare_layers(runner: Any) -> None:
+    """Right after ``load_model``: ask the model for the configured intermediate layers.
+
+    Never raises: the outcome (the layers, or the error) waits on the runner for the capture,
+    which turns an error into this engine's failure note. Runs once per runner.
+    """
+    if _LAYERS_ATTR in runner.__dict__:
+        return
+    try:
+        captured = configured_layers(runner.vllm_config)
+        enable_aux_outputs(runner, captured)
+    except Exception as error:
+        logger.error("vllm-hidden-state-proxy: cannot capture the configured layers: %s", error)
+        runner.__dict__[_LAYERS_ATTR] = error
+        return
+    if captured.aux_ids:
+        logger.info(
+            "vllm-hidden-state-proxy: the model returns layers %s as auxiliary outputs",
+            ",".join(map(str, captured.aux_ids)),
+        )
+    runner.__dict__[_LAYERS_ATTR] = captured
+
+
+def _layers_of(runner: Any) -> CapturedLayers:
+    outcome = runner.__dict__.get(_LAYERS_ATTR)
+    if isinstance(outcome, Exception):
+        raise outcome
+    if isinstance(outcome, CapturedLayers):
+        return outcome
+    captured = configured_layers(runner.vllm_config)
+    if captured.aux_ids:
+        raise LayerConfigError(
+            "the model was loaded before the worker hook could ask it for its intermediate "
+            "layers (was the hook installed late?)"
+        )
+    return captured
 
 
 #: Failure notes of this process's engines, held (live) for the process's lifetime.
@@ -133,20 +190,21 @@ def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
 
 def _create_ring(
     runner: Any, view: RunnerView, identity: EngineIdentity, model_name: str
-) -> RingWriter:
+) -> tuple[RingWriter, CapturedLayers]:
     view.check(runner)  # raises UnsupportedRunner before any ring file exists
     vllm_config = runner.vllm_config
     _check_parallelism(vllm_config)
-    model_config = vllm_config.model_config
+    captured = _layers_of(runner)
     dir_mode, file_mode = _ring_modes()
     slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
-    hidden_size = int(model_config.get_hidden_size())
+    hidden_size = int(vllm_config.model_config.get_hidden_size())
     writer = RingWriter.create(
         ring_dir_from_env(),
         instance=identity.instance,
         engine=identity.engine,
         hidden_size=hidden_size,
-        num_hidden_layers=int(model_config.get_total_num_hidden_layers()),
+        num_hidden_layers=captured.num_hidden_layers,
+        layers=captured.layers,
         model=model_name,
         slot_count=slots,
         dir_mode=dir_mode,
@@ -154,15 +212,16 @@ def _create_ring(
     )
     logger.info(
         "vllm-hidden-state-proxy: worker hook active (%s runner), engine %d of instance %016x, "
-        "publishing %d-d vectors to %s (%d slots)",
+        "publishing %d-d vectors of layers %s to %s (%d slots)",
         view.name,
         identity.engine,
         identity.instance,
         hidden_size,
+        ",".join(map(str, captured.layers)),
         writer.path,
         slots,
     )
-    return writer
+    return writer, captured
 
 
 def _ring_modes() -> tuple[int, int]:
@@ -175,8 +234,15 @@ def _ring_modes() -> tuple[int, int]:
     return dir_mode, file_mode & ~0o022
 
 
+def _served_name(model_config: Any) -> str:
+    served = getattr(model_config, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served or model_config.model)
+
+
 class StepCapture:
-    """Selects flagged requests and publishes their last prompt hidden state, once per key."""
+    """Selects flagged requests and publishes their vectors, once per request key."""
 
     def __init__(
         self,
@@ -184,12 +250,15 @@ class StepCapture:
         writer: Any | None,
         model_name: str,
         *,
+        captured: CapturedLayers | None = None,
         copier: RowCopier | None = None,
     ) -> None:
         self.view = view
         self.writer = writer  # a RingWriter, or None on ranks that do not publish
         self.model_name = model_name
-        self.selected = SelectedRequests()
+        self.captured = captured or CapturedLayers(1, (1,))
+        self.selected = SelectedRequests(self.captured.layers, self.captured.num_hidden_layers)
+        self.means = MeanPooling()
         self.copier = copier  # chosen from the hidden states' device on first use if None
         self._errors = _LogOnce()
         self.publications = (
@@ -204,20 +273,16 @@ class StepCapture:
         name this engine and the cause) and the error is raised.
         """
         vllm_config = runner.vllm_config
-        model_config = vllm_config.model_config
-        served = getattr(model_config, "served_model_name", None)
-        if isinstance(served, (list, tuple)):
-            served = served[0] if served else None
-        model_name = str(served or model_config.model)
+        model_name = _served_name(vllm_config.model_config)
         if not is_publishing_rank(vllm_config.parallel_config):
             return cls(view, None, model_name)
         identity = engine_identity(vllm_config)
         try:
-            writer = _create_ring(runner, view, identity, model_name)
+            writer, captured = _create_ring(runner, view, identity, model_name)
         except Exception as error:
             _leave_note(identity, error)
             raise
-        return cls(view, writer, model_name)
+        return cls(view, writer, model_name, captured=captured)
 
     @property
     def publishing(self) -> bool:
@@ -237,6 +302,8 @@ class StepCapture:
         except Exception:
             self._errors.exception("reading the scheduler output")
             return
+        if len(self.means):
+            self.means.keep_only(selected.pending)
         if not selected.pending:
             return
         wanted = [rid for rid in selected.pending if rid in scheduler_output.num_scheduled_tokens]
@@ -245,8 +312,8 @@ class StepCapture:
         try:
             self._start_copy(runner, scheduler_output, wanted)
         except Exception:
-            self._errors.exception("publishing a step's hidden states")
-            selected.drop(wanted)
+            self._errors.exception("capturing a step's hidden states")
+            self._fail(wanted, STEP_FAILED)
 
     def after_sample_tokens(self, output: Any) -> None:
         """Called with what ``sample_tokens`` returns: the step's copies go out before it does.
@@ -268,33 +335,74 @@ class StepCapture:
                 self._errors.exception("attaching the publication to vLLM's output")
         publications.publish_through(through)
 
+    def _fail(self, req_ids: list[str], message: str) -> None:
+        """Error records for ``req_ids`` (still pending); they are not taken again."""
+        for req_id in req_ids:
+            selection = self.selected.pending.get(req_id)
+            if selection is None:
+                continue
+            self.selected.mark_published(req_id, selection.key)
+            self.means.forget([req_id])
+            if self.writer is not None:
+                try:
+                    self.writer.publish_error(selection.key, message)
+                except Exception:
+                    self._errors.exception("publishing an error record to the ring")
+
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
-        hidden_states = step_hidden_states(runner)
-        if hidden_states is None:
+        captured = self.captured
+        layers = step_layers(runner, captured.num_hidden_layers, captured.aux_ids)
+        if layers is None:
             return
-        assert self.publications is not None
-        rows: list[int] = []
+        rows: list[Any] = []
         targets: list[RecordTarget] = []
         for request in self.view.scheduled(runner, scheduler_output, wanted):
-            row = last_prompt_row(request)
-            key = self.selected.pending.get(request.req_id)
-            if row is None or key is None:  # not this step, or a sibling took the key
+            selection = self.selected.pending.get(request.req_id)
+            if selection is None:  # a sibling took the key earlier in this step
                 continue
-            rows.append(row)
+            if selection.problem is not None:
+                self._fail([request.req_id], selection.problem)
+                continue
+            vectors = self._vectors(request, selection, layers)
+            if vectors is None:
+                continue
+            rows.extend(vectors)
             targets.append(
                 RecordTarget(
-                    key,
+                    selection.key,
                     position=request.num_prompt_tokens - 1,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    layers=selection.layers,
+                    pooling=selection.pooling,
                 )
             )
             # The key is claimed now: whether or not the copy succeeds, it is not taken again.
-            self.selected.mark_published(request.req_id, key)
+            self.selected.mark_published(request.req_id, selection.key)
         if not rows:
             return
         if self.copier is None:
-            self.copier = copier_for(hidden_states.device)
-        self.publications.add(self.copier.start(hidden_states, rows), targets)
+            self.copier = copier_for(rows[0].device)
+        publications = self.publications
+        if publications is not None:
+            publications.add(self.copier.start(rows), targets)
+
+    def _vectors(
+        self, request: ScheduledRequest, selection: Selection, layers: dict[int, Any]
+    ) -> list[Any] | None:
+        """This step's vectors for ``request`` (one 1-D tensor per layer), or ``None`` if they
+        are not complete in this step."""
+        if selection.pooling == "last":
+            row = last_prompt_row(request)
+            return None if row is None else [layers[layer][row] for layer in selection.layers]
+        try:
+            return self.means.add(request, selection.layers, layers)
+        except MeanGap as gap:
+            self.means.forget([request.req_id])
+            if self.selected.has_sibling(request.req_id, selection.key):
+                self.selected.drop([request.req_id])  # another child of n > 1 can still do it
+            else:
+                self._fail([request.req_id], str(gap))
+            return None
 
 
 def _publishing_first(get_output: Any, publications: PublicationQueue, through: int) -> Any:

@@ -1,28 +1,27 @@
 """Copy selected rows of a step's hidden states to the host as little-endian float32.
 
-Two copiers share one interface, ``start(hidden_states, rows) -> PendingRows``:
+Two copiers share one interface, ``start(rows) -> PendingRows``, where ``rows`` are 1-D
+device tensors of one length (views into a step's hidden states, or mean-pooled vectors):
 
 - :class:`SyncRowCopier` (CPU tensors): the copy is done when ``start`` returns. On CPU there
   is no device work to overlap, so this stays synchronous and simple.
 - :class:`AsyncRowCopier` (CUDA and any other non-CPU device): enqueues, on the device's current
-  stream, one non-blocking index upload, one ``index_select`` with the float32 conversion, one
-  non-blocking copy into a pinned host buffer, and an event. ``start`` returns at once; the
-  caller asks ``done()`` (``event.query()``, never blocks) or ``wait()``
-  (``event.synchronize()``) before reading ``vectors()``.
+  stream, one ``stack`` with the float32 conversion, one non-blocking copy into a pinned host
+  buffer, and an event. ``start`` returns at once; the caller asks ``done()``
+  (``event.query()``, never blocks) or ``wait()`` (``event.synchronize()``) before reading
+  ``vectors()``. Taking a row as ``hidden_states[i]`` (a Python int) makes a view and launches
+  nothing, so no index has to be uploaded.
 
 Pinned buffers come from a small :class:`PinnedBufferPool`. A buffer returns to the pool only
 through ``release()``, which callers invoke after ``done()``/``wait()`` reported the copy
 complete, so a buffer still being written by the device is never handed out again; a copy that
 failed never returns its buffer at all.
-
-The index is uploaded from pinned memory too: ``torch.tensor(rows, device="cuda")`` copies from
-pageable memory, which synchronizes the stream (the very stall this module avoids).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,16 +50,23 @@ class PendingRows(Protocol):
 
 
 class RowCopier(Protocol):
-    def start(self, hidden_states: Any, rows: list[int]) -> PendingRows: ...
+    def start(self, rows: Sequence[Any]) -> PendingRows: ...
 
 
-def gather_rows_as_float32(hidden_states: Any, rows: list[int]) -> list[bytes]:
-    """Synchronous: one gather and one copy to the host; little-endian float32 bytes each."""
+def stack_as_float32(rows: Sequence[Any]) -> Any:
+    """One ``[len(rows), hidden_size]`` float32 tensor on the rows' device."""
     import torch
 
-    index = torch.tensor(rows, dtype=torch.long, device=hidden_states.device)
-    selected = hidden_states.index_select(0, index).to(device="cpu", dtype=torch.float32)
-    return _rows_as_bytes(selected.contiguous().numpy())
+    dtypes = {row.dtype for row in rows}
+    if len(dtypes) == 1:
+        return torch.stack(list(rows)).to(torch.float32)
+    return torch.stack([row.to(torch.float32) for row in rows])
+
+
+def rows_as_float32(rows: Sequence[Any]) -> list[bytes]:
+    """Synchronous: the rows as little-endian float32 bytes each."""
+    stacked = stack_as_float32(rows).to(device="cpu")
+    return _rows_as_bytes(stacked.contiguous().numpy())
 
 
 def _rows_as_bytes(array: Any) -> list[bytes]:
@@ -91,8 +97,8 @@ class ReadyRows:
 
 
 class SyncRowCopier:
-    def start(self, hidden_states: Any, rows: list[int]) -> PendingRows:
-        return ReadyRows(gather_rows_as_float32(hidden_states, rows))
+    def start(self, rows: Sequence[Any]) -> PendingRows:
+        return ReadyRows(rows_as_float32(rows))
 
 
 # -- devices: asynchronous ------------------------------------------------------------------------
@@ -100,14 +106,13 @@ class SyncRowCopier:
 
 @dataclass(frozen=True, slots=True)
 class HostBuffers:
-    """Host memory for up to ``capacity`` rows: the row indices and the float32 rows."""
+    """Host memory for up to ``capacity`` float32 rows."""
 
-    index: Any  # int64 tensor [capacity]
     rows: Any  # float32 tensor [capacity, hidden_size]
 
     @property
     def capacity(self) -> int:
-        return int(self.index.shape[0])
+        return int(self.rows.shape[0])
 
     @property
     def hidden_size(self) -> int:
@@ -118,7 +123,6 @@ def allocate_pinned(capacity: int, hidden_size: int) -> HostBuffers:
     import torch
 
     return HostBuffers(
-        index=torch.empty(capacity, dtype=torch.long, pin_memory=True),
         rows=torch.empty((capacity, hidden_size), dtype=torch.float32, pin_memory=True),
     )
 
@@ -238,20 +242,16 @@ class AsyncRowCopier:
         self._make_event = make_event
         self._record = record
 
-    def start(self, hidden_states: Any, rows: list[int]) -> PendingRows:
-        import torch
-
-        device = hidden_states.device
+    def start(self, rows: Sequence[Any]) -> PendingRows:
+        device = rows[0].device
         count = len(rows)
-        buffers = self.pool.take(count, int(hidden_states.shape[1]))
-        # Host writes are safe: a pooled buffer's previous copies have completed.
-        buffers.index.numpy()[:count] = rows
-        index = buffers.index[:count].to(device, non_blocking=True)
-        selected = hidden_states.index_select(0, index).to(torch.float32)
-        buffers.rows[:count].copy_(selected, non_blocking=True)
+        # A pooled buffer's previous copies have completed: it is free to be written again.
+        buffers = self.pool.take(count, int(rows[0].shape[0]))
+        stacked = stack_as_float32(rows)
+        buffers.rows[:count].copy_(stacked, non_blocking=True)
         event = self._make_event(device)
         self._record(event, device)
-        return InFlightRows(event, buffers, count, self.pool, (index, selected))
+        return InFlightRows(event, buffers, count, self.pool, (stacked,))
 
 
 def copier_for(device: Any) -> RowCopier:

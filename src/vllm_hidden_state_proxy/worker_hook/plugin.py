@@ -3,8 +3,11 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers). The
 hook must act only where a model runner exists, so it does not import the runner modules itself:
 it installs an import hook that wraps the runner classes when (and only when) a process imports
-them. Three methods are wrapped on each runner class:
+them. Four methods are wrapped on each runner class (on the CPU runner, which inherits the
+others, only its own ``load_model``):
 
+- ``load_model``: asks the model for the configured intermediate layers as auxiliary outputs,
+  before warm-up, compilation and graph capture (see :mod:`.layers`);
 - ``initialize_kv_cache``: creates the capture (and, on the publishing rank, the ring file) once
   the model is loaded, so the ring exists before the first request;
 - ``execute_model``: after each step, starts copying the selected requests' vectors (on CPU,
@@ -29,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
 from vllm_hidden_state_proxy.worker_hook.runners import (
     RunnerView,
     UnsupportedRunner,
@@ -42,10 +45,15 @@ logger = logging.getLogger("vllm.hidden_state_hook")
 #: vLLM minor versions whose runner internals this hook was written and tested against.
 SUPPORTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33")
 
-#: module -> (runner class name, how to read it)
-RUNNER_MODULES: dict[str, tuple[str, RunnerView]] = {
-    "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", V1RunnerView()),
-    "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner", V2RunnerView()),
+#: The methods wrapped on a runner class that defines them itself.
+ALL_METHODS = ("load_model", "initialize_kv_cache", "execute_model", "sample_tokens")
+
+#: module -> (runner class name, how to read it, methods to wrap)
+RUNNER_MODULES: dict[str, tuple[str, RunnerView, tuple[str, ...]]] = {
+    "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", V1RunnerView(), ALL_METHODS),
+    "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner", V2RunnerView(), ALL_METHODS),
+    # A subclass of the V1 runner with its own load_model (it does not call the base one).
+    "vllm.v1.worker.cpu_model_runner": ("CPUModelRunner", V1RunnerView(), ("load_model",)),
 }
 
 _CAPTURE_ATTR = "_hidden_state_proxy_capture"
@@ -81,13 +89,16 @@ def register() -> None:
         logger.exception("vllm-hidden-state-proxy: could not install the worker hook")
 
 
-def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = None) -> None:
+Target = tuple[str, RunnerView, tuple[str, ...]]
+
+
+def install_runner_patches(modules: dict[str, Target] | None = None) -> None:
     """Patch runner classes already imported, and the rest when they are imported."""
     targets = dict(RUNNER_MODULES if modules is None else modules)
-    for module_name, (class_name, view) in targets.items():
+    for module_name, (class_name, view, methods) in targets.items():
         module = sys.modules.get(module_name)
         if module is not None:
-            patch_runner_class(getattr(module, class_name), view)
+            patch_runner_class(getattr(module, class_name), view, methods)
     waiting = {name: target for name, target in targets.items() if name not in sys.modules}
     if not waiting:
         return
@@ -98,17 +109,19 @@ def install_runner_patches(modules: dict[str, tuple[str, RunnerView]] | None = N
     sys.meta_path.insert(0, _PatchOnImport(waiting))
 
 
-def patch_runner_class(cls: Any, view: RunnerView) -> None:
-    """Wrap ``execute_model``, ``sample_tokens`` and ``initialize_kv_cache`` (idempotent)."""
-    if getattr(cls.execute_model, _WRAPPED_ATTR, False):
-        return
-    cls.execute_model = _wrap_execute_model(cls.execute_model, view)  # type: ignore[attr-defined]
-    if hasattr(cls, "sample_tokens"):
-        cls.sample_tokens = _wrap_sample_tokens(cls.sample_tokens)  # type: ignore[attr-defined]
-    if hasattr(cls, "initialize_kv_cache"):
-        cls.initialize_kv_cache = _wrap_initialize_kv_cache(  # type: ignore[attr-defined]
-            cls.initialize_kv_cache, view
-        )
+def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_METHODS) -> None:
+    """Wrap ``methods`` where ``cls`` defines them itself (idempotent per method)."""
+    wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+        "load_model": _wrap_load_model,
+        "initialize_kv_cache": lambda method: _wrap_initialize_kv_cache(method, view),
+        "execute_model": lambda method: _wrap_execute_model(method, view),
+        "sample_tokens": _wrap_sample_tokens,
+    }
+    for name in methods:
+        method = cls.__dict__.get(name)
+        if method is None or getattr(method, _WRAPPED_ATTR, False):
+            continue
+        setattr(cls, name, wrappers[name](method))
 
 
 def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
@@ -173,6 +186,17 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     return sample_tokens
 
 
+def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        prepare_layers(self)  # never raises
+        return result
+
+    setattr(load_model, _WRAPPED_ATTR, True)
+    return load_model
+
+
 def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -187,7 +211,7 @@ def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) ->
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Wraps a runner class right after its module is imported, in whichever process does so."""
 
-    def __init__(self, targets: dict[str, tuple[str, RunnerView]]) -> None:
+    def __init__(self, targets: dict[str, Target]) -> None:
         self.targets = targets
 
     def find_spec(
@@ -201,16 +225,19 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        class_name, view = self.targets[fullname]
-        spec.loader = _PatchingLoader(spec.loader, class_name, view)
+        class_name, view, methods = self.targets[fullname]
+        spec.loader = _PatchingLoader(spec.loader, class_name, view, methods)
         return spec
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, class_name: str, view: RunnerView) -> None:
+    def __init__(
+        self, inner: Any, class_name: str, view: RunnerView, methods: tuple[str, ...]
+    ) -> None:
         self.inner = inner
         self.class_name = class_name
         self.view = view
+        self.methods = methods
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)  # type: ignore[no-any-return]
@@ -218,7 +245,7 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         try:
-            patch_runner_class(getattr(module, self.class_name), self.view)
+            patch_runner_class(getattr(module, self.class_name), self.view, self.methods)
         except Exception:
             logger.exception("vllm-hidden-state-proxy: could not wrap %s", module.__name__)
 

@@ -9,9 +9,9 @@ for the device) and the thread that forwards a step's output to the engine
 (:meth:`publish_through`, which waits for the copies of that step and earlier ones). Entries are
 published in the order they were added, one drainer at a time.
 
-A failing entry (the copy, or reading it back) is logged once through ``on_error`` and dropped:
-its keys get no vector (the proxy answers 504), the other entries are unaffected, and its host
-buffers are not reused.
+A failing entry (the copy, or reading it back) is logged once through ``on_error`` and its keys
+get error records (the proxy answers them at once with the reason); the other entries are
+unaffected, and its host buffers are not reused.
 """
 
 from __future__ import annotations
@@ -24,14 +24,19 @@ from typing import Any
 
 from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows
 
+#: The error record of a request whose copy to the host failed.
+COPY_FAILED = "copying the hidden states to the host failed in the vLLM worker (see vLLM's log)"
+
 
 @dataclass(frozen=True, slots=True)
 class RecordTarget:
-    """What one copied row is published as."""
+    """What the next ``len(layers)`` copied rows are published as: one record."""
 
     key: bytes
     position: int
     num_prompt_tokens: int
+    layers: tuple[int, ...]
+    pooling: str = "last"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,20 +123,35 @@ class PublicationQueue:
                 vectors = None
             with self._entries_lock:
                 self._entries.popleft()
-            if vectors is not None:
+            if vectors is None:
+                self.publish_errors(entry.targets, COPY_FAILED)
+            else:
                 self._publish(entry.targets, vectors)
 
+    def publish_errors(self, targets: list[RecordTarget], message: str) -> None:
+        """Error records for ``targets``: their requests get ``message`` instead of vectors."""
+        for target in targets:
+            try:
+                self._writer.publish_error(target.key, message)
+            except Exception:
+                self._on_error("publishing an error record to the ring")
+
     def _publish(self, targets: list[RecordTarget], vectors: list[bytes]) -> None:
-        if len(vectors) != len(targets):
+        if len(vectors) != sum(len(target.layers) for target in targets):
             self._on_error("matching copied rows to their keys")
             return
-        for target, vector in zip(targets, vectors, strict=True):
+        at = 0
+        for target in targets:
+            rows = vectors[at : at + len(target.layers)]
+            at += len(target.layers)
             try:
                 self._writer.publish(
                     target.key,
-                    vector,
+                    b"".join(rows),
                     position=target.position,
                     num_prompt_tokens=target.num_prompt_tokens,
+                    layers=target.layers,
+                    pooling=target.pooling,
                 )
             except Exception:
                 self._on_error("publishing a hidden state to the ring")

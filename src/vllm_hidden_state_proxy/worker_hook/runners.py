@@ -18,7 +18,7 @@ that produced those rows.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest
@@ -59,15 +59,28 @@ def _require_fields(cls: Any, where: str, names: Collection[str]) -> None:
         raise UnsupportedRunner(f"{where} has no field {', '.join(missing)}")
 
 
-def step_hidden_states(runner: Any) -> Any | None:
-    """The last step's full hidden states: both runners keep them in ``execute_model_state``
-    between ``execute_model()`` and ``sample_tokens()``.
+def step_layers(runner: Any, final_layer: int, aux_ids: Sequence[int]) -> dict[int, Any] | None:
+    """The last step's full hidden states by layer: the final layer (``final_layer``, after the
+    final norm) and the auxiliary outputs of ``aux_ids``. Both runners keep them in
+    ``execute_model_state`` between ``execute_model()`` and ``sample_tokens()``.
 
     ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling, a non-last
-    pipeline stage), since then no state is kept.
+    pipeline stage), since then no state is kept. Raises ``RuntimeError`` if the auxiliary
+    outputs are not the ones asked for.
     """
     state = getattr(runner, "execute_model_state", None)
-    return None if state is None else state.hidden_states
+    if state is None:
+        return None
+    layers = {final_layer: state.hidden_states}
+    if aux_ids:
+        aux = state.aux_hidden_states
+        if aux is None or len(aux) != len(aux_ids):
+            raise RuntimeError(
+                f"the model returned {0 if aux is None else len(aux)} auxiliary hidden states, "
+                f"not the {len(aux_ids)} of layers {list(aux_ids)}"
+            )
+        layers.update(zip(aux_ids, aux, strict=True))
+    return layers
 
 
 class V1RunnerView:
@@ -81,7 +94,9 @@ class V1RunnerView:
             "the V1 input batch",
             ["req_id_to_index", "num_computed_tokens_cpu", "num_prompt_tokens"],
         )
-        _require_fields(_v1_state_class(), "ExecuteModelState (V1)", ["hidden_states"])
+        _require_fields(
+            _v1_state_class(), "ExecuteModelState (V1)", ["hidden_states", "aux_hidden_states"]
+        )
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
@@ -130,7 +145,9 @@ class V2RunnerView:
             ],
         )
         _require_fields(
-            ExecuteModelState, "ExecuteModelState (V2)", ["input_batch", "hidden_states"]
+            ExecuteModelState,
+            "ExecuteModelState (V2)",
+            ["input_batch", "hidden_states", "aux_hidden_states"],
         )
 
     def scheduled(

@@ -1,22 +1,34 @@
-"""Which requests are selected, and which row of a step's hidden states holds their vector.
+"""Which requests are selected, what each wants, and which rows of a step hold their vectors.
 
 Pure logic with no vLLM or torch imports, so it is unit-tested on synthetic batches.
 
 A step computes ``ns`` tokens of a request whose ``nc`` tokens were already computed (prefix
 cache hits, earlier chunks of a chunked prefill, or zero after preemption). Its tokens occupy
-rows ``query_start .. query_start + ns - 1`` of the step's hidden states. The prompt's last
-position ``P - 1`` is in this step iff ``nc <= P - 1 < nc + ns``, and then its row is
-``query_start + (P - 1 - nc)``.
+rows ``query_start .. query_start + ns - 1`` of the step's hidden states.
+
+- **last**: the prompt's last position ``P - 1`` is in this step iff ``nc <= P - 1 < nc + ns``,
+  and then its row is ``query_start + (P - 1 - nc)``.
+- **mean**: every prompt position ``0 .. P - 1`` must be summed exactly once, across the steps
+  that compute them (chunked prefill). :class:`MeanProgress` tracks how far the sum got: a step
+  adds the positions from there on (a recomputation after preemption may repeat some, which
+  are skipped); a step that starts *past* it (positions served from the prefix cache) leaves a
+  gap that makes the mean impossible.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENTRY,
+    POOLING_ENTRY,
+    POOLINGS,
+    REQUEST_KEY_ENTRY,
+    request_key_from_wire,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +42,17 @@ class ScheduledRequest:
     num_prompt_tokens: int  # prompt length (P), image/placeholder tokens included
 
 
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What one flagged request wants: its request key, layers and pooling, or why it cannot
+    be served (``problem``: published as an error record)."""
+
+    key: bytes
+    layers: tuple[int, ...]
+    pooling: str = "last"
+    problem: str | None = None
+
+
 def last_prompt_row(request: ScheduledRequest) -> int | None:
     """Row of the prompt's last position in this step, or None if the step does not compute it."""
     last = request.num_prompt_tokens - 1
@@ -40,25 +63,94 @@ def last_prompt_row(request: ScheduledRequest) -> int | None:
     return None
 
 
-def key_of(sampling_params: Any) -> bytes | None:
-    """The proxy's key from a request's ``SamplingParams.extra_args``, if it carries one."""
-    extra_args = getattr(sampling_params, "extra_args", None)
-    if not extra_args:
+@dataclass(frozen=True, slots=True)
+class MeanRows:
+    """Rows ``first .. end - 1`` of this step add prompt positions to a request's mean."""
+
+    first: int
+    end: int
+    #: Prompt positions summed once these rows are added.
+    covered: int
+
+
+class MeanGap(Exception):
+    """Prompt positions were skipped (served from the prefix cache): no mean is possible."""
+
+
+def mean_rows(request: ScheduledRequest, covered: int) -> MeanRows | None:
+    """The rows of this step that extend a mean which has summed ``covered`` positions.
+
+    ``None`` if the step adds no prompt position; :class:`MeanGap` if it skips some.
+    """
+    nc, ns, prompt = request.num_computed, request.num_scheduled, request.num_prompt_tokens
+    if nc > covered:
+        raise MeanGap(
+            f"mean pooling needs all {prompt} prompt positions, but positions {covered}..{nc - 1}"
+            " were served from the prefix cache (the proxy sends a fresh cache_salt with mean "
+            "requests; was this one sent around it?)"
+        )
+    start, end = max(nc, covered), min(nc + ns, prompt)
+    if end <= start:
         return None
-    value = extra_args.get(REQUEST_KEY_ENTRY) if isinstance(extra_args, Mapping) else None
+    return MeanRows(request.query_start + (start - nc), request.query_start + (end - nc), end)
+
+
+def request_key_of(sampling_params: Any) -> bytes | None:
+    """The proxy's request key from a request's ``SamplingParams.extra_args``, if any."""
+    extra_args = getattr(sampling_params, "extra_args", None)
+    if not extra_args or not isinstance(extra_args, Mapping):
+        return None
+    value = extra_args.get(REQUEST_KEY_ENTRY)
     return None if value is None else request_key_from_wire(value)
 
 
-class SelectedRequests:
-    """Requests waiting for their last prompt token, keyed by vLLM request id (worker-local).
+def selection_of(
+    sampling_params: Any, captured: Sequence[int], final_layer: int
+) -> Selection | None:
+    """What a flagged request wants (``None`` if it is not flagged)."""
+    key = request_key_of(sampling_params)
+    if key is None:
+        return None
+    extra_args: Mapping[str, Any] = sampling_params.extra_args
+    layers = extra_args.get(LAYERS_ENTRY, [final_layer])
+    pooling = extra_args.get(POOLING_ENTRY, "last")
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        return Selection(key, (final_layer,), problem=f"malformed layer list {layers!r}")
+    missing = [layer for layer in layers if layer not in captured]
+    if missing:
+        return Selection(
+            key,
+            (final_layer,),
+            problem=f"layers {missing} are not captured by this vLLM engine (it captures "
+            f"{', '.join(map(str, captured))}; start it with them in HIDDEN_STATE_PROXY_LAYERS)",
+        )
+    if pooling not in POOLINGS:
+        return Selection(key, (final_layer,), problem=f"unknown pooling {pooling!r}")
+    return Selection(key, tuple(sorted(layers)), pooling)
 
-    A key is published once: child requests of ``n > 1`` share the parent's key, and a request
-    re-prefilled after preemption computes its last prompt token again. Recently published keys
+
+class SelectedRequests:
+    """Requests waiting for their vectors, keyed by vLLM request id (worker-local).
+
+    A request key is published once: child requests of ``n > 1`` share the parent's key, and a
+    request re-prefilled after preemption computes its prompt again. Recently published keys
     are remembered (bounded) so neither publishes a duplicate.
     """
 
-    def __init__(self, remember_published: int = 65536) -> None:
-        self.pending: dict[str, bytes] = {}
+    def __init__(
+        self,
+        captured: Sequence[int] = (1,),
+        final_layer: int = 1,
+        remember_published: int = 65536,
+    ) -> None:
+        self.captured = tuple(captured)
+        self.final_layer = final_layer
+        self.pending: dict[str, Selection] = {}
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._remember = remember_published
 
@@ -69,9 +161,14 @@ class SelectedRequests:
             for req_id in finished_req_ids:
                 self.pending.pop(req_id, None)
         for new_request in new_requests:
-            key = key_of(getattr(new_request, "sampling_params", None))
-            if key is not None and key not in self._published:
-                self.pending[new_request.req_id] = key
+            params = getattr(new_request, "sampling_params", None)
+            selection = selection_of(params, self.captured, self.final_layer)
+            if selection is not None and selection.key not in self._published:
+                self.pending[new_request.req_id] = selection
+
+    def has_sibling(self, req_id: str, key: bytes) -> bool:
+        """Whether another pending request (an ``n > 1`` child) waits on the same key."""
+        return any(other != req_id and s.key == key for other, s in self.pending.items())
 
     def mark_published(self, req_id: str, key: bytes) -> None:
         self.pending.pop(req_id, None)
@@ -79,7 +176,7 @@ class SelectedRequests:
         if len(self._published) > self._remember:
             self._published.popitem(last=False)
         # Siblings (n > 1 children) waiting on the same key need not publish it again.
-        for other_id in [rid for rid, k in self.pending.items() if k == key]:
+        for other_id in [rid for rid, s in self.pending.items() if s.key == key]:
             del self.pending[other_id]
 
     def drop(self, req_ids: Iterable[str]) -> None:

@@ -1,0 +1,109 @@
+"""Which layers the hook captures, and how vLLM is asked to hand them over.
+
+The server chooses its layers once, at startup (``HIDDEN_STATE_PROXY_LAYERS``, e.g. ``4,8,-1``;
+``serve --hidden-state-layers``), as Transformers' ``output_hidden_states`` indices: ``0`` the
+embeddings, ``k`` the residual stream after ``k`` decoder layers, ``N`` (= ``num_hidden_layers``)
+and ``-1`` the final layer after the final norm. The final layer is always captured: it is the
+runner's own output, and the default of every request.
+
+**How, without hooks.** Forward hooks and patched forwards do not run under CUDA-graph replay and
+are bypassed by torch.compile's cached callable. vLLM's own mechanism is the auxiliary
+hidden-state outputs of EAGLE-3 (``SupportsEagle3.set_aux_hidden_state_layers``,
+``EagleModelMixin._maybe_add_hidden_state``): the model returns the chosen layers as real
+outputs of its compiled forward, and both model runners keep them in
+``execute_model_state.aux_hidden_states``. vLLM's aux id ``k`` is ``hidden_states + residual``
+after ``k`` layers, which is Transformers' ``hidden_states[k]`` for ``k < N``; id ``N`` would be
+*before* the final norm, so layer ``N`` is read from the runner's final hidden states instead.
+The aux layers are set right after ``load_model`` (before warm-up, compilation and graph
+capture), and the runner's ``use_aux_hidden_state_outputs`` is switched on so that it unpacks
+the model's ``(hidden_states, aux_hidden_states)`` output. Without intermediate layers nothing of
+this happens and nothing is paid.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+
+
+class LayerConfigError(Exception):
+    """The configured layers cannot be captured (the message says why and what to change)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedLayers:
+    """The layers one server captures, as absolute indices."""
+
+    #: The model's decoder layer count N (layer N is the final layer after the final norm).
+    num_hidden_layers: int
+    #: Every captured layer, ascending; always includes N.
+    layers: tuple[int, ...]
+
+    @property
+    def aux_ids(self) -> tuple[int, ...]:
+        """The layers vLLM must return as auxiliary outputs (all but the final one)."""
+        return tuple(layer for layer in self.layers if layer != self.num_hidden_layers)
+
+
+def parse_layers(text: str | None, num_hidden_layers: int) -> CapturedLayers:
+    """``HIDDEN_STATE_PROXY_LAYERS`` (``None`` or empty: the final layer only), normalised."""
+    final = num_hidden_layers
+    chosen = {final}
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            layer = int(part)
+        except ValueError:
+            raise LayerConfigError(
+                f"{LAYERS_ENV}={text!r}: {part!r} is not a layer index (expected e.g. 4,8,-1)"
+            ) from None
+        absolute = layer + final + 1 if layer < 0 else layer
+        if not 0 <= absolute <= final:
+            raise LayerConfigError(
+                f"{LAYERS_ENV}={text!r}: layer {layer} is out of range for a model with "
+                f"{final} layers (valid: 0..{final}, or -{final + 1}..-1)"
+            )
+        chosen.add(absolute)
+    return CapturedLayers(final, tuple(sorted(chosen)))
+
+
+def configured_layers(vllm_config: Any) -> CapturedLayers:
+    num_hidden_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+    return parse_layers(os.environ.get(LAYERS_ENV), num_hidden_layers)
+
+
+def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
+    """Make ``runner``'s freshly loaded model return the intermediate layers as outputs.
+
+    Raises :class:`LayerConfigError` naming the model class when it cannot.
+    """
+    aux_ids = captured.aux_ids
+    if not aux_ids:
+        return
+    vllm_config = runner.vllm_config
+    if getattr(runner, "use_aux_hidden_state_outputs", False):
+        raise LayerConfigError(
+            "speculative decoding already uses the model's auxiliary hidden-state outputs "
+            f"(EAGLE-3 or similar); {LAYERS_ENV} cannot be combined with it yet"
+        )
+    pipeline = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pipeline > 1:
+        raise LayerConfigError(
+            f"{LAYERS_ENV} with pipeline parallelism ({pipeline} stages) is not supported yet"
+        )
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    if not supports_eagle3(model):
+        raise LayerConfigError(
+            f"{type(model).__name__} does not support auxiliary hidden-state outputs (vLLM's "
+            f"SupportsEagle3 interface), so layers {', '.join(map(str, aux_ids))} of "
+            f"{LAYERS_ENV} cannot be captured; only the final layer (-1) can be"
+        )
+    model.set_aux_hidden_state_layers(aux_ids)
+    runner.use_aux_hidden_state_outputs = True
