@@ -81,12 +81,20 @@ class NotHealthy(Exception):
     """A server did not become healthy (it exited, or the time ran out)."""
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
+def http_status(url: str, timeout: float = 2.0) -> tuple[int, bytes] | None:
+    """``GET url``'s status and body, or ``None`` if nothing answered."""
     try:
         with _DIRECT.open(url, timeout=timeout) as response:
-            return bool(response.status == 200)
+            return int(response.status), response.read()
+    except urllib.error.HTTPError as error:
+        return int(error.code), error.read()
     except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return None
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    answer = http_status(url, timeout)
+    return answer is not None and answer[0] == 200
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:

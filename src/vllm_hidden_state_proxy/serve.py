@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ from types import FrameType
 
 from vllm_hidden_state_proxy.processes import (
     VLLM_LOOPBACK,
-    healthy,
+    http_status,
     stop_process_group,
     vllm_command,
 )
@@ -215,16 +216,26 @@ def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:
 
 
 def _wait_healthy(
-    url: str, name: str, timeout: float, children: _Children, stop: _StopRequest
+    url: str,
+    name: str,
+    timeout: float,
+    children: _Children,
+    stop: _StopRequest,
+    *,
+    any_answer: bool = False,
 ) -> int | None:
-    """None once ``url`` answers 200; else the exit status (signal, exited child, timeout)."""
+    """None once ``url`` answers 200 (with ``any_answer``: answers at all, and a reason other
+    than 200 is printed); else the exit status (signal, exited child, timeout)."""
     started = last_note = time.monotonic()
     while True:
         status = _must_end(children, stop, " during startup")
         if status is not None:
             return status
-        if healthy(url):
-            _say(f"{name} is ready after {time.monotonic() - started:.0f} s")
+        answer = http_status(url)
+        if answer is not None and (answer[0] == 200 or any_answer):
+            _say(f"{name} is up after {time.monotonic() - started:.0f} s")
+            if answer[0] != 200:
+                _say(f"but not ready ({answer[0]}): {_error_message(answer[1])}")
             return None
         now = time.monotonic()
         if now - started > timeout:
@@ -234,6 +245,13 @@ def _wait_healthy(
             _say(f"waiting for {name} to become healthy ({now - started:.0f} s)...")
             last_note = now
         time.sleep(0.2)
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:500]
 
 
 def _supervise(children: _Children, stop: _StopRequest) -> int:
@@ -263,8 +281,11 @@ def _run(
     _say(f"starting the proxy on {args.host}:{args.port}")
     settings = proxy_settings_for(args, upstream, ring_dir)
     children.proxy = _spawn(proxy_command(settings), proxy_environment(settings))
+    # The proxy's /health follows vLLM's (healthy by now) and turns 503 when an engine of
+    # this vLLM has no ring: serve goes on then (ordinary traffic and the other engines work)
+    # and says why.
     status = _wait_healthy(
-        proxy_url + "/health", "the proxy", PROXY_STARTUP_TIMEOUT, children, stop
+        proxy_url + "/health", "the proxy", PROXY_STARTUP_TIMEOUT, children, stop, any_answer=True
     )
     if status is not None:
         return status

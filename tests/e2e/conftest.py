@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hidden_state_proxy.tiny_model import build_tiny_model
-
 from tests.e2e.reference import MEASURED, Reference
-from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
+from tests.e2e.server import SERVED_MODEL_NAME, SHARED_LAYERS, RunningStack, run_serve
+from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,7 +40,8 @@ def reference(tiny_model_dir: Path) -> Reference:
 
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    with run_serve(tiny_model_dir, tmp_path_factory.mktemp("serve")) as running:
+    layers = ["--hidden-state-layers", ",".join(SHARED_LAYERS)]
+    with run_serve(tiny_model_dir, tmp_path_factory.mktemp("serve"), layers) as running:
         yield running
 
 

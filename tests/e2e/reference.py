@@ -52,6 +52,22 @@ class Reference:
             out = self.model.model(input_ids=ids).last_hidden_state[0, -1]
         return [float(x) for x in out.to(torch.float32)]
 
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def layer_vector(self, token_ids: Sequence[int], layer: int, pooling: str) -> list[float]:
+        """``model.model(ids, output_hidden_states=True).hidden_states[layer][0]`` at the last
+        position (``"last"``) or averaged over every position (``"mean"``, in float64)."""
+        import torch
+
+        with torch.no_grad():
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            states = self.model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        rows = states[layer][0].to(torch.float64)
+        vector = rows[-1] if pooling == "last" else rows.mean(dim=0)
+        return [float(x) for x in vector]
+
     def argmax_next_token(self, vector: Sequence[float]) -> int:
         import torch
 

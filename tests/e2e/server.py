@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     free_port,
+    http_status,
     offline_environment,
     one_vllm_at_a_time,
     stop_process_group,
@@ -41,6 +43,9 @@ TEST_VLLM_ARGS = [
     "tiny-chat",
 ]
 SERVED_MODEL_NAME = "tiny-chat"
+#: The layers the shared stack captures (``serve --hidden-state-layers``): the embeddings, the
+#: first decoder layer's output and the final layer of the two-layer tiny model.
+SHARED_LAYERS = ("0", "1", "-1")
 #: The proxy's request size limit in the shared test stack (413 above it).
 MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0
@@ -69,6 +74,16 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log
         raise RuntimeError(f"{problem}; last lines of {log}:\n{tail}") from None
 
 
+def wait_answering(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Until ``url`` answers at all (whatever the status)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while http_status(url) is None:
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-80:])
+            raise RuntimeError(f"{url} never answered; last lines of {log}:\n{tail}")
+        time.sleep(0.5)
+
+
 def stack_environment() -> dict[str, str]:
     env = offline_environment()
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -85,10 +100,22 @@ def run_serve(
     work_dir: Path,
     extra_args: Sequence[str] = (),
     env_overrides: dict[str, str] | None = None,
+    *,
+    ring_dir: Path | None = None,
+    locked: bool = True,
+    require_ready: bool = True,
 ) -> Iterator[RunningStack]:
-    """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL)."""
-    with one_vllm_at_a_time():
-        yield from _run_serve(model_dir, work_dir, extra_args, env_overrides)
+    """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL).
+
+    Holds the machine-wide vLLM lock unless ``locked`` is false (the caller holds it, to run
+    two servers side by side). ``ring_dir``: a ring directory of the caller's, kept at the end.
+    ``require_ready``: wait for the proxy's /health to be 200; otherwise only for vLLM's
+    (a stack whose proxy reports a problem).
+    """
+    with one_vllm_at_a_time() if locked else contextlib.nullcontext():
+        yield from _run_serve(
+            model_dir, work_dir, extra_args, env_overrides, ring_dir, require_ready
+        )
 
 
 def _run_serve(
@@ -96,9 +123,11 @@ def _run_serve(
     work_dir: Path,
     extra_args: Sequence[str],
     env_overrides: dict[str, str] | None,
+    shared_ring_dir: Path | None,
+    require_ready: bool,
 ) -> Iterator[RunningStack]:
     proxy_port, vllm_port = free_port(), free_port()
-    ring_dir = Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
+    ring_dir = shared_ring_dir or Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
     log_path = work_dir / f"serve-{vllm_port}.log"
     command = [
         sys.executable,
@@ -132,11 +161,16 @@ def _run_serve(
         process=process,
     )
     try:
-        wait_healthy(stack.proxy_url + "/health", process, STARTUP_TIMEOUT, log_path)
+        if require_ready:
+            wait_healthy(stack.proxy_url + "/health", process, STARTUP_TIMEOUT, log_path)
+        else:
+            wait_healthy(stack.vllm_url + "/health", process, STARTUP_TIMEOUT, log_path)
+            wait_answering(stack.proxy_url + "/health", process, log_path)
         yield stack
     finally:
         stop_process_group(process, "hidden-state-proxy serve", grace=60)
-        shutil.rmtree(ring_dir, ignore_errors=True)
+        if shared_ring_dir is None:
+            shutil.rmtree(ring_dir, ignore_errors=True)
         # vLLM CPU with tensor parallelism leaves its shared-memory segments behind.
         for leftover in _vllm_shm_segments() - shm_before:
             with contextlib.suppress(OSError):

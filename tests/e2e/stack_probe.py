@@ -147,6 +147,14 @@ def working_on_it(stack: RunningStack, finished_before: float) -> bool:
     return busy >= 1 or metric(text, "vllm:request_success_total") > finished_before
 
 
+def ring_publishes(stack: RunningStack) -> int:
+    """Records the stack's rings have published so far (a flagged prefill adds one)."""
+    from vllm_hidden_state_proxy.ring import RingDirectory
+
+    with RingDirectory(stack.ring_dir) as rings:
+        return sum(rings.publish_marks().values())
+
+
 def wait_until(
     condition: Callable[[], bool], timeout: float, interval: float = 0.05
 ) -> float | None:

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from vllm_hidden_state_proxy.cli import API_KEY_ENV, main
-
 from tests.e2e.server import RunningStack, proxy_process, wait_healthy
+from vllm_hidden_state_proxy.cli import main
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 
 LATENCY_ARMS = ("direct", "passthrough", "flagged_float")
 STREAM_ARMS = ("stream_direct", "stream_proxy")

@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 
 from tests.deploy.commands import CHART_DIR, chart_commands, compose_commands, localize
-from vllm_hidden_state_proxy.processes import stop_process_group
-
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import (
     SERVED_MODEL_NAME,
@@ -33,6 +31,7 @@ from tests.e2e.server import (
     stack_environment,
     wait_healthy,
 )
+from vllm_hidden_state_proxy.processes import stop_process_group
 
 pytestmark = pytest.mark.own_server
 

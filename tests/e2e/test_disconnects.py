@@ -49,6 +49,7 @@ from tests.e2e.stack_probe import (
     read_http_response,
     read_until,
     readable,
+    ring_publishes,
     rss,
     send_queue_bytes,
     vllm_frozen,
@@ -66,6 +67,8 @@ LONG = 900
 #: does not read and the proxy, and between the proxy and vLLM.
 SLOW = {"n": 32, "logprobs": True, "top_logprobs": 5}
 FULL = LONG * int(SLOW["n"])
+#: A safety net, not a timing: how long a request may take to reach vLLM on a loaded machine.
+STARTED_WITHIN = 120.0
 #: Seconds vLLM may take, once the client is gone, to have nothing running or waiting.
 ABORT_WITHIN = 10.0
 #: Most the proxy's RSS may grow over the repeated disconnects.
@@ -116,7 +119,12 @@ FAN_OUT_INPUTS = 2048
 
 
 def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> None:
-    """Send one request of ``kind`` and hang up while vLLM works on it."""
+    """Send one request of ``kind`` and hang up while vLLM works on it.
+
+    "Works on it" is a state, not a time: a stream's first events have arrived; a flagged
+    request's (or an embeddings input's) record was published, at its prefill, before its
+    long generation; an ordinary request shows in vLLM's running/waiting gauges.
+    """
     text = f"Disconnect {kind} round {round_}: tell a very long story."
     if kind == "embeddings_fan_out":
         inputs = [f"input {i} of round {round_}" for i in range(FAN_OUT_INPUTS)]
@@ -125,15 +133,20 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
         stream = kind.endswith("stream")
         path = "/v1/chat/completions"
         body = long_body(model, text, flagged=kind.startswith("flagged"), stream=stream)
-    finished_before = finished(stack)
+    finished_before, published_before = finished(stack), ring_publishes(stack)
+
+    def started() -> bool:
+        if kind.startswith("ordinary"):
+            return working_on_it(stack, finished_before)
+        return ring_publishes(stack) > published_before
+
     sock = raw_post(stack.proxy_url, path, json.dumps(body).encode())
     try:
         if kind.endswith("stream"):
             head = read_until(sock, b"data: ", count=3)
             assert head.startswith(b"HTTP/1.1 200"), head[:200]
             return
-        # A first long generation can take 2 s to start; it then runs for seconds.
-        if wait_until(lambda: working_on_it(stack, finished_before), 20, interval=0.05) is None:
+        if wait_until(started, STARTED_WITHIN, interval=0.05) is None:
             sock.settimeout(1)
             try:
                 answer = sock.recv(1000)
@@ -228,12 +241,18 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
 READ_TIMEOUT = 0.5
 PROXY_WITH_TIMEOUT = """
 import sys
-from vllm_hidden_state_proxy.proxy.server import run_proxy
+from vllm_hidden_state_proxy.proxy.server import serve_proxy
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 upstream, ring_dir, port, timeout = sys.argv[1:5]
-settings = ProxySettings(upstream_url=upstream, ring_dir=ring_dir, request_timeout=float(timeout))
-run_proxy(settings, host="127.0.0.1", port=int(port), log_level="warning")
+settings = ProxySettings(
+    upstream_url=upstream,
+    ring_dir=ring_dir,
+    request_timeout=float(timeout),
+    port=int(port),
+    log_level="warning",
+)
+serve_proxy(settings)
 """
 
 

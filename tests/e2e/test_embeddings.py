@@ -10,10 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.proxy.embeddings_request import DEFAULT_TEMPLATE
-
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, RunningStack
+from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE
 
 TEXTS = [
     f"Document {i} is about {topic}."

@@ -7,10 +7,9 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
-
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_BODY_SIZE, MAX_MODEL_LEN, RunningStack
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 
 CHAT = "/v1/chat/completions"
 

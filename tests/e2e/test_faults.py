@@ -21,10 +21,6 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.processes import stop_process_group, vllm_command
-from vllm_hidden_state_proxy.ring import RingReader
-from vllm_hidden_state_proxy.serve import vllm_environment
-
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import (
     SERVED_MODEL_NAME,
@@ -37,6 +33,9 @@ from tests.e2e.server import (
     stack_environment,
     wait_healthy,
 )
+from vllm_hidden_state_proxy.processes import stop_process_group, vllm_command
+from vllm_hidden_state_proxy.ring import RingReader
+from vllm_hidden_state_proxy.serve import vllm_environment
 
 pytestmark = pytest.mark.own_server
 
@@ -115,11 +114,15 @@ def check_vector(reference: Reference, response: httpx.Response, text: str) -> N
 
 
 def ring_epoch(ring_dir: Path) -> int:
-    reader = RingReader.open(ring_dir / "ring-dp0.bin")
-    try:
-        return reader.epoch
-    finally:
-        reader.close()
+    """The epoch of the one live ring in ``ring_dir`` (a restarted vLLM's engine writes a new
+    file; the dead one's is swept)."""
+    epochs = []
+    for path in ring_dir.glob("ring-*.bin"):
+        with RingReader.open(path) as reader:
+            if reader.is_live():
+                epochs.append(reader.epoch)
+    assert len(epochs) == 1, f"expected one live ring in {ring_dir}: {epochs}"
+    return epochs[0]
 
 
 def wait_status(url: str, status: int, timeout: float) -> float:

@@ -22,10 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_hidden_state_proxy.tiny_vlm import FAKE_IMAGE_TOKEN, IMAGE_TOKEN, build_tiny_vlm
-
 from tests.e2e.reference import assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, SERVED_MODEL_NAME, RunningStack, run_serve
+from vllm_hidden_state_proxy.tiny_vlm import FAKE_IMAGE_TOKEN, IMAGE_TOKEN, build_tiny_vlm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 

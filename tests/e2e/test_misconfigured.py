@@ -72,13 +72,15 @@ def test_vllm_unreachable_is_a_502_and_health_turns_503(
 
 def _garbage_rings(directory: Path) -> dict[str, bytes]:
     """Ring files a proxy must refuse: wrong magic, truncated, unknown layout version."""
-    from vllm_hidden_state_proxy.ring import HEADER_SIZE, MAGIC
+    from vllm_hidden_state_proxy.ring.layout import FIXED_HEADER_SIZE, MAGIC
 
     directory.mkdir(mode=0o700)
     files = {
-        "ring-dp0.bin": b"NOTARING" + bytes(4096),
-        "ring-dp1.bin": MAGIC + bytes(10),  # truncated header
-        "ring-dp2.bin": MAGIC + (999).to_bytes(4, "little") + bytes(HEADER_SIZE + 4096),
+        "ring-00000000000000aa-dp0.bin": b"NOTARING" + bytes(4096),
+        "ring-00000000000000aa-dp1.bin": MAGIC + bytes(10),  # truncated header
+        "ring-00000000000000aa-dp2.bin": MAGIC
+        + (999).to_bytes(4, "little")
+        + bytes(FIXED_HEADER_SIZE + 4096),
     }
     for name, content in files.items():
         (directory / name).write_bytes(content)
@@ -95,7 +97,7 @@ def test_corrupt_ring_files_are_refused_with_a_log_line_and_a_503(
     files = _garbage_rings(rings)
     log = tmp_path / "proxy.log"
     # A "live" writer (the lock held) does not make a corrupt file acceptable.
-    with open(rings / "ring-dp0.bin", "rb") as held:
+    with open(rings / "ring-00000000000000aa-dp0.bin", "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with proxy_process(stack.vllm_url, rings, log) as (url, process):
             wait_healthy(url + "/health", process, 30, log)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-
-import anyio
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, body_too_large
 
@@ -104,19 +103,35 @@ async def run_until_disconnect(receive: Receive, exchange: Awaitable[None]) -> b
     Must be called after the request body has been read completely. If the client disconnects
     first, ``exchange`` is cancelled (its ``finally`` blocks close the upstream response).
     Returns ``True`` if the exchange ran to completion.
+
+    Plain asyncio, not an anyio task group: this runs for every request, and a task group
+    costs several cancel scopes per request for what one watcher task and ``cancel()`` do.
     """
-    completed = False
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    group.cancel_scope.cancel()
-                    return
-
-        group.start_soon(watch)
+    task = asyncio.current_task()
+    if task is None:  # pragma: no cover - always inside uvicorn's request task
         await exchange
-        completed = True
-        group.cancel_scope.cancel()
-    return completed
+        return True
+    disconnected = False
+
+    async def watch() -> None:
+        nonlocal disconnected
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                task.cancel()
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await exchange
+    except asyncio.CancelledError:
+        if not disconnected:
+            raise  # not ours: the server is shutting down
+        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11
+        if uncancel is not None:
+            uncancel()
+        return False
+    finally:
+        watcher.cancel()
+    return True

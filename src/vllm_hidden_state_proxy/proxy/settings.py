@@ -74,6 +74,21 @@ class ProxySettings:
         metavar="URL",
         shown_default="required",
     )
+    upstream_uds: str | None = option(
+        None,
+        "--upstream-uds",
+        "reach vLLM over this Unix domain socket (vLLM's --uds) instead of TCP; --upstream still "
+        "names the URL (its host is ignored)",
+        metavar="PATH",
+        shown_default="none (TCP)",
+    )
+    upstream_client: str = option(
+        "aiohttp",
+        "--upstream-client",
+        "the HTTP client under the proxy's httpx interface to vLLM: aiohttp's (cheaper per "
+        "request) or httpx's own",
+        choices=("aiohttp", "httpx"),
+    )
     host: str = option("127.0.0.1", "--host", "address the proxy binds")
     port: int = option(8000, "--port", "port the proxy listens on", parse=int)
     ring_dir: str = option(

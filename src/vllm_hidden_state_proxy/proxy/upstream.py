@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 
+from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
 from vllm_hidden_state_proxy.proxy.asgi import Scope
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
@@ -19,6 +22,8 @@ def create_ops_client(
 ) -> httpx.AsyncClient:
     """A small separate pool for /health and /metrics, so that they keep answering when every
     connection of the main pool is busy with long generations (readiness probes at peak load)."""
+    if transport is None and settings.upstream_uds is not None:
+        transport = httpx.AsyncHTTPTransport(uds=settings.upstream_uds, trust_env=False)
     return httpx.AsyncClient(
         limits=httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_EXPIRY),
         timeout=httpx.Timeout(settings.health_timeout),
@@ -34,8 +39,9 @@ def create_transport(
     """The pooled connection set towards vLLM. ``transport`` replaces the network (tests).
 
     The proxy sends through the transport directly rather than an ``httpx.AsyncClient``: the
-    client's layers (auth, redirects, cookie jar, event hooks) are work a proxy must not do, and
-    about a tenth of its CPU per request. Timeouts travel in each request (``settings.timeouts``).
+    client's layers (auth, redirects, cookie jar, event hooks) are work a proxy must not do.
+    Timeouts travel in each request (``settings.timeouts``). The engine is aiohttp's client
+    (:mod:`.aiohttp_transport`) unless ``--upstream-client httpx`` asks for httpx's own.
     """
     if transport is not None:
         return transport
@@ -46,18 +52,31 @@ def create_transport(
         # never goes out on a connection the server is closing.
         keepalive_expiry=KEEPALIVE_EXPIRY,
     )
-    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+    if settings.upstream_client == "httpx":
+        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, uds=settings.upstream_uds)
+    return AiohttpTransport(limits=limits, uds=settings.upstream_uds)
 
 
-def upstream_url(settings: ProxySettings, scope: Scope) -> str:
+def upstream_url(settings: ProxySettings, scope: Scope) -> httpx.URL:
     """``upstream_url + path + query`` for the incoming request, path bytes kept verbatim."""
     raw_path: bytes | None = scope.get("raw_path")
     # Some servers (httpx's ASGITransport before 0.28) put the query in raw_path; ASGI says not to.
     path = raw_path.split(b"?", 1)[0].decode("latin-1") if raw_path else scope["path"]
     query: bytes = scope.get("query_string", b"")
+    url = settings.upstream_base + path
     if query:
-        return f"{settings.upstream_base}{path}?{query.decode('latin-1')}"
-    return settings.upstream_base + path
+        url = f"{url}?{query.decode('latin-1')}"
+    # httpx's URL parsing is a good part of a request's cost, and most requests share a URL.
+    return _parsed(url) if len(url) <= _CACHED_URL_LENGTH else httpx.URL(url)
+
+
+#: URLs up to this long are cached (at most 1024 of them: a bounded amount of memory).
+_CACHED_URL_LENGTH = 512
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(url: str) -> httpx.URL:
+    return httpx.URL(url)
 
 
 def build_request(
