@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
         description="Start the tiny offline stack (or target running servers) and measure "
-        "latency, streaming, throughput, memory and the ring; write bench.md, bench.json and "
-        "bench.png.",
+        "latency, streaming, throughput, memory, the hop alone and the ring; write bench.md and "
+        "bench.json.",
     )
     add_bench_arguments(bench)
     return parser

@@ -82,13 +82,11 @@ def describe(options: BenchOptions) -> dict[str, Any]:
         if options.proxy_url
         else "started: hidden-state-proxy serve on the tiny offline model"
     )
-    batches = ", ".join(f"{options.embedding_requests(b)} x {b}" for b in options.embedding_batches)
+    o = options
     counts = (
-        f"{options.requests} requests per latency arm, {options.streams} streams per streaming "
-        f"arm, {options.rounds} rounds per throughput level, embeddings batch size and "
-        f"instant-upstream phase, concurrency {', '.join(map(str, options.concurrency))}, "
-        f"{options.ring_ops} ring operations, {options.instant_requests} requests per "
-        f"instant-upstream arm" + (f", embeddings ({batches}) inputs per round" if batches else "")
+        f"{o.requests} requests per latency arm, {o.streams} streams per streaming arm, "
+        f"{o.instant_requests} requests per instant-upstream arm, {o.rounds} rounds per "
+        f"turn-taking phase, {o.ring_ops} ring operations"
     )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
