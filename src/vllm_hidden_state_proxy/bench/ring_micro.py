@@ -30,7 +30,8 @@ from vllm_hidden_state_proxy.protocol import DEFAULT_RING_SLOTS, new_key
 from vllm_hidden_state_proxy.ring import Record, RingDirectory, RingWriter
 
 HIDDEN_SIZES = (1024, 4096, 8192)
-RING_COUNTS = (1, 8)
+#: (live rings in the directory, the share of their slots that hold a record).
+RING_SETUPS = ((1, 1.0), (8, 1.0), (1, 0.125), (8, 0.125))
 MODEL_NAME = "bench/model"
 
 
@@ -117,21 +118,23 @@ def measure_size(hidden_size: int, operations: int) -> Row:
     }
 
 
-def measure_rings(count: int, operations: int, hidden_size: int = 128) -> tuple[Summary, Summary]:
-    """µs per lookup in a directory of ``count`` live rings that hold a ring's worth of
-    records, spread over them: (of keys in the ring searched last, of keys in no ring)."""
+def measure_rings(
+    count: int, operations: int, records: int, hidden_size: int = 128
+) -> tuple[Summary, Summary]:
+    """µs per lookup in a directory of ``count`` live rings holding ``records`` records each:
+    (of keys in the ring searched last, of keys in no ring)."""
     vector = _random_vector(hidden_size, 0)
     with _rings(count, hidden_size) as (writers, rings):
-        keys: list[list[bytes]] = [[] for _ in writers]
-        for number in range(DEFAULT_RING_SLOTS):
-            keys[number % count].append(new_key())
-            _publish(writers[number % count], keys[number % count][-1], vector, number)
+        keys = [[new_key() for _ in range(records)] for _ in writers]
+        for writer, ring_keys in zip(writers, keys, strict=True):
+            for number, key in enumerate(ring_keys):
+                _publish(writer, key, vector, number)
         hits: list[list[float]] = [[] for _ in writers]
         misses: list[float] = []
         clock = time.perf_counter_ns
         for number in range(operations):
             ring, missing = number % count, new_key()
-            key = keys[ring][number // count % len(keys[ring])]
+            key = keys[ring][number // count % records]
             t0 = clock()
             found = rings.lookup(key)
             t1 = clock()
@@ -147,39 +150,36 @@ def measure_rings(count: int, operations: int, hidden_size: int = 128) -> tuple[
 
 
 def measure_ring(operations: int, progress: Progress) -> list[tuple[str, Table]]:
-    task = progress.task("ring microbenchmark", len(HIDDEN_SIZES) + len(RING_COUNTS))
+    task = progress.task("ring microbenchmark", len(HIDDEN_SIZES) + len(RING_SETUPS))
+    slots = DEFAULT_RING_SLOTS
     sizes: list[Row] = []
     for hidden_size in HIDDEN_SIZES:
         sizes.append(measure_size(hidden_size, operations))
         task.advance()
-    lookups: dict[int, tuple[Summary, Summary]] = {}
-    for count in RING_COUNTS:
-        lookups[count] = measure_rings(count, operations)
+    lookups = []
+    for count, fill in RING_SETUPS:
+        lookups.append((count, fill, *measure_rings(count, operations, int(slots * fill))))
         task.advance()
-    one_hit, one_miss = lookups[RING_COUNTS[0]]
-    counts: list[Row] = [
+    one_hit, one_miss = lookups[0][2:]
+    setups: list[Row] = [
         {
-            "rings": count,
+            "rings": f"{count} ({'full' if fill == 1 else f'{fill:.1%} full'})",
             "hit p50 µs": hit.p50,
             "hit p99 µs": hit.p99,
             "miss p50 µs": miss.p50,
             "miss p99 µs": miss.p99,
-            "hit p50 / 1 ring": ratio(hit.p50, one_hit.p50),
-            "miss p50 / 1 ring": ratio(miss.p50, one_miss.p50),
+            "hit p50 / 1 full": ratio(hit.p50, one_hit.p50),
+            "miss p50 / 1 full": ratio(miss.p50, one_miss.p50),
         }
-        for count, (hit, miss) in lookups.items()
+        for count, fill, hit, miss in lookups
     ]
     task.done()
+    note = (
+        f"Rings of {slots} slots, records of hidden size 128. Hit: a key in the "
+        "ring searched last (the ring whose keys took longest to find); miss: a key in no ring "
+        "(every ring searched). A ring that is not full yet (a fresh engine) is measured too."
+    )
     return [
         ("ring", Table("Ring microbenchmark (µs per call)", sizes)),
-        (
-            "rings",
-            Table(
-                "Ring lookup with 1 and 8 live rings in the directory (µs per call)",
-                counts,
-                f"{DEFAULT_RING_SLOTS} records of hidden size 128 spread evenly over the rings. "
-                "Hit: a key in the ring searched last (the ring whose keys took longest to "
-                "find); miss: a key in no ring (every ring searched).",
-            ),
-        ),
+        ("rings", Table("Ring lookup with 1 and 8 live rings (µs per call)", setups, note)),
     ]
