@@ -65,6 +65,14 @@ def _version(*distributions: str) -> str | None:
     return None
 
 
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def _load() -> str:
     """The 1-minute load average: how busy the machine was besides the bench."""
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
@@ -90,7 +98,7 @@ def describe(options: BenchOptions) -> dict[str, Any]:
     )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        "machine": f"{_cpu_model()}, {os.cpu_count()} CPU cores, "
         f"no GPU used ({platform.system()} {platform.release()})",
         "versions": ", ".join(v for v in versions if v),
         "mode": mode + (" (smoke)" if options.smoke else ""),

@@ -3,7 +3,7 @@
 - ``RingWriter.publish`` and ``RingDirectory.lookup`` for several hidden sizes, plus what the
   proxy does with a found record (``as_floats``, the floats as JSON, the bytes as base64).
 - ``RingDirectory.lookup`` with 1 and with 8 live rings in one directory (one per vLLM engine,
-  issue #12): a key in the ring searched last, and a key in no ring (every ring searched).
+  issue #12), full and 1/8 full: a key in the ring searched last, and a key in no ring.
 
 Every use of the ring's API is in the four functions at the top, to adapt in one place.
 """
