@@ -89,9 +89,9 @@ def test_a_table_has_every_column_any_row_has_and_escapes_pipes() -> None:
     ]
 
 
-def test_summary_cells_name_their_unit() -> None:
-    cells = summary_cells(summarize([1.0, 2.0, 3.0]), "µs", "hit ")
-    assert list(cells) == ["hit p50 µs", "hit p90 µs", "hit p99 µs", "hit mean µs", "hit n"]
+def test_a_summary_becomes_cells_named_with_their_unit() -> None:
+    cells = summary_cells(summarize([1.0, 2.0, 3.0]))
+    assert cells == {"p50 ms": 2.0, "p90 ms": 2.8, "p99 ms": 2.98, "mean ms": 2.0, "n": 3}
 
 
 def test_json_holds_the_tables_and_the_verdicts(tmp_path: Path) -> None:

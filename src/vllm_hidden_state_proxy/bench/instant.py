@@ -65,7 +65,9 @@ async def measure_instant(
     rounds: int,
     progress: Progress,
 ) -> Table:
-    """``requests`` per arm in ``rounds`` turns (the last ones take what is left over)."""
+    """``requests`` per arm in ``rounds`` turns each (the first turns take one more request
+    when ``rounds`` does not divide ``requests``). ``app_cpu`` and ``proxy_cpu`` read each
+    server's CPU seconds (the proxy's process tree: all its workers)."""
     indices = itertools.count()
     clients = {arm.name: new_client(proxy_url if arm.via_proxy else app_url, 1) for arm in ARMS}
     tallies = {arm.name: _Tally() for arm in ARMS}
@@ -122,6 +124,6 @@ async def measure_instant(
         "The hop alone: proxy CPU per request against an instant upstream",
         rows,
         "CPU: user + system time of each server's process tree, read around each turn (Linux "
-        "counts it in 10 ms ticks). proxy / bare app: the proxy's CPU per request of the arm "
+        "counts it in 10 ms ticks). proxy / app CPU: the proxy's CPU per request of the arm "
         "over the bare app's per request in its direct arm (JSON or stream).",
     )

@@ -1,6 +1,5 @@
-"""What a run found: one table per phase (rows of named cells, the same in the markdown report
-and in JSON), the targets as ratios against their limits, and further ratios that explain them.
-"""
+"""What a run found: one table per phase (rows of named cells, the same in bench.md and in
+bench.json; ratios between arms are columns), and the targets, each a limit on one cell."""
 
 from __future__ import annotations
 
@@ -17,28 +16,19 @@ Cell = float | int | str | None
 Row = dict[str, Cell]
 
 #: The order of the report's sections (tables not named here follow in the order measured).
-ORDER = (
-    "latency",
-    "streaming",
-    "throughput",
-    "embeddings",
-    "instant",
-    "cpu",
-    "memory",
-    "ring",
-    "rings",
-)
+ORDER = ("latency", "streaming", "throughput", "embeddings", "instant", "cpu", "memory", "ring")
 #: The memory table's row of the proxy's peak RSS during the throughput and embeddings phases.
 PEAK = "proxy, peak under load"
 
 
-def summary_cells(summary: Summary, unit: str = "ms", prefix: str = "") -> Row:
+def summary_cells(summary: Summary) -> Row:
+    """A summary of milliseconds as cells."""
     return {
-        f"{prefix}p50 {unit}": summary.p50,
-        f"{prefix}p90 {unit}": summary.p90,
-        f"{prefix}p99 {unit}": summary.p99,
-        f"{prefix}mean {unit}": summary.mean,
-        f"{prefix}n": summary.n,
+        "p50 ms": summary.p50,
+        "p90 ms": summary.p90,
+        "p99 ms": summary.p99,
+        "mean ms": summary.mean,
+        "n": summary.n,
     }
 
 
@@ -46,7 +36,7 @@ def summary_cells(summary: Summary, unit: str = "ms", prefix: str = "") -> Row:
 class Table:
     title: str
     rows: list[Row] = field(default_factory=list)
-    #: How to read the table, or why it is empty (a phase skipped or unsupported).
+    #: How to read the table, or why it is empty (a phase left out).
     note: str = ""
 
     def get(self, key: Cell, column: str) -> float | None:
