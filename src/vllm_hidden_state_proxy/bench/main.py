@@ -93,8 +93,8 @@ def describe(options: BenchOptions) -> dict[str, Any]:
     o = options
     counts = (
         f"{o.requests} requests per latency arm, {o.streams} streams per streaming arm, "
-        f"{o.instant_requests} requests per instant-upstream arm, {o.rounds} rounds per "
-        f"turn-taking phase, {o.ring_ops} ring operations"
+        f"{o.instant_requests} requests per instant-upstream arm, {o.ring_ops} ring "
+        f"operations; rounds per turn-taking phase: {o.rounds}"
     )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
