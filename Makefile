@@ -66,8 +66,8 @@ test: lint typecheck
 serve: install
 	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
 
-# Starts its own vLLM servers one after the other (holding the machine-wide vLLM lock); writes
-# bench-results/bench.{md,json,png}.
+# Starts its own vLLM server (holding the machine-wide vLLM lock); writes
+# bench-results/bench.{md,json}.
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
 

@@ -19,7 +19,7 @@ def test_every_round_gives_every_arm_one_turn_and_rotates_who_goes_first() -> No
 
 
 def test_each_arm_gets_exactly_rounds_turns_and_each_position_evens_out() -> None:
-    arms = ["direct", "passthrough", "flagged", "base64", "nginx"]
+    arms = ["direct", "passthrough", "flagged", "base64", "stream"]
     order = list(round_robin(arms, 10))
     assert Counter(arm for _, arm in order) == dict.fromkeys(arms, 10)
     positions: dict[str, Counter[int]] = {arm: Counter() for arm in arms}

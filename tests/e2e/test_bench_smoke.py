@@ -1,8 +1,8 @@
-"""``hidden-state-proxy bench --smoke`` against the shared stack: every arm runs and measures.
+"""``hidden-state-proxy bench --smoke`` against the shared stack: every phase runs and measures.
 
 Target mode, tiny counts: the shared stack's vLLM, behind a second proxy process (same ring)
 that requires an API key, so that ``--api-key`` is exercised too. No timing thresholds (CI
-machines are noisy), only that each arm produced positive numbers and the report names every
+machines are noisy), only that each phase produced positive numbers and the report names every
 target.
 """
 
@@ -19,12 +19,6 @@ from tests.e2e.server import RunningStack, proxy_process, wait_healthy
 from vllm_hidden_state_proxy.cli import main
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 
-LATENCY_ARMS = ("direct", "passthrough", "flagged_float")
-STREAM_ARMS = ("stream_direct", "stream_proxy")
-THROUGHPUT_ARMS = ("throughput_direct", "throughput_passthrough", "throughput_flagged")
-CONCURRENCY = (1, 4, 16, 64)
-EMBEDDING_ARMS = ("embeddings_proxy", "embeddings_direct")
-EMBEDDING_BATCHES = (1, 16, 256)
 BENCH_KEY = "e2e-bench-key"
 
 
@@ -41,19 +35,8 @@ def keyed_proxy(
 
 
 def bench(stack: RunningStack, proxy_url: str, output: Path, *extra: str) -> int:
-    return main(
-        [
-            "bench",
-            "--smoke",
-            "--proxy-url",
-            proxy_url,
-            "--vllm-url",
-            stack.vllm_url,
-            "--output-dir",
-            str(output),
-            *extra,
-        ]
-    )
+    argv = ["bench", "--smoke", "--proxy-url", proxy_url, "--vllm-url", stack.vllm_url]
+    return main([*argv, "--output-dir", str(output), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -74,89 +57,74 @@ def report(
     return document
 
 
+def rows(report: dict[str, Any], table: str) -> dict[Any, dict[str, Any]]:
+    """The rows of one table, by their first cell."""
+    return {next(iter(row.values())): row for row in report["tables"][table]["rows"]}
+
+
+def positive(row: dict[str, Any], *columns: str) -> None:
+    for column in columns:
+        assert isinstance(row[column], (int, float)) and row[column] > 0, (column, row)
+
+
 def test_without_the_key_the_keyed_proxy_refuses_the_bench(
     stack: RunningStack,
     keyed_proxy: tuple[str, Path],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert bench(stack, keyed_proxy[0], tmp_path, "--no-embeddings") == 1
+    assert bench(stack, keyed_proxy[0], tmp_path, "--no-embeddings", "--no-instant") == 1
     assert "HTTP 401" in capsys.readouterr().err
 
 
-def positive_summary(summary: dict[str, Any]) -> None:
-    assert summary["n"] >= 1
-    assert 0 < summary["min"] <= summary["p50"] <= summary["p99"] <= summary["max"]
+def test_latency_and_cpu_per_request_of_every_arm(report: dict[str, Any]) -> None:
+    latency, cpu = rows(report, "latency"), rows(report, "cpu")
+    assert (
+        list(latency) == list(cpu) == ["direct", "passthrough", "flagged_float", "flagged_base64"]
+    )
+    for name, row in latency.items():
+        assert row["n"] == 3
+        positive(row, "p50 ms", "p99 ms", "p50 / direct")
+        positive(cpu[name], "vLLM CPU ms")
+        if name != "direct":
+            positive(cpu[name], "proxy CPU ms")
 
 
-def test_latency_arms_measure_every_request(report: dict[str, Any]) -> None:
-    arms = report["arms"]
-    for name in LATENCY_ARMS:
-        assert arms[name]["status"] == "ok", arms[name]
-        positive_summary(arms[name]["latency_ms"])
-        assert arms[name]["latency_ms"]["n"] == 3
-    base64_arm = arms["flagged_base64"]
-    assert base64_arm["status"] in ("ok", "unsupported"), base64_arm
-    if base64_arm["status"] == "ok":
-        positive_summary(base64_arm["latency_ms"])
-    assert arms["nginx"]["status"] == "skipped"  # --smoke
-    assert arms["pooling"]["status"] == "skipped"
+def test_streaming_times_first_and_last_tokens(report: dict[str, Any]) -> None:
+    streaming = rows(report, "streaming")
+    for row in streaming.values():
+        assert row["n"] == 2 and row["gaps"] == 2 * 63  # every token counted
+        positive(row, "TTFT p50 ms", "ITL mean ms", "last token p50 ms")
+        assert row["last token p50 ms"] >= row["TTFT p50 ms"]
+    positive(streaming["stream_proxy"], "ITL mean / direct")
 
 
-def test_streaming_arms_time_first_and_last_tokens(report: dict[str, Any]) -> None:
-    for name in STREAM_ARMS:
-        arm = report["arms"][name]
-        assert arm["status"] == "ok" and arm["tokens_per_request"] == 64
-        positive_summary(arm["ttft_ms"])
-        positive_summary(arm["ttlt_ms"])
-        assert arm["itl_ms"]["n"] == 63 * arm["ttft_ms"]["n"]  # every token counted
-        assert arm["itl_mean_ms"] > 0
-        assert arm["ttlt_ms"]["p50"] >= arm["ttft_ms"]["p50"]
+def test_throughput_covers_every_level(report: dict[str, Any]) -> None:
+    throughput = rows(report, "throughput")
+    assert list(throughput) == [1, 4, 16, 64]
+    for level, row in throughput.items():
+        assert row["requests per arm"] >= level
+        positive(row, "direct req/s", "passthrough req/s", "flagged req/s", "flagged / direct")
 
 
-def test_throughput_sweep_covers_every_level(report: dict[str, Any]) -> None:
-    for name in THROUGHPUT_ARMS:
-        arm = report["arms"][name]
-        assert arm["status"] == "ok"
-        assert [p["concurrency"] for p in arm["points"]] == list(CONCURRENCY)
-        for point in arm["points"]:
-            assert point["requests"] >= point["concurrency"]
-            assert point["requests_per_second"] > 0
-            positive_summary(point["latency_ms"])
+def test_embeddings_cover_every_batch_size(report: dict[str, Any]) -> None:
+    embeddings = rows(report, "embeddings")
+    assert list(embeddings) == [1, 16, 256]
+    for row in embeddings.values():
+        positive(row, "inputs/s", "vLLM alone inputs/s", "proxy / vLLM alone, inputs/s")
+        positive(row, "requests", "hidden size")
 
 
-def test_embeddings_phase_measures_every_batch_size(report: dict[str, Any]) -> None:
-    for name in EMBEDDING_ARMS:
-        arm = report["arms"][name]
-        assert arm["kind"] == "embeddings" and arm["status"] == "ok", arm
-        assert [p["batch_size"] for p in arm["points"]] == list(EMBEDDING_BATCHES)
-        for point in arm["points"]:
-            assert point["requests"] >= 1
-            assert point["inputs"] == point["requests"] * point["batch_size"]
-            assert point["inputs_per_second"] > 0 and point["requests_per_second"] > 0
-            assert len(point["rounds_ips"]) == 1  # --smoke: one round
-            positive_summary(point["latency_ms"])
-    proxy = report["arms"]["embeddings_proxy"]
-    assert proxy["hidden_size"] > 0
-    for point in proxy["points"]:
-        assert point["proxy_cpu_ms_per_input"] > 0
-    assert report["memory"]["proxy_rss_peak_embeddings_mib"] > 0
-    ratios = [v for k, v in report["ratios"].items() if k.startswith("embeddings through")]
-    assert len(ratios) == len(EMBEDDING_BATCHES) and all(r > 0 for r in ratios)
-
-
-def test_ring_cpu_memory_and_targets(report: dict[str, Any]) -> None:
-    assert [p["hidden_size"] for p in report["ring"]] == [1024, 4096, 8192]
-    for point in report["ring"]:
-        assert point["publish_us"]["p50"] > 0 and point["lookup_us"]["p50"] > 0
-    memory = report["memory"]
-    assert memory["proxy_rss_peak_mib"] > 0 and memory["proxy_rss_idle_mib"] > 0
-    assert memory["vllm_rss_mib"] > 0
-    cpu = {cost["arm"]: cost for cost in report["cpu"]}
-    assert set(LATENCY_ARMS) <= set(cpu)
-    for name in LATENCY_ARMS:
-        assert cpu[name]["vllm_ms"] > 0
-    assert cpu["passthrough"]["proxy_ms"] > 0 and cpu["flagged_float"]["proxy_ms"] > 0
-    assert len(report["targets"]) == 7
-    for check in report["targets"]:  # each measured (no thresholds: CI timing is noise)
-        assert check["value"] is not None and check["value"] > 0, check
+def test_the_hop_alone_ring_memory_and_every_target(report: dict[str, Any]) -> None:
+    instant = rows(report, "instant")
+    positive(instant["passthrough"], "proxy CPU ms/request", "proxy / app CPU")
+    positive(instant["flagged"], "proxy CPU ms/request", "proxy / app CPU")
+    assert [row["hidden size"] for row in report["tables"]["ring"]["rows"]] == [1024, 4096, 8192]
+    assert len(rows(report, "rings")) == 4  # 1 and 8 rings, full and not
+    positive(rows(report, "rings")["8 (full)"], "hit p50 µs", "miss p50 µs")
+    memory = rows(report, "memory")
+    for row in memory.values():
+        positive(row, "RSS MiB")
+    assert len(report["targets"]) == 9
+    for target in report["targets"]:  # each measured (no thresholds: CI timing is noise)
+        assert target["value"] is not None and target["value"] > 0, target

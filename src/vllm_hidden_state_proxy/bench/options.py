@@ -7,106 +7,43 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV
+
 DEFAULT_REQUESTS = 200
-DEFAULT_CONCURRENCY = (1, 4, 16, 64)
-#: Inputs per ``/v1/embeddings`` request in the embeddings phase.
-DEFAULT_EMBEDDING_BATCHES = (1, 16, 256)
 #: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
 EMBEDDING_INPUTS_PER_REQUEST = 4
-DEFAULT_STREAM_TOKENS = 64
-DEFAULT_OUTPUT_DIR = Path("bench-results")
-#: --smoke: requests per latency arm, streams per streaming arm, ring operations per size.
-SMOKE_REQUESTS = 3
-SMOKE_STREAMS = 2
-SMOKE_RING_OPS = 200
+#: Requests per instant-upstream arm, per latency-arm request: thousands, so that the servers'
+#: CPU time (counted in 10 ms ticks) adds up to seconds.
+INSTANT_REQUESTS_PER_REQUEST = 10
+#: --smoke: requests per latency arm, streams per streaming arm, ring operations per size,
+#: requests per instant-upstream arm (enough CPU time for a few ticks).
+SMOKE_REQUESTS, SMOKE_STREAMS, SMOKE_RING_OPS, SMOKE_INSTANT_REQUESTS = 3, 2, 200, 200
 RING_OPS = 3000
-THROUGHPUT_ROUNDS = 6
-#: The proxy's own variable for its key (``cli.API_KEY_ENV``): the default of ``--api-key``.
-API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
+ROUNDS = 6
+#: Requests per arm of the CPU-time phase, at least (the proxy's share must be many ticks).
+MIN_CPU_REQUESTS = 50
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--proxy-url",
-        metavar="URL",
-        help="measure this running proxy instead of starting the tiny stack (needs --vllm-url)",
-    )
-    parser.add_argument(
-        "--vllm-url", metavar="URL", help="the vLLM server behind --proxy-url (direct arms)"
-    )
-    parser.add_argument(
-        "--pooling-url",
-        metavar="URL",
-        help="with --proxy-url: a running vLLM pooling server (--runner pooling, LAST pooling) "
-        "of the same model to compare against; without --proxy-url the bench starts one itself",
-    )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="where the tiny offline model is built and cached (default: the user cache)",
-    )
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        default=DEFAULT_OUTPUT_DIR,
-        help=f"where bench.json, bench.md, bench.png and server logs go (default "
-        f"{DEFAULT_OUTPUT_DIR})",
-    )
-    parser.add_argument(
-        "--requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"requests per latency arm (default {DEFAULT_REQUESTS}; the other phases scale "
-        "with it)",
-    )
-    parser.add_argument(
-        "--concurrency",
-        default=",".join(map(str, DEFAULT_CONCURRENCY)),
-        metavar="LIST",
-        help="throughput sweep, comma-separated (default %(default)s)",
-    )
-    parser.add_argument(
-        "--embedding-batches",
-        default=",".join(map(str, DEFAULT_EMBEDDING_BATCHES)),
-        metavar="LIST",
-        help="inputs per /v1/embeddings request in the embeddings phase, comma-separated "
-        "(default %(default)s)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--proxy-url", metavar="URL", help="measure this running proxy (needs --vllm-url)")
+    add("--vllm-url", metavar="URL", help="the vLLM server behind --proxy-url")
+    add("--model-dir", type=Path, help="where the tiny offline model is built and cached")
+    add("--output-dir", type=Path, default=Path("bench-results"), help="default %(default)s")
+    add("--requests", type=int, metavar="N", help=f"per latency arm (default {DEFAULT_REQUESTS})")
+    add("--concurrency", default="1,4,16,64", metavar="LIST", help="default %(default)s")
+    add("--embedding-batches", default="1,16,256", metavar="LIST", help="default %(default)s")
+    add(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         metavar="KEY",
-        help=f"send 'Authorization: Bearer KEY' to the proxy (never to vLLM or the pooling "
-        f"server); without --proxy-url the bench starts its proxy with this key (default "
-        f"${API_KEY_ENV}, as the proxy's own option)",
+        help=f"for the proxy only, also the one the bench starts (default ${API_KEY_ENV})",
     )
-    parser.add_argument(
-        "--stream-tokens",
-        type=int,
-        default=DEFAULT_STREAM_TOKENS,
-        metavar="N",
-        help="tokens per streamed request (default %(default)s)",
-    )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="seconds, not minutes: tiny counts, no pooling server, no nginx, no plot",
-    )
-    parser.add_argument("--no-pooling", action="store_true", help="skip the pooling-server arm")
-    parser.add_argument("--no-nginx", action="store_true", help="skip the nginx anchor arm")
-    parser.add_argument(
-        "--no-embeddings", action="store_true", help="skip the /v1/embeddings phase"
-    )
-    parser.add_argument("--no-plot", action="store_true", help="do not draw bench.png")
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="give up on a server that is not healthy after this long (default %(default)s)",
-    )
+    add("--stream-tokens", type=int, default=64, metavar="N", help="default %(default)s")
+    add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
+    add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
+    add("--no-instant", action="store_true", help="skip the instant-upstream phase")
+    add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 
 @dataclass(frozen=True)
@@ -115,7 +52,6 @@ class BenchOptions:
     model_dir: Path | None
     proxy_url: str | None
     vllm_url: str | None
-    pooling_url: str | None
     smoke: bool
     #: Per latency arm.
     requests: int
@@ -124,51 +60,42 @@ class BenchOptions:
     streams: int
     stream_tokens: int
     concurrency: tuple[int, ...]
-    #: Rounds of the throughput sweep (each arm runs once per round and level); the embeddings
-    #: phase takes as many rounds per batch size.
-    throughput_rounds: int
+    #: Rounds of the phases whose arms take turns burst by burst.
+    rounds: int
     ring_ops: int
-    pooling: bool
-    nginx: bool
-    plot: bool
     startup_timeout: float
     #: Inputs per ``/v1/embeddings`` request, one phase point each; empty: no embeddings phase.
-    embedding_batches: tuple[int, ...] = DEFAULT_EMBEDDING_BATCHES
+    embedding_batches: tuple[int, ...]
+    #: Requests per instant-upstream arm; 0: no instant-upstream phase.
+    instant_requests: int
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
 
     @property
     def cpu_requests(self) -> int:
         """Requests per arm of the CPU-time phase."""
-        return max(3, self.requests // 2)
-
-    @property
-    def targets_running_stack(self) -> bool:
-        return self.proxy_url is not None
+        return max(MIN_CPU_REQUESTS, self.requests // 2)
 
     def throughput_burst(self, concurrency: int) -> int:
         """Requests per arm in one round at ``concurrency``: every connection used at least
-        twice (once in smoke mode), and at least ``requests`` per arm over all rounds. Many
-        short rounds interleave the arms finely, so bursts of machine noise hit all of them."""
+        twice (once in smoke mode), and at least ``requests`` per arm over all rounds."""
         if self.smoke:
             return max(concurrency, 2)
-        return max(2 * concurrency, -(-self.requests // self.throughput_rounds))
+        return max(2 * concurrency, -(-self.requests // self.rounds))
 
     def embedding_requests(self, batch: int) -> int:
-        """``/v1/embeddings`` requests per arm in one round at ``batch`` inputs each: about
-        ``EMBEDDING_INPUTS_PER_REQUEST * requests`` inputs over all rounds, at least one
-        request a round (smoke: about ``requests`` inputs, one round)."""
+        """Requests per arm in one round at ``batch`` inputs each: about
+        ``EMBEDDING_INPUTS_PER_REQUEST * requests`` inputs over all rounds (smoke: about
+        ``requests``), at least one a round."""
         inputs = self.requests if self.smoke else EMBEDDING_INPUTS_PER_REQUEST * self.requests
-        return max(1, -(-inputs // (self.throughput_rounds * batch)))
+        return max(1, -(-inputs // (self.rounds * batch)))
 
     def public(self) -> dict[str, object]:
         """The options for the report: paths as text, the API key never (only whether set)."""
-        found: dict[str, object] = {}
-        for key, value in vars(self).items():
-            if key == "api_key":
-                found[key] = "(set)" if value else None
-            else:
-                found[key] = str(value) if isinstance(value, Path) else value
+        found: dict[str, object] = {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
+        }
+        found["api_key"] = "(set)" if self.api_key else None
         return found
 
 
@@ -176,7 +103,7 @@ class OptionsError(ValueError):
     pass
 
 
-def parse_levels(text: str, option: str = "--concurrency") -> tuple[int, ...]:
+def parse_levels(text: str, option: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers (``option`` names it in errors)."""
     try:
         levels = tuple(int(part) for part in text.split(",") if part.strip())
@@ -185,10 +112,6 @@ def parse_levels(text: str, option: str = "--concurrency") -> tuple[int, ...]:
     if not levels or any(level < 1 for level in levels):
         raise OptionsError(f"{option} needs positive integers, got {text!r}")
     return levels
-
-
-def parse_concurrency(text: str) -> tuple[int, ...]:
-    return parse_levels(text, "--concurrency")
 
 
 def from_args(args: argparse.Namespace) -> BenchOptions:
@@ -202,33 +125,26 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         raise OptionsError("--stream-tokens must be at least 2 (inter-token latency needs two)")
     smoke = bool(args.smoke)
     requests = args.requests or (SMOKE_REQUESTS if smoke else DEFAULT_REQUESTS)
-    target = args.proxy_url is not None
+    rounds = 1 if smoke else ROUNDS
+    instant = SMOKE_INSTANT_REQUESTS if smoke else INSTANT_REQUESTS_PER_REQUEST * requests
+    batches = (
+        () if args.no_embeddings else parse_levels(args.embedding_batches, "--embedding-batches")
+    )
     return BenchOptions(
         output_dir=args.output_dir,
         model_dir=args.model_dir,
-        proxy_url=_strip(args.proxy_url),
-        vllm_url=_strip(args.vllm_url),
-        pooling_url=_strip(args.pooling_url),
+        proxy_url=None if args.proxy_url is None else args.proxy_url.rstrip("/"),
+        vllm_url=None if args.vllm_url is None else args.vllm_url.rstrip("/"),
         smoke=smoke,
         requests=requests,
         warmup=1 if smoke else 5,
         streams=SMOKE_STREAMS if smoke else max(5, requests // 8),
         stream_tokens=args.stream_tokens,
-        concurrency=parse_concurrency(args.concurrency),
-        throughput_rounds=1 if smoke else THROUGHPUT_ROUNDS,
+        concurrency=parse_levels(args.concurrency, "--concurrency"),
+        rounds=rounds,
         ring_ops=SMOKE_RING_OPS if smoke else RING_OPS,
-        pooling=not smoke and not args.no_pooling and (not target or args.pooling_url is not None),
-        nginx=not smoke and not args.no_nginx,
-        plot=not smoke and not args.no_plot,
         startup_timeout=args.startup_timeout,
-        embedding_batches=(
-            ()
-            if args.no_embeddings
-            else parse_levels(args.embedding_batches, "--embedding-batches")
-        ),
+        embedding_batches=batches,
+        instant_requests=0 if args.no_instant else max(rounds, instant),
         api_key=args.api_key,
     )
-
-
-def _strip(url: str | None) -> str | None:
-    return None if url is None else url.rstrip("/")

@@ -1,24 +1,25 @@
-"""Servers the bench starts itself: the chat stack (``hidden-state-proxy serve`` on the tiny
-offline model) and, later and alone, the vLLM pooling server users run today for vectors.
+"""Servers the bench starts itself, each writing its output to a log in the output directory:
 
-Each holds the machine-wide vLLM lock (:mod:`.lock`) for as long as it runs, and writes its
-output to a log file in the output directory.
+- the chat stack: ``hidden-state-proxy serve`` on the tiny offline model, holding the
+  machine-wide vLLM lock for as long as it runs;
+- the instant stack: the instant upstream (a bare uvicorn app, no vLLM) and a
+  ``hidden-state-proxy proxy`` in front of it, sharing a fresh ring directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from vllm_hidden_state_proxy.bench.client import BenchError
-from vllm_hidden_state_proxy.bench.options import API_KEY_ENV
+from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
@@ -27,61 +28,31 @@ from vllm_hidden_state_proxy.processes import (
     offline_environment,
     one_vllm_at_a_time,
     stop_process_group,
-    vllm_command,
     wait_until_healthy,
 )
-from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 
 SERVED_MODEL_NAME = "tiny-chat"
-#: vLLM options of both servers: as the e2e tests' server (float32, eager mode: what a 2-core
-#: CPU runs), with room for the sweep's 64 requests in flight in one batch.
+#: As the e2e tests' server (float32, eager mode: what a 2-core CPU runs), with room for the
+#: sweep's 64 requests in flight in one batch.
 VLLM_ARGS = (
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    "--max-model-len",
-    "1024",
-    "--max-num-seqs",
-    "64",
-    "--served-model-name",
-    SERVED_MODEL_NAME,
+    *("--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"),
+    *("--max-num-seqs", "64", "--served-model-name", SERVED_MODEL_NAME),
 )
-#: The alternative: the same model converted to an embedding model, last-token pooling, raw
-#: hidden state (no normalisation: ``use_activation`` false).
-POOLER_CONFIG = {"pooling_type": "LAST", "use_activation": False}
-POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--pooler-config")
 STOP_GRACE = 60.0
+CLI = (sys.executable, "-m", "vllm_hidden_state_proxy.cli")
 
 
 @dataclass(frozen=True)
-class ChatStack:
+class InstantStack:
+    app_url: str
     proxy_url: str
-    vllm_url: str
-    model: str
-
-
-@dataclass(frozen=True)
-class PoolingServer:
-    url: str
-    model: str
-    pid: int
-    startup_seconds: float
-
-
-def port_of(url: str) -> int | None:
-    parts = urlsplit(url)
-    if parts.port is not None:
-        return parts.port
-    return {"http": 80, "https": 443}.get(parts.scheme)
-
-
-def is_local(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    app_pid: int
+    proxy_pid: int
 
 
 @contextlib.contextmanager
-def _running(
+def started(
     command: Sequence[str],
     env: dict[str, str],
     log_path: Path,
@@ -89,36 +60,32 @@ def _running(
     timeout: float,
     name: str,
     progress: Progress,
-) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
-    """Hold the vLLM lock, start ``command`` (its own session, output to ``log_path``), wait
-    for ``health_url``; yield the process and its startup seconds; stop it at the end."""
-    with one_vllm_at_a_time(
-        on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
-    ):
-        progress.say(f"starting {name} (log: {log_path})")
-        started = time.monotonic()
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``command`` (its own session, output to ``log_path``), wait for ``health_url``,
+    yield the process, stop it at the end."""
+    progress.say(f"starting {name} (log: {log_path})")
+    started_at = time.monotonic()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
         try:
-            try:
-                wait_until_healthy(health_url, process, timeout)
-            except NotHealthy as problem:
-                raise BenchError(
-                    f"{name}: {problem}; last lines of {log_path}:\n{log_tail(log_path)}"
-                ) from None
-            startup = time.monotonic() - started
-            progress.say(f"{name} is ready after {startup:.0f} s")
-            yield process, startup
-        finally:
-            progress.say(f"stopping {name}")
-            stop_process_group(process, name, grace=STOP_GRACE)
+            wait_until_healthy(health_url, process, timeout)
+        except NotHealthy as problem:
+            raise BenchError(
+                f"{name}: {problem}; last lines of {log_path}:\n{log_tail(log_path)}"
+            ) from None
+        progress.say(f"{name} is ready after {time.monotonic() - started_at:.0f} s")
+        yield process
+    finally:
+        progress.say(f"stopping {name}")
+        stop_process_group(process, name, grace=STOP_GRACE)
 
 
-def chat_environment(api_key: str | None) -> dict[str, str]:
-    """``offline_environment`` for ``serve``: the proxy's key is ``api_key`` (in the environment,
-    not on the visible command line) or none, whatever the bench's own environment says."""
+def proxy_environment(api_key: str | None) -> dict[str, str]:
+    """``offline_environment`` for a proxy the bench starts: its key is ``api_key`` (in the
+    environment, not on the visible command line) or none, whatever the bench's own says."""
     env = offline_environment()
     env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -128,65 +95,67 @@ def chat_environment(api_key: str | None) -> dict[str, str]:
 
 @contextlib.contextmanager
 def chat_stack(
-    model_dir: Path,
-    log_dir: Path,
-    timeout: float,
-    progress: Progress,
-    api_key: str | None = None,
+    model_dir: Path, log_dir: Path, timeout: float, progress: Progress, api_key: str | None = None
 ) -> Iterator[ChatStack]:
     """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports; with
     ``api_key`` the proxy requires it."""
     proxy_port, vllm_port = free_port(), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_hidden_state_proxy.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(proxy_port),
-        "--vllm-port",
-        str(vllm_port),
-        *VLLM_ARGS,
-    ]
-    stack = ChatStack(
-        proxy_url=f"http://127.0.0.1:{proxy_port}",
-        vllm_url=f"http://127.0.0.1:{vllm_port}",
-        model=SERVED_MODEL_NAME,
-    )
-    with _running(
-        command,
-        chat_environment(api_key),
-        log_dir / "serve.log",
-        stack.proxy_url + "/health",
-        timeout,
-        "vLLM and the proxy (hidden-state-proxy serve)",
-        progress,
+    command = [*CLI, "serve", str(model_dir), "--port", str(proxy_port)]
+    command += ["--vllm-port", str(vllm_port), *VLLM_ARGS]
+    proxy_url, vllm_url = f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{vllm_port}"
+    stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key)
+    with (
+        one_vllm_at_a_time(
+            on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
+        ),
+        started(
+            command,
+            proxy_environment(api_key),
+            log_dir / "serve.log",
+            stack.proxy_url + "/health",
+            timeout,
+            "vLLM and the proxy (hidden-state-proxy serve)",
+            progress,
+        ),
     ):
         yield stack
 
 
 @contextlib.contextmanager
-def pooling_server(
-    model_dir: Path, log_dir: Path, timeout: float, progress: Progress
-) -> Iterator[PoolingServer]:
-    """Plain vLLM (our worker hook switched off) as an embedding server with LAST pooling."""
-    port = free_port()
-    command = vllm_command(
-        str(model_dir), port, [*VLLM_ARGS, *POOLING_ARGS, json.dumps(POOLER_CONFIG)]
-    )
-    env = offline_environment()
-    env[HOOK_ENABLED_ENV] = "0"
-    url = f"http://127.0.0.1:{port}"
-    with _running(
-        command,
-        env,
-        log_dir / "pooling-server.log",
-        url + "/health",
-        timeout,
-        "the vLLM pooling server (--runner pooling, LAST pooling)",
-        progress,
-    ) as (process, startup):
-        yield PoolingServer(
-            url=url, model=SERVED_MODEL_NAME, pid=process.pid, startup_seconds=startup
-        )
+def instant_stack(
+    log_dir: Path, progress: Progress, proxy_args: Sequence[str] = (), timeout: float = 60.0
+) -> Iterator[InstantStack]:
+    """The instant upstream and a proxy in front of it (``proxy_args``: more of its options)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
+    app_port, proxy_port = free_port(), free_port()
+    app_url, proxy_url = f"http://127.0.0.1:{app_port}", f"http://127.0.0.1:{proxy_port}"
+    app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
+    app_command += ["--port", str(app_port), "--ring-dir", ring_dir]
+    proxy_command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
+    proxy_command += ["--port", str(proxy_port), "--log-level", "warning", *proxy_args]
+    env = proxy_environment(None)
+    try:
+        with (
+            started(
+                app_command,
+                env,
+                log_dir / "instant-upstream.log",
+                app_url + "/health",
+                timeout,
+                "the instant upstream",
+                progress,
+            ) as app,
+            started(
+                proxy_command,
+                env,
+                log_dir / "instant-proxy.log",
+                proxy_url + "/health",
+                timeout,
+                "a proxy in front of it",
+                progress,
+            ) as proxy,
+        ):
+            yield InstantStack(app_url, proxy_url, app.pid, proxy.pid)
+    finally:
+        shutil.rmtree(ring_dir, ignore_errors=True)

@@ -1,9 +1,7 @@
 """Throughput arms: requests per second with N one-token requests in flight, for each N of the
-sweep, ``throughput_direct`` (vLLM), ``throughput_passthrough`` and ``throughput_flagged``
-(through the proxy). For every level the arms take turns in rounds (round-robin, rotating
-start); an arm's rate is all its requests over all its seconds at that level, and its rate in
-each round is kept too: a ratio of two arms' rates in the same round compares them under the
-same conditions, and the median of those paired ratios shrugs off a noisy round.
+sweep: ``direct`` (vLLM), ``passthrough`` and ``flagged`` (through the proxy). At each level the
+arms take turns in rounds (round-robin, rotating start), each round a burst of requests per
+arm; a ratio of two arms is the median over rounds of their rates in the same round.
 
 The load client is Python on the same 2 cores as vLLM and the proxy: at high concurrency it
 competes with them for CPU alike for every arm.
@@ -13,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import anyio
@@ -23,58 +21,35 @@ import httpx
 from vllm_hidden_state_proxy.bench.client import (
     CHAT_PATH,
     BenchError,
+    ChatStack,
+    Route,
     chat_body,
-    new_client,
     timed_post,
 )
 from vllm_hidden_state_proxy.bench.interleave import round_robin
-from vllm_hidden_state_proxy.bench.latency import Route
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.results import ThroughputArm, ThroughputPoint
-from vllm_hidden_state_proxy.bench.stats import summarize
-
-THROUGHPUT_DIRECT = "throughput_direct"
-THROUGHPUT_PASSTHROUGH = "throughput_passthrough"
-THROUGHPUT_FLAGGED = "throughput_flagged"
-VECTOR_MARKER = b'"last_hidden_state"'
+from vllm_hidden_state_proxy.bench.report import Row, Table
+from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
 
 
-def load_routes(vllm_url: str, proxy_url: str, proxy_key: str | None = None) -> list[Route]:
+def load_routes(stack: ChatStack) -> list[Route]:
     return [
-        Route(THROUGHPUT_DIRECT, "one-token chats straight to vLLM, N in flight", vllm_url),
-        Route(
-            THROUGHPUT_PASSTHROUGH,
-            "the same through the proxy, unflagged",
-            proxy_url,
-            api_key=proxy_key,
-        ),
-        Route(
-            THROUGHPUT_FLAGGED,
-            "the same through the proxy, flagged (float)",
-            proxy_url,
-            "float",
-            proxy_key,
-        ),
+        stack.direct("direct", "one-token chats straight to vLLM"),
+        stack.via_proxy("passthrough", "through the proxy, unflagged"),
+        stack.via_proxy("flagged", "through the proxy, flagged (float)", "float"),
     ]
 
 
-@dataclass
-class _Tally:
-    requests: int = 0
-    seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)
-    rounds_rps: list[float] = field(default_factory=list)
-
-
-async def _burst(
+async def burst(
     client: httpx.AsyncClient,
-    route: Route,
-    model: str,
+    what: str,
+    bodies: Iterator[bytes],
     count: int,
     concurrency: int,
-    indices: itertools.count[int],
+    vector: bool = False,
 ) -> tuple[float, list[float]]:
-    """``count`` requests by ``concurrency`` workers; (wall seconds, per-request latencies)."""
+    """``count`` chats by ``concurrency`` workers, each answer checked (for a vector too, if
+    ``vector``); (wall seconds, per-request seconds). The first failure stops the burst."""
     remaining = count
     latencies: list[float] = []
     failures: list[BenchError] = []
@@ -84,72 +59,84 @@ async def _burst(
         while remaining > 0 and not failures:
             remaining -= 1
             try:
-                timed = await timed_post(
-                    client, CHAT_PATH, chat_body(model, next(indices), flag=route.flag)
-                )
-                timed.require_ok(f"{route.name} request")
-                # A byte search, not a parse: the client's work stays the same for every arm.
-                if route.flag is not None and VECTOR_MARKER not in timed.body:
-                    raise BenchError(f"{route.name}: a flagged response without its vector")
+                timed = await timed_post(client, CHAT_PATH, next(bodies))
+                latencies.append(timed.require_ok(what, vector).seconds)
             except BenchError as failure:
                 failures.append(failure)
                 group.cancel_scope.cancel()
-                return
-            latencies.append(timed.seconds)
 
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
         for _ in range(min(concurrency, count)):
             group.start_soon(worker, group)
     if failures:
-        raise BenchError(f"{route.name} at concurrency {concurrency}: {failures[0]}")
+        raise BenchError(f"{what} at concurrency {concurrency}: {failures[0]}")
     return time.perf_counter() - start, latencies
 
 
+@dataclass
+class _Tally:
+    requests: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+
+
 async def measure_throughput(
-    routes: list[Route],
-    model: str,
+    stack: ChatStack,
     levels: tuple[int, ...],
     rounds: int,
-    burst: Callable[[int], int],
+    burst_size: Callable[[int], int],
     progress: Progress,
-    first_index: int = 2_000_000,
-) -> list[ThroughputArm]:
-    indices = itertools.count(first_index)
-    arms = {route.name: ThroughputArm(route.name, route.description) for route in routes}
-    total = sum(burst(level) * rounds * len(routes) for level in levels)
+) -> Table:
+    routes = load_routes(stack)
+    indices = itertools.count(2_000_000)
+
+    def bodies(route: Route) -> Iterator[bytes]:
+        return (chat_body(stack.model, index, flag=route.flag) for index in indices)
+
+    total = sum(burst_size(level) * rounds * len(routes) for level in levels)
     task = progress.task(f"throughput (concurrency {', '.join(map(str, levels))})", total)
+    rows: list[Row] = []
     for level in levels:
-        clients = {route.name: new_client(route.base_url, level, route.api_key) for route in routes}
+        clients = {route.name: stack.client(route, level) for route in routes}
         tallies = {route.name: _Tally() for route in routes}
         try:
             for route in routes:  # open the connections and warm up, not recorded
-                await _burst(clients[route.name], route, model, level, level, indices)
+                await burst(clients[route.name], route.name, bodies(route), level, level)
             for _, route in round_robin(routes, rounds):
-                count = burst(level)
-                seconds, latencies = await _burst(
-                    clients[route.name], route, model, count, level, indices
+                count = burst_size(level)
+                vector = route.flag is not None
+                seconds, latencies = await burst(
+                    clients[route.name], route.name, bodies(route), count, level, vector
                 )
                 tally = tallies[route.name]
                 tally.requests += count
                 tally.seconds += seconds
                 tally.latencies.extend(latencies)
-                tally.rounds_rps.append(count / seconds)
+                tally.rates.append(count / seconds)
                 task.advance(count)
         finally:
             for client in clients.values():
                 await client.aclose()
-        for route in routes:
-            tally = tallies[route.name]
-            arms[route.name].points.append(
-                ThroughputPoint(
-                    concurrency=level,
-                    requests=tally.requests,
-                    seconds=tally.seconds,
-                    requests_per_second=tally.requests / tally.seconds,
-                    latency_ms=summarize(tally.latencies, 1e3),
-                    rounds_rps=tally.rounds_rps,
-                )
-            )
+        direct, passthrough, flagged = (tallies[route.name] for route in routes)
+        rows.append(
+            {
+                "concurrency": level,
+                "direct req/s": direct.requests / direct.seconds,
+                "passthrough req/s": passthrough.requests / passthrough.seconds,
+                "flagged req/s": flagged.requests / flagged.seconds,
+                "passthrough / direct": median_ratio(passthrough.rates, direct.rates),
+                "flagged / direct": median_ratio(flagged.rates, direct.rates),
+                "direct p50 ms": summarize(direct.latencies, 1e3).p50,
+                "flagged p50 ms": summarize(flagged.latencies, 1e3).p50,
+                "requests per arm": direct.requests,
+            }
+        )
     task.done()
-    return [arms[route.name] for route in routes]
+    return Table(
+        "Throughput: one-token chats, N in flight",
+        rows,
+        "Rates: all of an arm's requests over all its seconds. Ratios: the median over rounds "
+        "of the two arms' rates in the same round (they ran side by side).",
+    )

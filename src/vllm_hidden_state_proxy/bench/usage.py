@@ -1,0 +1,103 @@
+"""CPU time and resident memory of the servers (psutil).
+
+CPU time is the kernel's user + system time of a process and everything below it, which Linux
+reports in ticks of 10 ms: the phases that divide it by a request count take enough requests
+that a tick is noise. RSS counts every page a process maps, shared ones included, so the RSS
+of a process tree double-counts what its processes share; PSS splits shared pages between
+their users. Both are reported for vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+try:
+    import psutil
+except ImportError as missing:  # not a dependency of the proxy itself
+    raise ImportError(
+        "hidden-state-proxy bench needs psutil: pip install 'vllm-hidden-state-proxy[bench]'"
+    ) from missing
+
+MIB = 1024 * 1024
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants."""
+    total = 0.0
+    for process in _tree(pid):
+        with contextlib.suppress(*_GONE):
+            times = process.cpu_times()
+            total += float(times.user + times.system)
+    return total
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident set size of one process, or None if it is gone."""
+    try:
+        return float(psutil.Process(pid).memory_info().rss) / MIB
+    except _GONE:
+        return None
+
+
+def tree_memory_mib(pid: int) -> tuple[float, float] | None:
+    """(RSS, PSS) summed over ``pid`` and its descendants, or None if ``pid`` is gone."""
+    rss = pss = 0.0
+    try:
+        members = _tree(pid)
+    except _GONE:
+        return None
+    for process in members:
+        with contextlib.suppress(*_GONE):
+            memory = process.memory_full_info()
+            rss += float(memory.rss) / MIB
+            pss += float(memory.pss) / MIB
+    return rss, pss
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` here (the lowest pid if several share the
+    socket), or None if there is none or it is not ours to see."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    owners = [
+        int(c.pid)
+        for c in connections
+        if c.pid is not None and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    ]
+    return min(owners, default=None)
+
+
+class PeakRss:
+    """Samples one process's RSS from a thread while the block runs; ``peak_mib`` is the most
+    seen (None if it could not be read)."""
+
+    def __init__(self, pid: int | None, interval: float = 0.1) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
+
+    def _run(self) -> None:
+        while self.pid is not None and not self._stop.is_set():
+            rss = rss_mib(self.pid)
+            if rss is not None:
+                self.peak_mib = max(rss, self.peak_mib or 0.0)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
