@@ -66,6 +66,10 @@ API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
 UPSTREAM_API_KEY_ENV = "HIDDEN_STATE_PROXY_UPSTREAM_API_KEY"
 #: The proxy's ``/v1/embeddings`` prompt template.
 EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
+#: Internal, from the proxy's server to its worker processes (``--workers``): the settings as
+#: JSON, and the shared-memory file of their metrics.
+WORKER_SETTINGS_ENV = "HIDDEN_STATE_PROXY_WORKER_SETTINGS"
+WORKER_METRICS_ENV = "HIDDEN_STATE_PROXY_WORKER_METRICS"
 
 
 def ring_dir_from_env() -> str:

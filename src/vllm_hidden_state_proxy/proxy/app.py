@@ -14,6 +14,7 @@ from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 from vllm_hidden_state_proxy.proxy.chat_app import ChatApp
 from vllm_hidden_state_proxy.proxy.completions_app import CompletionsApp
 from vllm_hidden_state_proxy.proxy.embeddings_app import EmbeddingsApp
+from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.ops_app import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
@@ -28,6 +29,7 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     *,
     ring: RingSource | None = None,
+    metrics: ProxyMetrics | None = None,
 ) -> Starlette:
     """The proxy as an ASGI app.
 
@@ -36,8 +38,10 @@ def create_app(
     The connections and the ring directory are opened by the lifespan, so the lifespan must
     run before requests (uvicorn does; with ``httpx.ASGITransport`` enter
     ``app.router.lifespan_context(app)``). The state is reachable as ``app.state.proxy``.
+    ``metrics``: this process's counters (a worker's row of a shared table); private ones
+    by default.
     """
-    state = ProxyState(settings)
+    state = ProxyState(settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

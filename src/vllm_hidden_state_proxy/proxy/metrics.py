@@ -1,11 +1,22 @@
 """The proxy's own Prometheus metrics, rendered by hand (text exposition format 0.0.4).
 
-All updates happen on the event loop thread, so plain integers suffice.
+The counters live in a :class:`MetricsTable`: one row of 64-bit integers per proxy process. With
+``--workers N`` the table is a shared-memory file that every worker maps, each writing only its
+own row, and ``/metrics`` (whichever worker answers) renders the sum of all rows; a worker that
+uvicorn restarts takes over a dead worker's row and counts on from there, so totals never go
+back. With one worker the table is private memory. Updates happen on the event loop thread of
+their worker, so no locking is needed beyond claiming a row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import mmap
+import os
 from bisect import bisect_left
+from collections.abc import Iterator
+from pathlib import Path
 
 PREFIX = "hidden_state_proxy_"
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -29,75 +40,193 @@ WAIT_BUCKETS = (
     5.0,
     10.0,
 )
-
 KINDS = ("ordinary", "flagged", "embeddings")
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last slot: above the largest bound
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines = []
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts, strict=False):
-            cumulative += count
-            lines.append(f'{name}_bucket{{le="{bound!r}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total!r}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
-
-
 MISS_REASONS = ("overwritten", "not_published", "engine_without_ring")
+
+# One row: the owner's pid, then the counters.
+_OWNER = 0
+_REQUESTS = 1
+_FLAGGED = _REQUESTS + len(KINDS)
+_MISSES = _FLAGGED + 1
+_UPSTREAM_ERRORS = _MISSES + len(MISS_REASONS)
+_WAIT_BUCKETS = _UPSTREAM_ERRORS + 1  # len(WAIT_BUCKETS) + 1 cells: the last is above them all
+_WAIT_COUNT = _WAIT_BUCKETS + len(WAIT_BUCKETS) + 1
+_WAIT_SUM_NS = _WAIT_COUNT + 1
+CELLS = _WAIT_SUM_NS + 1
+#: Rows in a shared table: more workers than this share the last rows' fate (never happens).
+ROWS = 256
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class MetricsTable:
+    """Rows of counters: private (``path`` None) or a shared-memory file of every worker."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        size = ROWS * CELLS * 8
+        self._fd: int | None = None
+        if path is None:
+            self._mm = mmap.mmap(-1, size)
+        else:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if os.fstat(self._fd).st_size < size:
+                os.ftruncate(self._fd, size)
+            self._mm = mmap.mmap(self._fd, size)
+        self._cells = memoryview(self._mm).cast("q")
+
+    @classmethod
+    def create_shared(cls, directory: str | os.PathLike[str]) -> Path:
+        """A fresh, empty shared table file for a server's workers; returns its path."""
+        path = Path(directory) / f"hidden-state-proxy-metrics-{os.getpid()}.bin"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        cls(path).close()
+        return path
+
+    def claim_row(self) -> memoryview:
+        """This process's row: its own, a dead process's (counting on), or a free one."""
+        with self._locked():
+            pid = os.getpid()
+            free = None
+            for row in range(ROWS):
+                owner = self._cells[row * CELLS + _OWNER]
+                if owner == pid:
+                    free = row
+                    break
+                if free is None and (owner == 0 or not _alive(owner)):
+                    free = row
+            row = ROWS - 1 if free is None else free
+            self._cells[row * CELLS + _OWNER] = pid
+        return self._cells[row * CELLS : (row + 1) * CELLS]
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self._fd is None:
+            yield
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def totals(self) -> list[int]:
+        """Every counter summed over the rows (the owner column is meaningless)."""
+        sums = [0] * CELLS
+        cells = self._cells
+        for row in range(ROWS):
+            base = row * CELLS
+            if cells[base + _OWNER] == 0:
+                continue
+            for cell in range(1, CELLS):
+                sums[cell] += cells[base + cell]
+        return sums
+
+    def close(self) -> None:
+        self._cells.release()
+        self._mm.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _Counters:
+    """``metrics.requests["flagged"] += 1`` onto a table row."""
+
+    def __init__(self, row: memoryview, first: int, names: tuple[str, ...]) -> None:
+        self._row = row
+        self._index = {name: first + i for i, name in enumerate(names)}
+
+    def __getitem__(self, name: str) -> int:
+        value: int = self._row[self._index[name]]
+        return value
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self._row[self._index[name]] = value
+
+
+class _WaitHistogram:
+    def __init__(self, row: memoryview) -> None:
+        self._row = row
+
+    def observe(self, seconds: float) -> None:
+        row = self._row
+        row[_WAIT_BUCKETS + bisect_left(WAIT_BUCKETS, seconds)] += 1
+        row[_WAIT_COUNT] += 1
+        row[_WAIT_SUM_NS] += int(seconds * 1e9)
 
 
 class ProxyMetrics:
-    """Counters and the vector-wait histogram for one app instance."""
+    """This process's counters (a row of ``table``) and the rendering of all rows."""
 
-    def __init__(self) -> None:
-        self.requests = dict.fromkeys(KINDS, 0)
-        self.flagged_received = 0
-        #: 504s by reason: "overwritten" (the ring reused the slot before the response was
-        #: complete: raise HIDDEN_STATE_PROXY_RING_SLOTS) or "not_published".
-        self.vector_misses = dict.fromkeys(MISS_REASONS, 0)
-        self.upstream_errors = 0
-        self.vector_wait = Histogram(WAIT_BUCKETS)
+    def __init__(self, table: MetricsTable | None = None) -> None:
+        self.table = table or MetricsTable()
+        self._row = self.table.claim_row()
+        self.requests = _Counters(self._row, _REQUESTS, KINDS)
+        #: By reason: "overwritten" (the ring reused the slot before the response was complete:
+        #: raise HIDDEN_STATE_PROXY_RING_SLOTS), "not_published", "engine_without_ring".
+        self.vector_misses = _Counters(self._row, _MISSES, MISS_REASONS)
+        self.vector_wait = _WaitHistogram(self._row)
+
+    @property
+    def flagged_received(self) -> int:
+        value: int = self._row[_FLAGGED]
+        return value
+
+    @flagged_received.setter
+    def flagged_received(self, value: int) -> None:
+        self._row[_FLAGGED] = value
+
+    @property
+    def upstream_errors(self) -> int:
+        value: int = self._row[_UPSTREAM_ERRORS]
+        return value
+
+    @upstream_errors.setter
+    def upstream_errors(self, value: int) -> None:
+        self._row[_UPSTREAM_ERRORS] = value
 
     def render(self, *, live_rings: int, engines_without_ring: int) -> bytes:
+        totals = self.table.totals()
         requests = f"{PREFIX}requests_total"
         flagged = f"{PREFIX}flagged_requests_total"
         misses = f"{PREFIX}vector_misses_total"
         errors = f"{PREFIX}upstream_errors_total"
-        wait = f"{PREFIX}vector_wait_seconds"
         rings = f"{PREFIX}live_rings"
         without = f"{PREFIX}engines_without_ring"
+        wait = f"{PREFIX}vector_wait_seconds"
         lines = [
             f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
             "/v1/embeddings).",
             f"# TYPE {requests} counter",
-            *(f'{requests}{{kind="{kind}"}} {self.requests[kind]}' for kind in KINDS),
+            *(
+                f'{requests}{{kind="{kind}"}} {totals[_REQUESTS + i]}'
+                for i, kind in enumerate(KINDS)
+            ),
             f"# HELP {flagged} Chat requests received with return_last_hidden_state: true "
             "(including ones the proxy refused).",
             f"# TYPE {flagged} counter",
-            f"{flagged} {self.flagged_received}",
-            f"# HELP {misses} Flagged requests answered 504 without their hidden state, by "
-            "reason (overwritten: the ring reused the slot; not_published; engine_without_ring: an "
+            f"{flagged} {totals[_FLAGGED]}",
+            f"# HELP {misses} Flagged requests answered without their hidden state, by reason "
+            "(overwritten: the ring reused the slot; not_published; engine_without_ring: an "
             "engine of this vLLM has no ring).",
             f"# TYPE {misses} counter",
-            *(f'{misses}{{reason="{r}"}} {self.vector_misses[r]}' for r in MISS_REASONS),
+            *(
+                f'{misses}{{reason="{reason}"}} {totals[_MISSES + i]}'
+                for i, reason in enumerate(MISS_REASONS)
+            ),
             f"# HELP {errors} Failed exchanges with vLLM (connect errors, timeouts, broken "
             "streams).",
             f"# TYPE {errors} counter",
-            f"{errors} {self.upstream_errors}",
+            f"{errors} {totals[_UPSTREAM_ERRORS]}",
             f"# HELP {rings} Rings whose worker hook is alive (one per publishing vLLM engine).",
             f"# TYPE {rings} gauge",
             f"{rings} {live_rings}",
@@ -107,6 +236,12 @@ class ProxyMetrics:
             f"{without} {engines_without_ring}",
             f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
             f"# TYPE {wait} histogram",
-            *self.vector_wait.render(wait),
         ]
+        cumulative = 0
+        for i, bound in enumerate(WAIT_BUCKETS):
+            cumulative += totals[_WAIT_BUCKETS + i]
+            lines.append(f'{wait}_bucket{{le="{bound!r}"}} {cumulative}')
+        lines.append(f'{wait}_bucket{{le="+Inf"}} {totals[_WAIT_COUNT]}')
+        lines.append(f"{wait}_sum {totals[_WAIT_SUM_NS] / 1e9!r}")
+        lines.append(f"{wait}_count {totals[_WAIT_COUNT]}")
         return ("\n".join(lines) + "\n").encode("utf-8")

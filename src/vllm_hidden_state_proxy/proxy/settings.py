@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,13 @@ class ProxySettings:
         secret=True,
         shown_default="none",
     )
+    workers: int = option(
+        1,
+        "--workers",
+        "proxy processes sharing the port (each reads every ring; /metrics sums them all)",
+        metavar="N",
+        parse=int,
+    )
     log_level: str = option("info", "--log-level", "proxy log level", choices=LOG_LEVELS)
     # -- not on the command line ---------------------------------------------------------------
     #: Size of the pooled connection set towards vLLM.
@@ -207,13 +215,22 @@ class ProxySettings:
             raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None disables it)")
-        for name in ("max_embedding_inputs", "fan_out_limit", "max_connections"):
+        for name in ("max_embedding_inputs", "fan_out_limit", "max_connections", "workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.connect_timeout <= 0 or self.health_timeout <= 0:
             raise ValueError("connect_timeout and health_timeout must be > 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0 or None")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ProxySettings:
+        values = json.loads(text)
+        values["ring_owner_uids"] = tuple(values["ring_owner_uids"])
+        return cls(**values)
 
     @property
     def timeouts(self) -> dict[str, float | None]:

@@ -23,9 +23,9 @@ class Connections:
 class ProxyState:
     """Shared by the endpoint apps of one proxy; ``connections`` is set while the app runs."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics | None = None) -> None:
         self.settings = settings
-        self.metrics = ProxyMetrics()
+        self.metrics = metrics or ProxyMetrics()
         self.connections: Connections | None = None
 
     def _open(self) -> Connections:
