@@ -50,7 +50,9 @@ def _process(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
         stop_process_group(process, argv[0], grace=60)
 
 
-def _run_pair(commands: dict[str, Any], work: Path, reference: Reference) -> dict[str, Any]:
+def _run_pair(
+    commands: dict[str, Any], work: Path, reference: Reference, layers: list[int] | None = None
+) -> dict[str, Any]:
     ring_dir = Path("/dev/shm") / f"hsp-deploy-{os.getpid()}-{free_port()}"
     ports = {8001: free_port(), 8000: free_port()}
     vllm_argv, vllm_env = localize(commands["vllm"], ring_dir=ring_dir, ports=ports)
@@ -82,9 +84,22 @@ def _run_pair(commands: dict[str, Any], work: Path, reference: Reference) -> dic
                     extra_body={"kv_transfer_params": {"return_last_hidden_state": True}},
                 )
                 vector = response.model_dump()["kv_transfer_params"]["last_hidden_state"]
-                assert_matches(
-                    vector, reference.last_hidden_state(reference.chat_token_ids(messages))
-                )
+                ids = reference.chat_token_ids(messages)
+                assert_matches(vector, reference.last_hidden_state(ids))
+                if layers:  # the layers the deployment's values set, each checked
+                    kv = {"return_last_hidden_state": True, "last_hidden_state_layers": layers}
+                    response = client.chat.completions.create(
+                        model=model,
+                        messages=messages,
+                        max_completion_tokens=1,
+                        extra_body={"kv_transfer_params": kv},
+                    )
+                    by_layer = response.model_dump()["kv_transfer_params"][
+                        "last_hidden_states_by_layer"
+                    ]
+                    for label, layer_vector in by_layer.items():
+                        expected = reference.layer_vector(ids, int(label), "last")
+                        assert_matches(layer_vector, expected)
                 result: dict[str, Any] = {"proxy_url": proxy_url, "ports": ports, "ring": ring_dir}
                 if "test" in commands:
                     test_argv, test_env = localize(
@@ -120,12 +135,14 @@ def test_helm_chart_container_commands_serve_a_vector(
             "extraArgs": _without_served_model_name(TEST_VLLM_ARGS),
             "vllm": {"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "2"}]},
             "tests": {"hiddenSize": reference.hidden_size},
+            "hiddenStateLayers": "1,-1",
         },
     )
+    assert commands["vllm"][1]["HIDDEN_STATE_PROXY_LAYERS"] == "1,-1"
     # vLLM binds loopback in the pod, as the chart promises.
     argv = commands["vllm"][0]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    _run_pair(commands, tmp_path, reference)
+    _run_pair(commands, tmp_path, reference, layers=[1, -1])
 
 
 def test_compose_cpu_container_commands_serve_a_vector(
