@@ -1,14 +1,21 @@
-"""The hop alone (bench/instant.py, servers.instant_stack): a real proxy in front of the real
+"""The hop alone (bench/instant.py, servers.instant_stack): real proxies in front of the real
 instant upstream, with small counts. No timing thresholds: the numbers must only be there."""
 
 from __future__ import annotations
 
+import functools
 import io
+from collections.abc import Iterator
 
 import anyio
 import pytest
 
-from vllm_hidden_state_proxy.bench.instant import ARMS, measure_instant
+from vllm_hidden_state_proxy.bench.instant import (
+    Target,
+    cpu_arms,
+    measure_instant,
+    measure_instant_throughput,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
 from vllm_hidden_state_proxy.bench.servers import instant_stack
@@ -16,35 +23,48 @@ from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
 
 #: Per arm: enough that each server's CPU time spans several of Linux's 10 ms ticks.
 REQUESTS = 300
+#: Two engines side by side, and the default with two workers.
+PROXIES = (
+    ("aiohttp", ()),
+    ("httpx", ("--upstream-client", "httpx")),
+    ("2 workers", ("--workers", "2")),
+)
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory: pytest.TempPathFactory) -> Table:
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, list[Target]]]:
     logs = tmp_path_factory.mktemp("instant")
-    progress = Progress(io.StringIO())
-    with instant_stack(logs, progress) as stack:
-        return anyio.run(
-            measure_instant,
-            stack.app_url,
-            stack.proxy_url,
-            lambda: tree_cpu_seconds(stack.app_pid),
-            lambda: tree_cpu_seconds(stack.proxy_pid),
-            REQUESTS,
-            2,
-            progress,
+    with instant_stack(logs, Progress(io.StringIO()), PROXIES) as stack:
+        app = Target("app", stack.app_url, functools.partial(tree_cpu_seconds, stack.app_pid))
+        yield (
+            app,
+            [
+                Target(proxy.label, proxy.url, functools.partial(tree_cpu_seconds, proxy.pid))
+                for proxy in stack.proxies
+            ],
         )
 
 
-def test_every_arm_sends_its_requests(table: Table) -> None:
-    assert [row["arm"] for row in table.rows] == [arm.name for arm in ARMS]
-    assert [row["requests"] for row in table.rows] == [REQUESTS] * len(ARMS)
+@pytest.fixture(scope="module")
+def table(targets: tuple[Target, list[Target]]) -> Table:
+    app, proxies = targets
+    return anyio.run(measure_instant, app, proxies[:2], REQUESTS, 2, Progress(io.StringIO()))
+
+
+def test_every_arm_sends_its_requests(table: Table, targets: tuple[Target, list[Target]]) -> None:
+    arms = cpu_arms(targets[0], targets[1][:2])
+    assert [row["arm"] for row in table.rows] == [arm.name for arm in arms]
+    assert "passthrough (httpx)" in [arm.name for arm in arms]
+    assert [row["requests"] for row in table.rows] == [REQUESTS] * len(arms)
     for row in table.rows:
         latency = row["p50 ms"]
         assert isinstance(latency, float) and latency > 0
 
 
-def test_the_proxy_costs_cpu_only_where_it_is_in_the_path(table: Table) -> None:
-    for arm in ARMS:
+def test_a_proxy_costs_cpu_only_where_it_is_in_the_path(
+    table: Table, targets: tuple[Target, list[Target]]
+) -> None:
+    for arm in cpu_arms(targets[0], targets[1][:2]):
         proxy, app = (
             table.get(arm.name, "proxy CPU ms/request"),
             table.get(arm.name, "app CPU ms/request"),
@@ -55,3 +75,19 @@ def test_the_proxy_costs_cpu_only_where_it_is_in_the_path(table: Table) -> None:
             assert (table.get(arm.name, "proxy / app CPU") or 0) > 0
         else:
             assert proxy is None and table.get(arm.name, "proxy / app CPU") is None
+
+
+def test_throughput_through_one_and_two_workers(targets: tuple[Target, list[Target]]) -> None:
+    app, proxies = targets
+    table = anyio.run(
+        measure_instant_throughput,
+        app,
+        [proxies[0], proxies[2]],
+        64,
+        2,
+        Progress(io.StringIO()),
+        8,
+    )
+    rates = {row["target"]: row["req/s (median of rounds)"] for row in table.rows}
+    assert set(rates) == {"bare app", "proxy (aiohttp)", "proxy (2 workers)"}
+    assert all(isinstance(rate, float) and rate > 0 for rate in rates.values())

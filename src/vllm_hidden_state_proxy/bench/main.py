@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -21,7 +22,11 @@ import httpx
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
-from vllm_hidden_state_proxy.bench.instant import measure_instant
+from vllm_hidden_state_proxy.bench.instant import (
+    Target,
+    measure_instant,
+    measure_instant_throughput,
+)
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
@@ -165,20 +170,24 @@ def measure_chat(
 
 
 def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> None:
-    """The proxy in front of the instant upstream, against that upstream alone."""
+    """The proxies in front of the instant upstream, against that upstream alone."""
     if not options.instant_requests:
         results.tables["instant"] = Table("The hop alone", note="skipped: --no-instant")
         return
     with instant_stack(options.output_dir, progress) as stack:
+        app = Target("app", stack.app_url, lambda: tree_cpu_seconds(stack.app_pid))
+        proxies = [
+            Target(proxy.label, proxy.url, functools.partial(tree_cpu_seconds, proxy.pid))
+            for proxy in stack.proxies
+        ]
+        single = [proxy for proxy in proxies if "workers" not in proxy.label]
         results.tables["instant"] = run_async(
-            measure_instant(
-                stack.app_url,
-                stack.proxy_url,
-                lambda: tree_cpu_seconds(stack.app_pid),
-                lambda: tree_cpu_seconds(stack.proxy_pid),
-                options.instant_requests,
-                options.rounds,
-                progress,
+            measure_instant(app, single, options.instant_requests, options.rounds, progress)
+        )
+        default_and_workers = [proxies[0], *(p for p in proxies if "workers" in p.label)]
+        results.tables["instant_throughput"] = run_async(
+            measure_instant_throughput(
+                app, default_and_workers, options.instant_requests, options.rounds, progress
             )
         )
 

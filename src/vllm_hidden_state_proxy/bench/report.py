@@ -16,7 +16,17 @@ Cell = float | int | str | None
 Row = dict[str, Cell]
 
 #: The order of the report's sections (tables not named here follow in the order measured).
-ORDER = ("latency", "streaming", "throughput", "embeddings", "instant", "cpu", "memory", "ring")
+ORDER = (
+    "latency",
+    "streaming",
+    "throughput",
+    "embeddings",
+    "instant",
+    "instant_throughput",
+    "cpu",
+    "memory",
+    "ring",
+)
 #: The memory table's row of the proxy's peak RSS during the throughput and embeddings phases.
 PEAK = "proxy, peak under load"
 

@@ -44,11 +44,29 @@ CLI = (sys.executable, "-m", "vllm_hidden_state_proxy.cli")
 
 
 @dataclass(frozen=True)
+class InstantProxy:
+    """One proxy in front of the instant upstream: a label, its URL, its process."""
+
+    label: str
+    url: str
+    pid: int
+
+
+@dataclass(frozen=True)
 class InstantStack:
     app_url: str
-    proxy_url: str
     app_pid: int
-    proxy_pid: int
+    proxies: tuple[InstantProxy, ...]
+
+
+#: The proxies the hop phase compares, side by side in front of one instant upstream: the
+#: default (aiohttp under httpx's interface), httpx's own client (the engine before issue #15),
+#: and the default with two worker processes.
+INSTANT_PROXIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("aiohttp", ()),
+    ("httpx", ("--upstream-client", "httpx")),
+    ("2 workers", ("--workers", "2")),
+)
 
 
 @contextlib.contextmanager
@@ -123,39 +141,50 @@ def chat_stack(
 
 @contextlib.contextmanager
 def instant_stack(
-    log_dir: Path, progress: Progress, proxy_args: Sequence[str] = (), timeout: float = 60.0
+    log_dir: Path,
+    progress: Progress,
+    proxies: Sequence[tuple[str, Sequence[str]]] = INSTANT_PROXIES,
+    timeout: float = 60.0,
 ) -> Iterator[InstantStack]:
-    """The instant upstream and a proxy in front of it (``proxy_args``: more of its options)."""
+    """The instant upstream and proxies in front of it (each: a label and more options)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
-    app_port, proxy_port = free_port(), free_port()
-    app_url, proxy_url = f"http://127.0.0.1:{app_port}", f"http://127.0.0.1:{proxy_port}"
+    app_port = free_port()
+    app_url = f"http://127.0.0.1:{app_port}"
     app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
     app_command += ["--port", str(app_port), "--ring-dir", ring_dir]
-    proxy_command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
-    proxy_command += ["--port", str(proxy_port), "--log-level", "warning", *proxy_args]
     env = proxy_environment(None)
     try:
-        with (
-            started(
-                app_command,
-                env,
-                log_dir / "instant-upstream.log",
-                app_url + "/health",
-                timeout,
-                "the instant upstream",
-                progress,
-            ) as app,
-            started(
-                proxy_command,
-                env,
-                log_dir / "instant-proxy.log",
-                proxy_url + "/health",
-                timeout,
-                "a proxy in front of it",
-                progress,
-            ) as proxy,
-        ):
-            yield InstantStack(app_url, proxy_url, app.pid, proxy.pid)
+        with contextlib.ExitStack() as running:
+            app = running.enter_context(
+                started(
+                    app_command,
+                    env,
+                    log_dir / "instant-upstream.log",
+                    app_url + "/health",
+                    timeout,
+                    "the instant upstream",
+                    progress,
+                )
+            )
+            started_proxies = []
+            for number, (label, args) in enumerate(proxies):
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
+                command += ["--port", str(port), "--log-level", "warning", *args]
+                process = running.enter_context(
+                    started(
+                        command,
+                        env,
+                        log_dir / f"instant-proxy-{number}.log",
+                        url + "/health",
+                        timeout,
+                        f"a proxy ({label}) in front of it",
+                        progress,
+                    )
+                )
+                started_proxies.append(InstantProxy(label, url, process.pid))
+            yield InstantStack(app_url, app.pid, tuple(started_proxies))
     finally:
         shutil.rmtree(ring_dir, ignore_errors=True)
