@@ -121,8 +121,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ring-dir", type=Path, required=True)
+    parser.add_argument("--uds", help="also listen on this Unix domain socket")
     args = parser.parse_args(argv)
-    uvicorn.run(
+    config = uvicorn.Config(
         instant_app(ring_publisher(args.ring_dir)),
         host="127.0.0.1",
         port=args.port,
@@ -132,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         access_log=False,
         log_level="warning",
     )
+    sockets = [config.bind_socket()]
+    if args.uds:
+        config.uds = args.uds
+        sockets.append(config.bind_socket())
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 if __name__ == "__main__":

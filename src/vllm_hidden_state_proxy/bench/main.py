@@ -180,7 +180,7 @@ def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> 
             Target(proxy.label, proxy.url, functools.partial(tree_cpu_seconds, proxy.pid))
             for proxy in stack.proxies
         ]
-        single = [proxy for proxy in proxies if "workers" not in proxy.label]
+        single = [proxy for proxy in proxies if "workers" not in proxy.label]  # one process
         results.tables["instant"] = run_async(
             measure_instant(app, single, options.instant_requests, options.rounds, progress)
         )

@@ -59,12 +59,15 @@ class InstantStack:
     proxies: tuple[InstantProxy, ...]
 
 
+#: Where the instant upstream also listens, on a Unix domain socket (in its ring directory).
+UDS_NAME = "upstream.sock"
 #: The proxies the hop phase compares, side by side in front of one instant upstream: the
 #: default (aiohttp under httpx's interface), httpx's own client (the engine before issue #15),
-#: and the default with two worker processes.
+#: the default over a Unix domain socket ({uds} is replaced), and with two worker processes.
 INSTANT_PROXIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("aiohttp", ()),
     ("httpx", ("--upstream-client", "httpx")),
+    ("uds", ("--upstream-uds", "{uds}")),
     ("2 workers", ("--workers", "2")),
 )
 
@@ -152,7 +155,8 @@ def instant_stack(
     app_port = free_port()
     app_url = f"http://127.0.0.1:{app_port}"
     app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
-    app_command += ["--port", str(app_port), "--ring-dir", ring_dir]
+    uds = os.path.join(ring_dir, UDS_NAME)
+    app_command += ["--port", str(app_port), "--ring-dir", ring_dir, "--uds", uds]
     env = proxy_environment(None)
     try:
         with contextlib.ExitStack() as running:
@@ -172,7 +176,8 @@ def instant_stack(
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
-                command += ["--port", str(port), "--log-level", "warning", *args]
+                command += ["--port", str(port), "--log-level", "warning"]
+                command += [arg.replace("{uds}", uds) for arg in args]
                 process = running.enter_context(
                     started(
                         command,

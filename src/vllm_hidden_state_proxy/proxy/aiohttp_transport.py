@@ -52,7 +52,11 @@ def _httpx_errors(request: httpx.Request) -> Iterator[None]:
         raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
 
 
-class _ResponseStream(httpx.AsyncByteStream):
+class ClosesAtOnce(httpx.AsyncByteStream):
+    """A response stream whose ``aclose`` never suspends (so nothing can interrupt it)."""
+
+
+class _ResponseStream(ClosesAtOnce):
     """The body as aiohttp delivers it; closing it early drops the connection."""
 
     def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:

@@ -9,6 +9,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 from vllm_hidden_state_proxy.proxy.chat_app import ChatApp
@@ -22,6 +23,39 @@ from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
 from vllm_hidden_state_proxy.proxy.vector_lookup import RingSource
 from vllm_hidden_state_proxy.ring import RingDirectory
+
+
+class _ExactPaths:
+    """The endpoints by method and exact path, ahead of Starlette's router: a dictionary probe
+    instead of matching every route's pattern, on every request. Anything else (other paths,
+    other methods, lifespan) goes to the router as usual."""
+
+    def __init__(self, router: ASGIApp, routes: list[Route]) -> None:
+        self.router = router
+        self.exact = {
+            (method, route.path): route.app for route in routes for method in route.methods or ()
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            app = self.exact.get((scope["method"], scope["path"]))
+            if app is not None:
+                await app(scope, receive, send)
+                return
+        await self.router(scope, receive, send)
+
+
+class _ProxyStarlette(Starlette):
+    """Starlette without its two default middlewares: every request would pay for them, and
+    the proxy needs neither (its apps answer their own errors, and an exception that escapes
+    is answered 500 and logged by uvicorn, as ServerErrorMiddleware would)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        exact = [route for route in self.routes if isinstance(route, Route) and route.methods]
+        app: ASGIApp = _ExactPaths(self.router, exact)
+        for cls, args, kwargs in reversed(self.user_middleware):
+            app = cls(app, *args, **kwargs)
+        return app
 
 
 def create_app(
@@ -76,6 +110,6 @@ def create_app(
                 ApiKeyGuard, api_key=settings.api_key, protect_metrics=settings.protect_metrics
             )
         )
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
+    app = _ProxyStarlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.proxy = state
     return app

@@ -26,7 +26,7 @@ from vllm_hidden_state_proxy.proxy.relay import close_quietly, open_upstream, re
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import is_event_stream, relay_with_vectors
 from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
-from vllm_hidden_state_proxy.proxy.vector_lookup import capturing_early, wait_for_record
+from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
 from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
@@ -89,12 +89,10 @@ async def _open(state: ProxyState, scope: Scope, request: KeyedRequest) -> httpx
     return await open_upstream(state, upstream)
 
 
-async def _read_all(response: httpx.Response) -> httpx.HTTPError | None:
-    try:
-        await response.aread()
-    except httpx.HTTPError as exc:  # broken connection, undecodable content-encoding
-        return exc
-    return None
+async def _read_body(response: httpx.Response) -> bytes:
+    """The whole body as sent (raises ``httpx.HTTPError`` if the exchange breaks off). Raw:
+    vLLM was asked for no content encoding, and the decoding layers cost CPU per chunk."""
+    return b"".join([chunk async for chunk in response.aiter_raw()])
 
 
 async def _read_answer(
@@ -103,32 +101,28 @@ async def _read_answer(
     """Read a whole answer; for a 200, the parsed body and the record (or ``ProxyError``)."""
     if response.status_code == 200:
         return await _read_completion(state, request, response)
-    failure = await _read_all(response)
-    if failure is not None:
+    try:
+        content = await _read_body(response)
+    except httpx.HTTPError as failure:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, failure) from failure
-    return VllmAnswer(response.status_code, list(response.headers.raw), response.content)
+    return VllmAnswer(response.status_code, list(response.headers.raw), content)
 
 
 async def _read_completion(
     state: ProxyState, request: KeyedRequest, response: httpx.Response
 ) -> JoinableAnswer:
     """Read a 200 JSON answer, picking the record up meanwhile if the answer takes long."""
-    failures: list[httpx.HTTPError] = []
-
-    async def read() -> None:
-        failure = await _read_all(response)
-        if failure is not None:
-            failures.append(failure)
-
-    early = await capturing_early(state.rings, request.key, request.marks, read())
-    if failures:
+    early = EarlyCapture(state.rings, request.key, request.marks)
+    try:
+        content = await early.during(_read_body(response))
+    except httpx.HTTPError as failure:
         state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, failures[0]) from failures[0]
-    completion = parse_completion(response.content)
+        raise transport_error(state.settings, failure) from failure
+    completion = parse_completion(content)
     if completion is None:
         raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
-    record = await record_of(state, request, early)
+    record = await record_of(state, request, early.found)
     return JoinableAnswer(list(response.headers.raw), completion, record)
 
 

@@ -15,11 +15,10 @@ An error record (the hook could not produce this request's vectors) is a 502 wit
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Protocol
-
-import anyio
+from typing import Protocol, TypeVar
 
 from vllm_hidden_state_proxy.proxy.errors import (
     engines_without_ring,
@@ -37,6 +36,8 @@ from vllm_hidden_state_proxy.ring import (
     Record,
     RingShape,
 )
+
+T = TypeVar("T")
 
 #: First poll interval after a miss, and the cap it doubles up to (seconds).
 FIRST_BACKOFF = 50e-6
@@ -122,7 +123,7 @@ async def _poll(
         now = time.monotonic()
         if now >= deadline:
             return None
-        await anyio.sleep(min(delay, deadline - now))
+        await asyncio.sleep(min(delay, deadline - now))
         found = _matching(rings, key)
         if found is not None:
             return found
@@ -135,8 +136,9 @@ class EarlyCapture:
 
     The worker publishes at prefill; a response with many output tokens completes much later,
     and meanwhile other flagged prefills advance the rings. Taking the record early means its
-    slot cannot be reused before the proxy reads it. Short requests never get past the first
-    sleep: they finish first and look the record up directly (:func:`wait_for_record`).
+    slot cannot be reused before the proxy reads it. Short requests never start it: only a
+    timer is set (a task per request would be a good part of a short request's cost), and they
+    finish first and look the record up directly (:func:`wait_for_record`).
     """
 
     def __init__(self, rings: RingSource, key: bytes, marks: PublishMarks) -> None:
@@ -144,9 +146,23 @@ class EarlyCapture:
         self.key = key
         self.marks = marks
         self.found: Found | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    async def run(self) -> None:
-        await anyio.sleep(EARLY_DELAY)
+    async def during(self, work: Awaitable[T]) -> T:
+        """Await ``work``; from ``EARLY_DELAY`` on, look for the record beside it."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(EARLY_DELAY, self._start)
+        try:
+            return await work
+        finally:
+            timer.cancel()
+            if self._task is not None:
+                self._task.cancel()
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
         while True:
             try:
                 found = _matching(self.rings, self.key)
@@ -157,20 +173,7 @@ class EarlyCapture:
                 return
             if self.rings.overwritten_since(self.marks):
                 return
-            await anyio.sleep(EARLY_INTERVAL)
-
-
-async def capturing_early(
-    rings: RingSource, key: bytes, marks: PublishMarks, work: Awaitable[None]
-) -> Found | None:
-    """Await ``work`` (which must not raise) with an :class:`EarlyCapture` beside it; the
-    record if it was captured meanwhile."""
-    capture = EarlyCapture(rings, key, marks)
-    async with anyio.create_task_group() as group:
-        group.start_soon(capture.run)
-        await work
-        group.cancel_scope.cancel()
-    return capture.found
+            await asyncio.sleep(EARLY_INTERVAL)
 
 
 def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
