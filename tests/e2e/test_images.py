@@ -1,7 +1,7 @@
 """Images (issue #8): chat ``image_url`` items through the proxy, every vector checked against
 Transformers on the same processor output.
 
-The model is the tiny random-weight Idefics3-style VLM of ``vllm_hidden_state_proxy.tiny_vlm``
+The model is the tiny random-weight Idefics3-style VLM of ``tests/e2e/tiny_vlm.py``
 (see there why not Qwen2-VL). An image expands to tiles of ``<image>`` tokens plus tile markers;
 all of them are prompt tokens, so the vector is taken at ``num_prompt_tokens - 1`` of the
 expanded prompt, exactly as for text.
@@ -24,7 +24,7 @@ import pytest
 
 from tests.e2e.reference import assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, SERVED_MODEL_NAME, RunningStack, run_serve
-from vllm_hidden_state_proxy.tiny_vlm import FAKE_IMAGE_TOKEN, IMAGE_TOKEN, build_tiny_vlm
+from tests.e2e.tiny_vlm import FAKE_IMAGE_TOKEN, IMAGE_TOKEN, build_tiny_vlm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 

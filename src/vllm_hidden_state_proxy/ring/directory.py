@@ -22,7 +22,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 
-from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.files import (
+    NOTE_SUFFIX,
+    RING_SUFFIX,
+    Owners,
+    parse_name,
+)
 from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingShape
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
 from vllm_hidden_state_proxy.ring.reader import RingReader
@@ -46,9 +51,7 @@ class RingDirectory:
     #: Seconds a liveness answer (rings and notes) is reused before probing again.
     LIVENESS_INTERVAL = 0.1
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, owner_uids: files.Owners = None
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, owner_uids: Owners = None) -> None:
         self.directory = Path(directory)
         self._owner_uids = owner_uids
         self._readers: dict[str, RingReader] = {}
@@ -79,7 +82,7 @@ class RingDirectory:
             return
         with it:
             for entry in it:
-                if files.parse_name(entry.name) is not None:
+                if parse_name(entry.name) is not None:
                     yield entry
 
     def refresh(self) -> None:
@@ -106,7 +109,7 @@ class RingDirectory:
                 if name not in stats:
                     del self._refused[name]
             for name, st in stats.items():
-                if name in self._readers or not name.endswith(files.RING_SUFFIX):
+                if name in self._readers or not name.endswith(RING_SUFFIX):
                     continue
                 sig = _stat_sig(st)
                 if self._refused.get(name) == sig:
@@ -201,7 +204,7 @@ class RingDirectory:
         publishing = {(reader.instance, reader.engine) for reader in live}
         failures = []
         for name in self._listing:
-            if not name.endswith(files.NOTE_SUFFIX):
+            if not name.endswith(NOTE_SUFFIX):
                 continue
             failure = read_live_note(self.directory / name, self._owner_uids)
             if failure is None or (failure.instance, failure.engine) in publishing:

@@ -17,7 +17,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.files import (
+    Owners,
+    Untrusted,
+    create_directory,
+    forget_in_forked_children,
+    install,
+    new_locked_temp,
+    note_name,
+    open_trusted,
+    writer_alive,
+)
 
 #: Largest note a reader accepts.
 MAX_NOTE_BYTES = 16384
@@ -45,7 +55,7 @@ class FailureNote:
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._fd: int | None = fd
-        files.forget_in_forked_children(self)
+        forget_in_forked_children(self)
 
     @classmethod
     def write(
@@ -59,15 +69,15 @@ class FailureNote:
         file_mode: int = 0o600,
     ) -> FailureNote:
         d = Path(directory)
-        files.create_directory(d, dir_mode)
-        final = d / files.note_name(instance, engine)
+        create_directory(d, dir_mode)
+        final = d / note_name(instance, engine)
         body = json.dumps(
             {"instance": instance, "engine": engine, "pid": os.getpid(), "message": message[:4000]}
         ).encode("utf-8")
-        fd, tmp_name = files.new_locked_temp(d, final.stem, file_mode)
+        fd, tmp_name = new_locked_temp(d, final.stem, file_mode)
         try:
             os.write(fd, body)
-            files.install(tmp_name, final)
+            install(tmp_name, final)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -90,14 +100,14 @@ class FailureNote:
             os.close(fd)
 
 
-def read_live_note(path: Path, owner_uids: files.Owners) -> EngineFailure | None:
+def read_live_note(path: Path, owner_uids: Owners) -> EngineFailure | None:
     """The note at ``path`` if it is trusted, well-formed and its engine's process lives."""
     try:
-        fd, st = files.open_trusted(path, owner_uids)
-    except files.Untrusted:
+        fd, st = open_trusted(path, owner_uids)
+    except Untrusted:
         return None
     try:
-        if st.st_size > MAX_NOTE_BYTES or not files.writer_alive(fd):
+        if st.st_size > MAX_NOTE_BYTES or not writer_alive(fd):
             return None
         try:
             document = json.loads(os.pread(fd, MAX_NOTE_BYTES, 0))

@@ -30,7 +30,12 @@ from types import TracebackType
 
 import msgpack
 
-from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.files import (
+    Owners,
+    Untrusted,
+    open_trusted,
+    writer_alive,
+)
 from vllm_hidden_state_proxy.ring.layout import (
     FIXED_HEADER_SIZE,
     HDR_PUBLISH_COUNT_OFFSET,
@@ -76,15 +81,15 @@ class RingReader:
         self._seen = 0
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, owner_uids: files.Owners = None) -> RingReader:
+    def open(cls, path: str | os.PathLike[str], *, owner_uids: Owners = None) -> RingReader:
         """Open and validate a ring file; :class:`RingFormatError` (naming the file) otherwise.
 
         ``owner_uids``: the uid (or uids) the file must belong to; ``None`` accepts any.
         """
         p = Path(path)
         try:
-            fd, st = files.open_trusted(p, owner_uids)
-        except files.Untrusted as exc:
+            fd, st = open_trusted(p, owner_uids)
+        except Untrusted as exc:
             raise RingFormatError(f"{p}: {exc}") from None
         try:
             header = _read_header(fd, st.st_size)
@@ -240,7 +245,7 @@ class RingReader:
         fd = self._fd
         if fd is None:
             return False
-        return files.writer_alive(fd)
+        return writer_alive(fd)
 
     def is_stale(self) -> bool:
         """True if ``self.path`` is gone, now names a different file than the one mapped, or

@@ -27,7 +27,15 @@ from pathlib import Path
 from types import TracebackType
 
 from vllm_hidden_state_proxy.protocol import POOLINGS, RING_DIR_ENV
-from vllm_hidden_state_proxy.ring import files
+from vllm_hidden_state_proxy.ring.files import (
+    InUse,
+    create_directory,
+    forget_in_forked_children,
+    install,
+    new_locked_temp,
+    ring_name,
+    sweep_dead,
+)
 from vllm_hidden_state_proxy.ring.layout import (
     HDR_PUBLISH_COUNT_OFFSET,
     HDR_VERSION_OFFSET,
@@ -78,7 +86,7 @@ class RingWriter:
         self._mm: mmap.mmap | None = mm
         self._count = 0
         self._lock = threading.Lock()
-        files.forget_in_forked_children(self)
+        forget_in_forked_children(self)
 
     # -- fixed facts ---------------------------------------------------------------------------
 
@@ -151,10 +159,10 @@ class RingWriter:
             instance=instance,
         )
         d = Path(directory)
-        files.create_directory(d, dir_mode)
-        final = d / files.ring_name(instance, engine)
-        files.sweep_dead(d)
-        fd, tmp_name = files.new_locked_temp(d, final.stem, file_mode)
+        create_directory(d, dir_mode)
+        final = d / ring_name(instance, engine)
+        sweep_dead(d)
+        fd, tmp_name = new_locked_temp(d, final.stem, file_mode)
         mm: mmap.mmap | None = None
         try:
             _reserve(fd, shape.file_size, d)
@@ -163,8 +171,8 @@ class RingWriter:
             mm[: len(raw)] = raw
             VERSION.pack_into(mm, HDR_VERSION_OFFSET, LAYOUT_VERSION)  # ready flag, last
             try:
-                files.install(tmp_name, final)
-            except files.InUse as exc:
+                install(tmp_name, final)
+            except InUse as exc:
                 raise RingInUseError(
                     f"{exc}: another vLLM engine with the same instance and engine index is "
                     f"publishing there. Give each vLLM its own ring directory ({RING_DIR_ENV})."
