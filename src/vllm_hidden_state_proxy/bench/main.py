@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ from vllm_hidden_state_proxy.bench.instant import (
     measure_instant_throughput,
 )
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
+from vllm_hidden_state_proxy.bench.layers_cost import LAYERS, measure_layers_cost
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
@@ -40,7 +42,7 @@ from vllm_hidden_state_proxy.bench.report import (
     write_reports,
 )
 from vllm_hidden_state_proxy.bench.ring_micro import measure_ring
-from vllm_hidden_state_proxy.bench.servers import chat_stack, instant_stack
+from vllm_hidden_state_proxy.bench.servers import chat_stack, instant_stack, vllm_lock
 from vllm_hidden_state_proxy.bench.streaming import measure_streaming
 from vllm_hidden_state_proxy.bench.throughput import measure_throughput
 from vllm_hidden_state_proxy.bench.usage import (
@@ -192,6 +194,31 @@ def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> 
         )
 
 
+def measure_layers(
+    model_dir: Path, options: BenchOptions, results: Results, progress: Progress
+) -> None:
+    """Two stacks side by side, with and without every layer captured (the lock is held)."""
+    if not options.layers_requests:
+        results.tables["layers"] = Table("Layers cost", note="skipped: --no-layers")
+        return
+    with (
+        chat_stack(
+            model_dir, options.output_dir, options.startup_timeout, progress, name="plain"
+        ) as plain,
+        chat_stack(
+            model_dir,
+            options.output_dir,
+            options.startup_timeout,
+            progress,
+            serve_args=("--hidden-state-layers", LAYERS),
+            name="layers",
+        ) as layered,
+    ):
+        results.tables["layers"] = run_async(
+            measure_layers_cost(plain, layered, options.layers_requests, options.rounds, progress)
+        )
+
+
 def run(options: BenchOptions, progress: Progress) -> Results:
     options.output_dir.mkdir(parents=True, exist_ok=True)
     results = Results(meta=describe(options))
@@ -208,10 +235,16 @@ def run(options: BenchOptions, progress: Progress) -> Results:
 
             progress.say("building the tiny offline model (cached after the first run)")
             model_dir = build_tiny_model(options.model_dir)
-            with chat_stack(
-                model_dir, options.output_dir, options.startup_timeout, progress, options.api_key
-            ) as started:
-                measure_chat(started, options, results, progress)
+            with vllm_lock(progress):
+                with chat_stack(
+                    model_dir,
+                    options.output_dir,
+                    options.startup_timeout,
+                    progress,
+                    options.api_key,
+                ) as started:
+                    measure_chat(started, options, results, progress)
+                measure_layers(model_dir, options, results, progress)
     finally:
         results.meta["load"] = f"1-minute load average {load_at_start} at start, {_load()} at end"
     return results

@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
     add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
     add("--no-instant", action="store_true", help="skip the instant-upstream phase")
+    add("--no-layers", action="store_true", help="skip the phase that starts two vLLM servers")
     add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 
@@ -68,6 +69,8 @@ class BenchOptions:
     embedding_batches: tuple[int, ...]
     #: Requests per instant-upstream arm; 0: no instant-upstream phase.
     instant_requests: int
+    #: Requests per arm of the layers-cost phase; 0: no such phase.
+    layers_requests: int
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
 
@@ -146,5 +149,6 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         startup_timeout=args.startup_timeout,
         embedding_batches=batches,
         instant_requests=0 if args.no_instant else max(rounds, instant),
+        layers_requests=0 if args.no_layers else max(rounds, 2 * requests),
         api_key=args.api_key,
     )

@@ -114,30 +114,39 @@ def proxy_environment(api_key: str | None) -> dict[str, str]:
     return env
 
 
+def vllm_lock(progress: Progress) -> contextlib.AbstractContextManager[None]:
+    """The machine-wide lock, held while the bench's vLLM servers run."""
+    return one_vllm_at_a_time(
+        on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
+    )
+
+
 @contextlib.contextmanager
 def chat_stack(
-    model_dir: Path, log_dir: Path, timeout: float, progress: Progress, api_key: str | None = None
+    model_dir: Path,
+    log_dir: Path,
+    timeout: float,
+    progress: Progress,
+    api_key: str | None = None,
+    *,
+    serve_args: Sequence[str] = (),
+    name: str = "serve",
 ) -> Iterator[ChatStack]:
     """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports; with
-    ``api_key`` the proxy requires it."""
+    ``api_key`` the proxy requires it. The caller holds :func:`vllm_lock`."""
     proxy_port, vllm_port = free_port(), free_port()
     command = [*CLI, "serve", str(model_dir), "--port", str(proxy_port)]
-    command += ["--vllm-port", str(vllm_port), *VLLM_ARGS]
+    command += ["--vllm-port", str(vllm_port), *VLLM_ARGS, *serve_args]
     proxy_url, vllm_url = f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{vllm_port}"
     stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key)
-    with (
-        one_vllm_at_a_time(
-            on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
-        ),
-        started(
-            command,
-            proxy_environment(api_key),
-            log_dir / "serve.log",
-            stack.proxy_url + "/health",
-            timeout,
-            "vLLM and the proxy (hidden-state-proxy serve)",
-            progress,
-        ),
+    with started(
+        command,
+        proxy_environment(api_key),
+        log_dir / f"{name}.log",
+        stack.proxy_url + "/health",
+        timeout,
+        f"vLLM and the proxy ({name}: hidden-state-proxy serve {' '.join(serve_args)})",
+        progress,
     ):
         yield stack
 
