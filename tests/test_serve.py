@@ -1,14 +1,18 @@
-"""``hidden-state-proxy serve`` supervision, with tiny fake servers instead of vLLM and the proxy.
+"""``hidden-state-proxy serve`` (serve.py): the children's command lines and environments, and
+the supervision, with tiny fake servers instead of vLLM and the proxy.
 
-Each test runs ``serve`` as a real subprocess (signals, process groups and exit statuses are the
-point) through a runner script that swaps ``vllm_command``/``proxy_command`` for a fake child that
-answers ``/health``. The fakes write their pids to a directory so the tests can check that nothing
-is left running. Every ``serve`` also gets an unreachable ``http_proxy`` in its environment: the
-health probes must ignore it.
+Each supervision test runs ``serve`` as a real subprocess (signals, process groups and exit
+statuses are the point) through a runner script that swaps ``vllm_command``/``proxy_command``
+for a fake child that answers ``/health`` (the real proxy command line is saved for the tests to
+read). The fakes write their pids and their environment to a directory so the tests can check
+that nothing is left running and what each child was given. Every ``serve`` also gets an
+unreachable ``http_proxy`` in its environment: the health probes must ignore it. No test waits
+a fixed time: each waits for a state (a line printed, a file written, a process gone).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +28,15 @@ from pathlib import Path
 import pytest
 
 from vllm_hidden_state_proxy import serve
+from vllm_hidden_state_proxy.processes import free_port
+from vllm_hidden_state_proxy.protocol import (
+    API_KEY_ENV,
+    HOOK_ENABLED_ENV,
+    LAYERS_ENV,
+    RING_DIR_ENV,
+    UPSTREAM_API_KEY_ENV,
+)
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings, command_line
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and prctl"),
@@ -31,7 +44,7 @@ pytestmark = [
 ]
 
 FAKE_CHILD = r"""
-import http.server, os, signal, sys, time
+import http.server, json, os, signal, sys, time
 from pathlib import Path
 
 role, port, pid_dir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
@@ -40,9 +53,14 @@ signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
 signal.signal(signal.SIGUSR2, lambda *_: os._exit(0))
 if mode == "slow-stop":
     def stop_slowly(*_):
+        (pid_dir / f"{role}.stopping").touch()  # the test waits for this, then signals serve
         time.sleep(2)
         os._exit(0)
     signal.signal(signal.SIGTERM, stop_slowly)
+names = ("HIDDEN_STATE_PROXY_", "VLLM_PLUGINS")
+seen = {k: v for k, v in os.environ.items() if k.startswith(names)}
+(pid_dir / f".{role}.env").write_text(json.dumps(seen))
+(pid_dir / f".{role}.env").rename(pid_dir / f"{role}.env")
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -59,28 +77,32 @@ server.serve_forever()
 """
 
 RUNNER = r"""
-import sys
+import json, sys
+from pathlib import Path
 from vllm_hidden_state_proxy import serve
 from vllm_hidden_state_proxy.cli import main
 
-child, pid_dir = sys.argv[1], sys.argv[2]
+child, pid_dir = sys.argv[1], Path(sys.argv[2])
+real_proxy_command = serve.proxy_command
+
+
+def vllm_command(model, port, extra):
+    (pid_dir / "vllm.argv").write_text(json.dumps([model, port, *extra]))
+    return [sys.executable, child, "vllm", str(port), str(pid_dir)]
+
+
+def proxy_command(settings):
+    (pid_dir / "proxy.argv").write_text(json.dumps(real_proxy_command(settings)))
+    return [sys.executable, child, "proxy", str(settings.port), str(pid_dir)]
+
+
 serve.PROXY_STARTUP_TIMEOUT = 2.0
-serve.vllm_command = lambda model, port, extra: [
-    sys.executable, child, "vllm", str(port), pid_dir
-]
-serve.proxy_command = lambda args, upstream, ring_dir: [
-    sys.executable, child, "proxy", str(args.port), pid_dir
-]
+serve.vllm_command = vllm_command
+serve.proxy_command = proxy_command
 sys.exit(main(["serve", "fake-model", *sys.argv[3:]]))
 """
 
 UNREACHABLE_PROXY = "http://127.0.0.1:9"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def alive(pid: int) -> bool:
@@ -152,6 +174,16 @@ class Serve:
         self._reader.join(5)
         return status
 
+    def child_environment(self, role: str) -> dict[str, str]:
+        path = self.pid_dir / f"{role}.env"
+        assert wait_until(path.exists, 10.0), f"no {role} started; stderr:\n{self.output}"
+        environment: dict[str, str] = json.loads(path.read_text())
+        return environment
+
+    def saved_argv(self, role: str) -> list[str]:
+        argv: list[str] = json.loads((self.pid_dir / f"{role}.argv").read_text())
+        return argv
+
     def ring_dir(self) -> Path:
         match = re.search(r"\(ring directory (\S+)\)", self.output)
         assert match, self.output
@@ -161,9 +193,12 @@ class Serve:
         """Whatever a failed test left behind."""
         self.process.kill()
         self.process.wait()
-        for path in self.pid_dir.iterdir():
-            pid = int(path.read_text())
-            if alive(pid):
+        self._reader.join(10)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        for role in ("vllm", "proxy"):
+            path = self.pid_dir / role
+            if path.exists() and alive(pid := int(path.read_text())):
                 os.kill(pid, signal.SIGKILL)
         match = re.search(r"\(ring directory (\S+)\)", self.output)
         if match:  # this serve's own directory (or one under tmp_path)
@@ -205,7 +240,7 @@ def test_second_ctrl_c_during_shutdown_leaves_nothing_behind(start: Starter) -> 
     vllm, proxy = server.ready()
     server.process.send_signal(signal.SIGINT)
     server.wait_for("SIGINT: stopping")
-    time.sleep(0.3)
+    assert wait_until((server.pid_dir / "proxy.stopping").exists, 10.0)  # serve is stopping it
     server.process.send_signal(signal.SIGINT)
     server.process.send_signal(signal.SIGTERM)
     assert server.wait() == 0, server.output
@@ -247,13 +282,11 @@ def test_taken_port_fails_at_once(start: Starter, option: str) -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = str(holder.getsockname()[1])
-        began = time.monotonic()
         server: Serve = start(option, taken)  # the last --port/--vllm-port wins
-        assert server.wait(timeout=10) != 0
-    assert time.monotonic() - began < 5
+        assert server.wait(timeout=30) != 0
     assert f"port {taken} on 127.0.0.1 is not available" in server.output
     assert f"choose another port with {option}\n" in server.output
-    assert not (server.pid_dir / "vllm").exists()
+    assert not (server.pid_dir / "vllm").exists()  # refused before anything started
 
 
 def test_proxy_that_never_gets_healthy_is_given_up_on(start: Starter) -> None:
@@ -279,38 +312,147 @@ def test_exit_status() -> None:
     assert serve.exit_status(3) == 3
 
 
-PROBES = r"""
-import http.server, pathlib, sys, threading
-from vllm_hidden_state_proxy import demo, serve
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-class Running:
-    returncode = None
-
-    def poll(self):
-        return None
-
-server = http.server.HTTPServer(("127.0.0.1", 0), Health)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-url = f"http://127.0.0.1:{server.server_address[1]}/health"
-assert serve.healthy(url), "serve's probe went through the proxy"
-demo._wait_ready(url, Running(), timeout=3, log=pathlib.Path("unused.log"))
-print("both probes reached the server")
-"""
-
-
-def test_health_probes_ignore_environment_proxy() -> None:
-    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
-    env.update(http_proxy=UNREACHABLE_PROXY, HTTP_PROXY=UNREACHABLE_PROXY)
-    done = subprocess.run(
-        [sys.executable, "-c", PROBES], env=env, capture_output=True, text=True, timeout=20
+def test_the_children_get_their_settings_and_secrets_stay_out_of_argv(
+    start: Starter, tmp_path: Path
+) -> None:
+    ring_dir = tmp_path / "shared-rings"
+    ring_dir.mkdir()  # e.g. a volume shared with another serve
+    server: Serve = start(
+        "--ring-dir",
+        str(ring_dir),
+        "--hidden-state-layers",
+        "4,8,-1",
+        "--api-key",
+        "proxy-secret",
+        "--vector-timeout",
+        "2.5",
+        "--embedding-layer",
+        "-2",
+        "--max-model-len",  # not serve's: passed to vLLM unchanged
+        "4096",
     )
-    assert done.returncode == 0, done.stderr
-    assert "both probes reached the server" in done.stdout
+    server.ready()
+    vllm_env = server.child_environment("vllm")
+    assert vllm_env[RING_DIR_ENV] == str(ring_dir)
+    assert vllm_env[LAYERS_ENV] == "4,8,-1"
+    assert API_KEY_ENV not in vllm_env
+    assert server.saved_argv("vllm") == ["fake-model", server.vllm_port, "--max-model-len", "4096"]
+    proxy_env = server.child_environment("proxy")
+    assert proxy_env[API_KEY_ENV] == "proxy-secret"
+    argv = server.saved_argv("proxy")
+    assert argv[1:4] == ["-m", "vllm_hidden_state_proxy.cli", "proxy"]
+    assert not any("proxy-secret" in arg for arg in argv)
+    for option in (
+        f"--upstream=http://127.0.0.1:{server.vllm_port}",
+        f"--ring-dir={ring_dir}",
+        f"--port={server.port}",
+        "--vector-timeout=2.5",
+        "--embedding-layer=-2",
+    ):
+        assert option in argv, argv
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+    assert ring_dir.is_dir()  # a directory given with --ring-dir is not removed
+
+
+def test_without_layers_vllm_gets_no_layer_setting(start: Starter) -> None:
+    server: Serve = start()
+    server.ready()
+    vllm_env = server.child_environment("vllm")
+    assert LAYERS_ENV not in vllm_env
+    assert vllm_env[RING_DIR_ENV] == str(server.ring_dir())
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces, in this process
+# ---------------------------------------------------------------------------------------------
+
+
+def test_proxy_command_and_environment() -> None:
+    settings = ProxySettings(
+        upstream_url="http://127.0.0.1:8001", api_key="k1", upstream_api_key="k2", port=9000
+    )
+    command = serve.proxy_command(settings)
+    assert command[:4] == [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "proxy"]
+    assert command[4:] == command_line(settings)
+    assert not any("k1" in arg or "k2" in arg for arg in command)
+    environment = serve.proxy_environment(settings)
+    assert (environment[API_KEY_ENV], environment[UPSTREAM_API_KEY_ENV]) == ("k1", "k2")
+    assert environment["PATH"] == os.environ["PATH"]
+
+
+def test_proxy_settings_for_serve() -> None:
+    from vllm_hidden_state_proxy.cli import build_parser
+
+    args, extra = build_parser().parse_known_args(
+        ["serve", "m", "--port=9", "--fan-out-limit=3", "--dtype", "float16"]
+    )
+    settings = serve.proxy_settings_for(args, "http://127.0.0.1:8001", "/rings")
+    assert (settings.upstream_url, settings.ring_dir) == ("http://127.0.0.1:8001", "/rings")
+    assert (settings.port, settings.fan_out_limit) == (9, 3)
+    assert extra == ["--dtype", "float16"]
+
+
+@pytest.mark.parametrize(
+    ("inherited", "layers", "expected_plugins", "expected_layers"),
+    [
+        ({}, None, None, None),
+        ({}, (4, 8, -1), None, "4,8,-1"),
+        ({"VLLM_PLUGINS": "other"}, (0,), "other,hidden_state_hook", "0"),
+        ({"VLLM_PLUGINS": " hidden_state_hook , other"}, None, " hidden_state_hook , other", None),
+        ({"VLLM_PLUGINS": ""}, None, "hidden_state_hook", None),
+    ],
+)
+def test_vllm_environment(
+    monkeypatch: pytest.MonkeyPatch,
+    inherited: dict[str, str],
+    layers: tuple[int, ...] | None,
+    expected_plugins: str | None,
+    expected_layers: str | None,
+) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    monkeypatch.setenv(HOOK_ENABLED_ENV, "0")  # serve always wants the hook on
+    for name, value in inherited.items():
+        monkeypatch.setenv(name, value)
+    environment = serve.vllm_environment("/rings", layers)
+    assert environment[RING_DIR_ENV] == "/rings"
+    assert HOOK_ENABLED_ENV not in environment
+    assert environment.get("VLLM_PLUGINS") == expected_plugins
+    assert environment.get(LAYERS_ENV) == expected_layers
+
+
+def test_port_problem_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from argparse import Namespace
+
+    same = Namespace(host="127.0.0.1", port=9, vllm_port=9)
+    assert serve.port_problem(same) == (
+        "--port and --vllm-port are both 9; choose two different ports"
+    )
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        problem = serve.port_problem(Namespace(host="127.0.0.1", port=free_port(), vllm_port=taken))
+    assert problem is not None and problem.endswith("choose another port with --vllm-port")
+    assert (
+        serve.port_problem(Namespace(host="127.0.0.1", port=free_port(), vllm_port=free_port()))
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:80"),
+        ("", "http://127.0.0.1:80"),
+        ("::", "http://127.0.0.1:80"),
+        ("10.0.0.2", "http://10.0.0.2:80"),
+        ("::1", "http://[::1]:80"),
+        ("[::1]", "http://[::1]:80"),
+    ],
+)
+def test_local_url(host: str, url: str) -> None:
+    assert serve._local_url(host, 80) == url

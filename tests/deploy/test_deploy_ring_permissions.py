@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import site
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -37,11 +39,12 @@ pytestmark = pytest.mark.skipif(
 
 _READER = r"""
 import json, sys
-from vllm_hidden_state_proxy.ring import RingDirectory
-ring = RingDirectory(sys.argv[1])
+from vllm_hidden_state_proxy.ring import Record, RingDirectory
+ring = RingDirectory(sys.argv[1], owner_uids=0)  # the proxy trusts root's (vLLM's) rings
 try:
     record = ring.lookup(bytes.fromhex(sys.argv[2]))
-    print(json.dumps(None if record is None else record.as_floats()))
+    floats = record.floats(record.layers[0]) if isinstance(record, Record) else None
+    print(json.dumps({"vector": floats, "live": ring.has_ring()}))
 finally:
     ring.close()
 """
@@ -80,6 +83,8 @@ def shared_base() -> Iterator[Path]:
 
 
 def publish_as_vllm(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[float]]:
+    """Publish one vector with the modes the deployment's HIDDEN_STATE_PROXY_RING_DIR_MODE gives
+    the hook, as vLLM (root) does."""
     from vllm_hidden_state_proxy.ring import RingWriter
     from vllm_hidden_state_proxy.worker_hook import capture
 
@@ -87,18 +92,17 @@ def publish_as_vllm(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[st
     dir_mode, file_mode = capture._ring_modes()
     writer = RingWriter.create(
         ring_dir,
-        writer_id="dp0",
         hidden_size=4,
         model="m",
         slot_count=4,
+        instance=0x5EED,
+        engine=0,
         dir_mode=dir_mode,
         file_mode=file_mode,
     )
     key = os.urandom(16)
     vector = [0.5, -1.0, 2.0, 0.25]
-    import array
-
-    writer.publish(key, array.array("f", vector).tobytes(), position=6, num_prompt_tokens=7)
+    writer.publish(key, struct.pack("<4f", *vector), position=6, num_prompt_tokens=7)
     writer.close()
     return key.hex(), vector
 
@@ -154,10 +158,12 @@ def test_proxy_user_reads_what_root_vllm_writes(
     os.chmod(ring_dir, volume_mode)
     key, vector = publish_as_vllm(ring_dir, monkeypatch)
     (ring_file,) = [p for p in ring_dir.iterdir() if not p.name.startswith(".")]
+    assert ring_file.name == "ring-0000000000005eed-dp0.bin"
     assert ring_file.stat().st_gid == proxy_ids()[1]  # inherited through the setgid directory
+    assert stat.S_IMODE(ring_file.stat().st_mode) == 0o640  # group-readable, never writable
     result = read_as_proxy(proxy_python, ring_dir, key)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == vector
+    assert json.loads(result.stdout) == {"vector": vector, "live": False}  # the writer closed
 
 
 def test_without_the_shared_group_the_proxy_reads_nothing(
@@ -169,4 +175,4 @@ def test_without_the_shared_group_the_proxy_reads_nothing(
     os.chmod(ring_dir, 0o755)
     key, _ = publish_as_vllm(ring_dir, monkeypatch)
     result = read_as_proxy(proxy_python, ring_dir, key)
-    assert result.returncode != 0 or json.loads(result.stdout) is None
+    assert result.returncode != 0 or json.loads(result.stdout)["vector"] is None

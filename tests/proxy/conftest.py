@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proxy.fakes import LAYERED, create_writer
 from vllm_hidden_state_proxy.ring import RingWriter
-
-from tests.proxy.fakes import HIDDEN_SIZE
 
 
 @pytest.fixture
@@ -22,11 +21,13 @@ def ring_dir(tmp_path: Path) -> str:
 
 @pytest.fixture
 def writer(ring_dir: str) -> Iterator[RingWriter]:
-    """A real ring in ``ring_dir``, as the worker hook would create it."""
-    ring = RingWriter.create(
-        ring_dir, writer_id="dp0", hidden_size=HIDDEN_SIZE, model="m", slot_count=16
-    )
-    try:
+    """A real ring in ``ring_dir`` capturing the final layer, as a plain server's hook makes."""
+    with create_writer(ring_dir) as ring:
         yield ring
-    finally:
-        ring.close()
+
+
+@pytest.fixture
+def layered_writer(ring_dir: str) -> Iterator[RingWriter]:
+    """A real ring in ``ring_dir`` capturing layers 0, 2 and the final one (4)."""
+    with create_writer(ring_dir, LAYERED) as ring:
+        yield ring

@@ -1,10 +1,16 @@
-"""Test doubles for the proxy: a fake vLLM (httpx.MockTransport handler), ring helpers, drivers."""
+"""Test doubles for the proxy: a fake vLLM (an ``httpx.MockTransport`` handler) that publishes
+like the worker hook, a fake ring source, and drivers for the app.
+
+The fake model has ``FINAL`` decoder layers and ``HIDDEN_SIZE``-d vectors. Every vector is
+derived from its request key, layer and pooling (:func:`vector_for`), exactly in float32, so a
+test can say which vector a response must carry.
+"""
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,40 +18,215 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENTRY,
+    POOLING_ENTRY,
+    REQUEST_KEY_ENTRY,
+    request_key_from_wire,
+)
 from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    ErrorRecord,
+    Found,
+    PublishMarks,
+    Record,
+    RingShape,
+    RingWriter,
+    slot_size_for,
+)
 
 UPSTREAM = "http://vllm.test:8000"
 HIDDEN_SIZE = 8
+#: The fake model's decoder layer count N: layer N (or -1) is the final layer.
+FINAL = 4
+#: What a server started with ``--hidden-state-layers 0,2,-1`` captures.
+LAYERED = (0, 2, FINAL)
+MODEL = "m"
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 
-def vector_for(key: bytes) -> list[float]:
-    """The vector the fake worker publishes for ``key`` (exact in float32)."""
-    return [float(b) - 128.0 for b in key[:HIDDEN_SIZE]]
+# ---------------------------------------------------------------------------------------------
+# vectors and records
+# ---------------------------------------------------------------------------------------------
 
 
-def vector_bytes(values: list[float]) -> bytes:
+def vector_for(key: bytes, layer: int = FINAL, pooling: str = "last") -> list[float]:
+    """The vector the fake hook publishes for ``key`` (exact in float32)."""
+    offset = 1000.0 * layer + (0.5 if pooling == "mean" else 0.0)
+    return [float(b) - 128.0 + offset for b in key[:HIDDEN_SIZE]]
+
+
+def vector_bytes(values: Sequence[float]) -> bytes:
     return struct.pack(f"<{len(values)}f", *values)
 
 
-def forwarded_key(request: httpx.Request) -> bytes:
-    """The key the proxy injected into a forwarded request (asserts it is well formed)."""
+def record_for(
+    key: bytes,
+    layers: Sequence[int] = (FINAL,),
+    pooling: str = "last",
+    *,
+    position: int = 4,
+    num_prompt_tokens: int = 5,
+) -> Record:
+    vectors = b"".join(vector_bytes(vector_for(key, layer, pooling)) for layer in layers)
+    return Record(
+        key, MODEL, position, num_prompt_tokens, pooling, tuple(layers), HIDDEN_SIZE, vectors
+    )
+
+
+def ring_shape(layers: tuple[int, ...] = (FINAL,), slot_count: int = 1024) -> RingShape:
+    slot_size = slot_size_for(HIDDEN_SIZE, len(layers), MODEL)
+    return RingShape(slot_count, slot_size, HIDDEN_SIZE, FINAL, layers)
+
+
+def create_writer(
+    ring_dir: str, layers: tuple[int, ...] = (FINAL,), slot_count: int = 16, engine: int = 0
+) -> RingWriter:
+    """A real ring as the worker hook creates it (instance 1)."""
+    return RingWriter.create(
+        ring_dir,
+        hidden_size=HIDDEN_SIZE,
+        model=MODEL,
+        slot_count=slot_count,
+        instance=1,
+        engine=engine,
+        num_hidden_layers=FINAL,
+        layers=layers,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# what the proxy sent
+# ---------------------------------------------------------------------------------------------
+
+
+def sent_document(request: httpx.Request) -> dict[str, Any]:
     document = json.loads(request.content)
-    wire = document["vllm_xargs"][REQUEST_KEY_ENTRY]
+    assert isinstance(document, dict)
+    return document
+
+
+def forwarded_key(request: httpx.Request) -> bytes:
+    """The request key the proxy put into a forwarded request (asserts it is well formed)."""
+    wire = sent_document(request)["vllm_xargs"][REQUEST_KEY_ENTRY]
     key = request_key_from_wire(wire)
     assert key is not None, wire
     return key
+
+
+def wanted_of(request: httpx.Request) -> tuple[tuple[int, ...], str]:
+    """(layers, pooling) a forwarded request asks the hook for, as the hook reads them."""
+    xargs = sent_document(request).get("vllm_xargs") or {}
+    layers = tuple(xargs.get(LAYERS_ENTRY) or (FINAL,))
+    return layers, str(xargs.get(POOLING_ENTRY, "last"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the fake ring source and the fake hook
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeRing:
+    """Stands in for ``RingDirectory`` (the ``RingSource`` protocol); counts lookups."""
+
+    present: bool = True
+    layers: tuple[int, ...] = (FINAL,)
+    slots: int = 1024
+    records: dict[bytes, Found] = field(default_factory=dict)
+    failures: tuple[EngineFailure, ...] = ()
+    instance: int = 1
+    #: A lookup returns a record for another key (a proxy must never use it).
+    wrong_key: bool = False
+    #: ``overwritten_since`` answers this.
+    overwritten: bool = False
+    lookups: int = 0
+    closed: bool = False
+
+    def publish(self, found: Found) -> None:
+        self.records[found.key] = found
+
+    def lookup(self, key: bytes) -> Found | None:
+        self.lookups += 1
+        if self.wrong_key:
+            return record_for(bytes(reversed(key)))
+        return self.records.get(key)
+
+    def has_ring(self) -> bool:
+        return self.present
+
+    def live_ring_count(self) -> int:
+        return 1 if self.present else 0
+
+    def live_shapes(self) -> tuple[RingShape, ...]:
+        return (ring_shape(self.layers, self.slots),) if self.present else ()
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]:
+        return self.failures
+
+    def publishing_instances(self) -> frozenset[int]:
+        return frozenset({self.instance}) if self.present else frozenset()
+
+    def publish_marks(self) -> PublishMarks:
+        return {}
+
+    def overwritten_since(self, marks: PublishMarks) -> bool:
+        return self.overwritten
+
+    def smallest_slot_count(self) -> int | None:
+        return self.slots if self.present else None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+#: Where a fake vLLM publishes: a real ring (through its writer) or a fake one.
+Hook = RingWriter | FakeRing | None
+
+
+def publish(hook: Hook, found: Found) -> None:
+    if hook is None:
+        return
+    if isinstance(hook, FakeRing):
+        hook.publish(found)
+    elif isinstance(found, ErrorRecord):
+        hook.publish_error(found.key, found.message)
+    else:
+        hook.publish(
+            found.key,
+            found.vectors,
+            position=found.position,
+            num_prompt_tokens=found.num_prompt_tokens,
+            layers=found.layers,
+            pooling=found.pooling,
+        )
+
+
+def publish_for(hook: Hook, request: httpx.Request) -> bytes:
+    """Publish what the worker hook would for a flagged ``request``; its key."""
+    key = forwarded_key(request)
+    layers, pooling = wanted_of(request)
+    publish(hook, record_for(key, layers, pooling))
+    return key
+
+
+def is_flagged(request: httpx.Request) -> bool:
+    return REQUEST_KEY_ENTRY.encode() in request.content
+
+
+# ---------------------------------------------------------------------------------------------
+# the fake vLLM
+# ---------------------------------------------------------------------------------------------
 
 
 def completion(kv: dict[str, Any] | None = None, content: str = "hi") -> dict[str, Any]:
     return {
         "id": "chatcmpl-1",
         "object": "chat.completion",
-        "model": "m",
+        "model": MODEL,
         "choices": [
             {
                 "index": 0,
@@ -83,63 +264,20 @@ class FakeVLLM:
         return httpx.MockTransport(self)
 
 
-def publishing_handler(
-    writer: RingWriter | None, response_kv: dict[str, Any] | None = None
-) -> Handler:
-    """A chat endpoint that, like vLLM + the worker hook, publishes the vector for the key."""
+def publishing_handler(hook: Hook, response_kv: dict[str, Any] | None = None) -> Handler:
+    """A chat endpoint that, like vLLM with the worker hook, publishes the request's record."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
-        if REQUEST_KEY_ENTRY.encode() not in request.content:  # an ordinary request
-            return httpx.Response(200, json=completion(response_kv))
-        key = forwarded_key(request)
-        if writer is not None:
-            writer.publish(key, vector_bytes(vector_for(key)), position=4, num_prompt_tokens=5)
+        if is_flagged(request):
+            publish_for(hook, request)
         return httpx.Response(200, json=completion(response_kv))
 
     return handle
 
 
-@dataclass
-class FakeRecord:
-    key: bytes
-    values: list[float]
-
-    def as_floats(self) -> list[float]:
-        return list(self.values)
-
-
-@dataclass
-class FakeRing:
-    """Stands in for RingDirectory; counts lookups."""
-
-    present: bool = True
-    records: dict[bytes, FakeRecord] = field(default_factory=dict)
-    lookups: int = 0
-    wrong_key: bool = False
-
-    published: int = 0
-    slots: int | None = 1024
-
-    def has_ring(self) -> bool:
-        return self.present
-
-    def publish_count(self) -> int:
-        return self.published
-
-    def min_slot_count(self) -> int | None:
-        return self.slots if self.present else None
-
-    def hidden_size(self) -> int | None:
-        return HIDDEN_SIZE if self.present else None
-
-    def lookup(self, key: bytes) -> FakeRecord | None:
-        self.lookups += 1
-        if self.wrong_key:
-            return FakeRecord(bytes(16), [1.0])
-        return self.records.get(key)
-
-    def close(self) -> None:
-        pass
+# ---------------------------------------------------------------------------------------------
+# driving the app
+# ---------------------------------------------------------------------------------------------
 
 
 def settings_for(ring_dir: str, **overrides: Any) -> ProxySettings:
@@ -174,7 +312,10 @@ async def proxy_client(
     vllm: FakeVLLM | httpx.AsyncBaseTransport | None,
     ring: FakeRing | None = None,
 ) -> AsyncIterator[Proxy]:
-    """The proxy app in front of ``vllm``, lifespan running, with an in-process client."""
+    """The proxy app in front of ``vllm``, lifespan running, with an in-process client.
+
+    Without ``ring`` the app opens a real ``RingDirectory`` of ``settings.ring_dir``.
+    """
     transport = vllm.transport if isinstance(vllm, FakeVLLM) else vllm
     app = create_app(settings, transport, ring=ring)
     async with running(app) as client:
@@ -183,7 +324,7 @@ async def proxy_client(
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
     """The OpenAI error object, checking the exact shape."""
-    assert response.headers["content-type"] == "application/json"
+    assert response.headers["content-type"] == "application/json", response.headers
     body = response.json()
     assert set(body) == {"error"}
     error: dict[str, Any] = body["error"]
@@ -195,12 +336,15 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 @dataclass
 class AsgiCall:
-    """Drive the ASGI app directly (no client buffering) and record what it sends."""
+    """Drive an ASGI app directly (no client buffering) and record what it sends."""
 
-    app: Starlette
+    app: Callable[..., Awaitable[None]]
     messages: list[MutableMapping[str, Any]] = field(default_factory=list)
 
-    def scope(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    @staticmethod
+    def scope(
+        method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> dict[str, Any]:
         return {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -211,10 +355,13 @@ class AsgiCall:
             "raw_path": path.encode(),
             "query_string": b"",
             "root_path": "",
-            "headers": headers,
+            "headers": headers or [],
             "client": ("127.0.0.1", 5000),
             "server": ("127.0.0.1", 8000),
         }
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        self.messages.append(message)
 
     @property
     def body_chunks(self) -> list[bytes]:

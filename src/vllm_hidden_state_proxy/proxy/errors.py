@@ -8,6 +8,7 @@ Errors coming from vLLM are never rewritten; these are only for decisions the pr
      ├── 413  body_too_large(limit)
      ├── 401  (auth.py)                          missing or wrong API key
      ├── 502  hook_error(message)                the worker hook published an error record
+     │        record_mismatch(...)               its record lacks a layer or pooling asked for
      │        (upstream.py) vLLM unreachable, or broke off the exchange
      ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
      │        engines_without_ring(failures)     the engines whose hook could not start
@@ -90,6 +91,21 @@ def engines_without_ring(failures: Sequence[EngineFailure]) -> ProxyError:
 
 def hook_error(message: str) -> ProxyError:
     return ProxyError(502, f"The vLLM worker hook could not produce the hidden state: {message}")
+
+
+def record_mismatch(
+    published: Sequence[int], published_pooling: str, wanted: Sequence[int], wanted_pooling: str
+) -> ProxyError:
+    def listed(layers: Sequence[int]) -> str:
+        return ", ".join(map(str, layers))
+
+    return ProxyError(
+        502,
+        f"The vLLM worker hook published layers {listed(published)} ({published_pooling} "
+        f"pooling) for this request, which asked for layers {listed(wanted)} ({wanted_pooling} "
+        "pooling): the worker hook in vLLM and this proxy come from different releases of "
+        "vllm-hidden-state-proxy.",
+    )
 
 
 def vector_timeout(seconds: float) -> ProxyError:

@@ -20,7 +20,7 @@ import httpx
 from vllm_hidden_state_proxy.protocol import new_request_key, request_key_to_wire
 from vllm_hidden_state_proxy.proxy.answer_join import send_joined, single_prompt_fields
 from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Scope, Send, send_error
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, record_mismatch
 from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, flagged_body, parse_completion
 from vllm_hidden_state_proxy.proxy.relay import close_quietly, open_upstream, relay_response
 from vllm_hidden_state_proxy.proxy.state import ProxyState
@@ -73,8 +73,9 @@ Answer = VllmAnswer | JoinableAnswer
 
 
 async def record_of(state: ProxyState, request: KeyedRequest, early: Found | None = None) -> Record:
-    """The request's record; ``ProxyError`` if there is none (see :mod:`.vector_lookup`)."""
-    return await wait_for_record(
+    """The request's record; ``ProxyError`` if there is none (see :mod:`.vector_lookup`), or
+    if it lacks a layer or the pooling the request asked for (a hook of another release)."""
+    record = await wait_for_record(
         state.rings,
         request.key,
         request.marks,
@@ -82,6 +83,11 @@ async def record_of(state: ProxyState, request: KeyedRequest, early: Found | Non
         state.metrics,
         early,
     )
+    wanted = request.wanted
+    layers, pooling = wanted.distinct_layers, wanted.request.pooling
+    if record.pooling != pooling or not set(layers) <= set(record.layers):
+        raise record_mismatch(record.layers, record.pooling, layers, pooling)
+    return record
 
 
 async def _open(state: ProxyState, scope: Scope, request: KeyedRequest) -> httpx.Response:

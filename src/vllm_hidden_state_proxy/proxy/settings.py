@@ -322,7 +322,11 @@ def from_arguments(args: argparse.Namespace, **overrides: Any) -> ProxySettings:
 
 
 def command_line(settings: ProxySettings) -> list[str]:
-    """``hidden-state-proxy proxy`` arguments that reproduce ``settings`` (secrets excluded)."""
+    """``hidden-state-proxy proxy`` arguments that reproduce ``settings`` (secrets excluded).
+
+    Values are attached with ``=``, so that one starting with ``-`` (a template, a path) is not
+    taken for an option.
+    """
     argv: list[str] = []
     for f, spec in options():
         value = getattr(settings, f.name)
@@ -331,10 +335,9 @@ def command_line(settings: ProxySettings) -> list[str]:
         if spec.parse is bool:
             argv += [spec.flag] if value else []
         elif spec.repeat:
-            for item in value:
-                argv += [spec.flag, str(item)]
+            argv += [f"{spec.flag}={item}" for item in value]
         else:
-            argv += [spec.flag, str(value)]
+            argv.append(f"{spec.flag}={value}")
     return argv
 
 

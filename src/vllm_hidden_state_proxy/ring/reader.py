@@ -180,10 +180,12 @@ class RingReader:
         if mm is None:
             return
         n = self._shape.slot_count
-        if count < self._seen or count - self._seen >= n:
-            slots: range | list[int] = range(n)  # a new file's history, or we fell behind
-        else:
-            slots = [c % n for c in range(self._seen, count)]
+        # A new file's history, or a reader that fell behind, reads every slot. Either way
+        # slots go in publish order, oldest first, so that a key published twice maps to its
+        # newest slot (the one overwritten last).
+        every_slot = count < self._seen or count - self._seen >= n
+        first = count - n if every_slot else self._seen
+        slots = [c % n for c in range(first, count)]
         base = self._shape.index_offset
         for slot in slots:
             at = base + slot * INDEX_ENTRY_SIZE

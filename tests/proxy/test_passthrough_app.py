@@ -1,4 +1,6 @@
-"""Ordinary traffic: forwarded untouched, streamed back chunk by chunk."""
+"""Every other path (proxy/passthrough_app.py), and ordinary traffic on the generation paths:
+forwarded untouched, streamed back chunk by chunk; only the reserved entries and the flag are
+refused."""
 
 from __future__ import annotations
 
@@ -9,9 +11,17 @@ import anyio
 import httpx
 import pytest
 
+from tests.proxy.fakes import (
+    AsgiCall,
+    FakeRing,
+    FakeVLLM,
+    error_of,
+    proxy_client,
+    running,
+    settings_for,
+)
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy import create_app
-
-from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, proxy_client, running, settings_for
 
 pytestmark = pytest.mark.anyio
 
@@ -140,7 +150,7 @@ async def test_streaming_chunks_relayed_in_order_without_buffering() -> None:
         return {"type": "http.disconnect"}
 
     async def send(message: MutableMapping[str, Any]) -> None:
-        call.messages.append(message)
+        await call.send(message)
         if message["type"] == "http.response.body" and message["body"]:
             delivered[len(call.body_chunks) - 1].set()
 
@@ -173,3 +183,75 @@ async def test_streaming_through_client_in_order() -> None:
         response = await client.post("/v1/chat/completions", json={"stream": True})
     assert response.content == b"".join(chunks)
     assert response.headers["content-type"] == "text/event-stream"
+
+
+# ---------------------------------------------------------------------------------------------
+# what other paths refuse, and what they leave to vLLM
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/responses",
+            b'{"input": "x", "kv_transfer_params": {"return_last_hidden_state": true}}',
+            "kv_transfer_params.return_last_hidden_state",
+        ),
+        (
+            "/v1/responses",
+            b'{"input": "x", "vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": "00"}}',
+            "vllm_xargs",
+        ),
+        (
+            "/tokenize",
+            b'{"prompt": "x", "vllm_xargs": {"' + XARGS_PREFIX.encode() + b'pooling": "mean"}}',
+            "vllm_xargs",
+        ),
+        (
+            "/v1/audio/transcriptions",
+            '{"vllm_xargs": {"hidden_state_proxy_key": "00"}}'.encode("utf-16"),
+            "vllm_xargs",
+        ),
+    ],
+)
+async def test_the_flag_and_reserved_entries_are_refused_on_other_paths(
+    path: str, body: bytes, param: str
+) -> None:
+    """A flagged request must never get a 200 without its vector; reserved entries are the
+    proxy's own everywhere."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200)
+
+    vllm = FakeVLLM(handle)
+    async with proxy_client(settings_for("/nonexistent"), vllm, FakeRing()) as proxy:
+        response = await proxy.client.post(path, content=body)
+    assert response.status_code == 400
+    assert error_of(response)["param"] == param
+    assert vllm.requests == []
+
+
+async def test_an_unparseable_body_on_other_paths_is_left_to_vllm() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, content=b"vllm says no")
+
+    vllm = FakeVLLM(handle)
+    body = b'{"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": [}'
+    async with proxy_client(settings_for("/nonexistent"), vllm, FakeRing()) as proxy:
+        response = await proxy.client.post("/v1/responses", content=body)
+        assert proxy.metrics.requests["ordinary"] == 1
+    assert (response.status_code, response.content) == (422, b"vllm says no")
+    assert vllm.requests[0].content == body
+
+
+async def test_a_body_over_the_limit_is_413_on_other_paths() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200)
+
+    vllm = FakeVLLM(handle)
+    settings = settings_for("/nonexistent", max_body_bytes=10)
+    async with proxy_client(settings, vllm, FakeRing()) as proxy:
+        response = await proxy.client.post("/tokenize", content=b"x" * 11)
+    assert response.status_code == 413
+    assert vllm.requests == []

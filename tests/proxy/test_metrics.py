@@ -1,0 +1,69 @@
+"""The proxy's own Prometheus metrics (proxy/metrics.py), rendered by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_hidden_state_proxy.proxy.metrics import KINDS, MISS_REASONS, ProxyMetrics
+
+
+def samples(text: bytes) -> dict[str, float]:
+    """Sample name (with labels) -> value; checks every line's shape on the way."""
+    values: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        sample, number = line.rsplit(" ", 1)
+        assert sample.startswith("hidden_state_proxy_"), line
+        values[sample] = float(number)
+    return values
+
+
+def test_every_counter_and_gauge_is_rendered() -> None:
+    metrics = ProxyMetrics()
+    metrics.requests["flagged"] += 2
+    metrics.flagged_received += 3
+    metrics.vector_misses["engine_without_ring"] += 1
+    metrics.upstream_errors += 4
+    text = metrics.render(live_rings=8, engines_without_ring=2)
+    values = samples(text)
+    assert {k: values[f'hidden_state_proxy_requests_total{{kind="{k}"}}'] for k in KINDS} == {
+        "ordinary": 0,
+        "flagged": 2,
+        "embeddings": 0,
+    }
+    assert values["hidden_state_proxy_flagged_requests_total"] == 3
+    assert {
+        r: values[f'hidden_state_proxy_vector_misses_total{{reason="{r}"}}'] for r in MISS_REASONS
+    } == {
+        "overwritten": 0,
+        "not_published": 0,
+        "engine_without_ring": 1,
+    }
+    assert values["hidden_state_proxy_upstream_errors_total"] == 4
+    assert values["hidden_state_proxy_live_rings"] == 8
+    assert values["hidden_state_proxy_engines_without_ring"] == 2
+    lines = text.decode().splitlines()
+    assert "# TYPE hidden_state_proxy_live_rings gauge" in lines
+    assert "# TYPE hidden_state_proxy_engines_without_ring gauge" in lines
+    assert "# TYPE hidden_state_proxy_requests_total counter" in lines
+    assert text.endswith(b"\n")
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    metrics = ProxyMetrics()
+    for value in (0.00005, 0.0001, 0.003, 0.003, 7.0, 60.0):
+        metrics.vector_wait.observe(value)
+    values = samples(metrics.render(live_rings=1, engines_without_ring=0))
+    prefix = 'hidden_state_proxy_vector_wait_seconds_bucket{le="'
+    bucket = {k[len(prefix) : -2]: v for k, v in values.items() if k.startswith(prefix)}
+    assert bucket["0.0001"] == 2  # le is inclusive
+    assert bucket["0.0025"] == 2
+    assert bucket["0.005"] == 4
+    assert bucket["5.0"] == 4
+    assert bucket["10.0"] == 5
+    assert bucket["+Inf"] == 6
+    counts = list(bucket.values())
+    assert counts == sorted(counts)
+    assert values["hidden_state_proxy_vector_wait_seconds_count"] == 6
+    assert values["hidden_state_proxy_vector_wait_seconds_sum"] == pytest.approx(67.00615)

@@ -1,0 +1,212 @@
+"""``GET /health`` and ``GET /metrics`` (proxy/ops_app.py): both consult vLLM too; health also
+reports an engine of a publishing vLLM that has no ring, metrics the rings' gauges."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+
+from tests.proxy.fakes import (
+    FakeRing,
+    FakeVLLM,
+    Handler,
+    create_writer,
+    error_of,
+    proxy_client,
+    publishing_handler,
+    settings_for,
+)
+from vllm_hidden_state_proxy.ring import EngineFailure, FailureNote, RingWriter
+
+pytestmark = pytest.mark.anyio
+
+VLLM_METRICS = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model="m"} 0.0'
+FLAGGED = {"messages": [], "kv_transfer_params": {"return_last_hidden_state": True}}
+
+
+def ops_handler(health_status: int = 200, metrics_status: int = 200, delay: float = 0.0) -> Handler:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(delay)
+        if request.url.path == "/health":
+            return httpx.Response(health_status)
+        if request.url.path == "/metrics":
+            return httpx.Response(metrics_status, content=VLLM_METRICS)
+        return httpx.Response(200, json={"ok": True})
+
+    return handle
+
+
+# ---------------------------------------------------------------------------------------------
+# /health
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_health_is_200_when_vllm_is_healthy() -> None:
+    vllm = FakeVLLM(ops_handler())
+    async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
+        response = await proxy.client.get("/health")
+    assert (response.status_code, response.content) == (200, b"")
+    assert [r.url.path for r in vllm.requests] == ["/health"]
+
+
+@pytest.mark.parametrize(
+    ("handler", "fragment"),
+    [
+        (ops_handler(health_status=500), "/health answered 500"),
+        (ops_handler(delay=3600.0), "/health did not answer within 0.1 s"),
+    ],
+    ids=["vllm-500", "vllm-slow"],
+)
+async def test_health_is_503_when_vllm_is_not_healthy(handler: Handler, fragment: str) -> None:
+    settings = settings_for("/unused", health_timeout=0.1)
+    async with proxy_client(settings, FakeVLLM(handler), FakeRing()) as proxy:
+        with anyio.fail_after(60):
+            response = await proxy.client.get("/health")
+    assert response.status_code == 503
+    error = error_of(response)
+    assert error["type"] == "service_unavailable"
+    assert fragment in error["message"]
+    assert "vLLM at http://vllm.test:8000 is not healthy" in error["message"]
+
+
+async def test_health_is_503_when_vllm_is_unreachable() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), FakeRing()) as proxy:
+        response = await proxy.client.get("/health")
+    assert response.status_code == 503
+    assert "ConnectError" in error_of(response)["message"]
+
+
+FAILURE = EngineFailure(instance=1, engine=1, pid=77, message="RingInUseError: held")
+
+
+async def test_health_is_503_when_an_engine_of_a_publishing_vllm_has_no_ring() -> None:
+    """Some flagged requests would fail (whichever vLLM routes to that engine): not ready."""
+    ring = FakeRing(instance=1, failures=(FAILURE,))
+    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
+        response = await proxy.client.get("/health")
+    assert response.status_code == 503
+    message = error_of(response)["message"]
+    assert message.startswith("vLLM at http://vllm.test:8000 is healthy, but engine 1")
+    assert "RingInUseError: held" in message
+
+
+@pytest.mark.parametrize(
+    "ring",
+    [
+        FakeRing(present=False, failures=(FAILURE,)),  # the hook is off everywhere
+        FakeRing(instance=2, failures=(FAILURE,)),  # another vLLM, which publishes nothing
+    ],
+    ids=["no-instance-publishes", "failure-of-another-instance"],
+)
+async def test_health_is_200_when_no_engine_of_a_publishing_vllm_lacks_its_ring(
+    ring: FakeRing,
+) -> None:
+    """Flagged requests get a clear 503 each; ordinary traffic must keep flowing."""
+    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
+        response = await proxy.client.get("/health")
+    assert response.status_code == 200
+
+
+async def test_health_with_real_rings_and_notes(ring_dir: str, writer: RingWriter) -> None:
+    other = FailureNote.write(ring_dir, instance=2, engine=0, message="other vLLM")
+    try:
+        async with proxy_client(settings_for(ring_dir), FakeVLLM(ops_handler())) as proxy:
+            assert (await proxy.client.get("/health")).status_code == 200
+            own = FailureNote.write(ring_dir, instance=1, engine=1, message="no space left")
+            try:
+                proxy.app.state.proxy.rings.refresh()
+                response = await proxy.client.get("/health")
+            finally:
+                own.close()
+    finally:
+        other.close()
+    assert response.status_code == 503
+    message = error_of(response)["message"]
+    assert "engine 1" in message and "no space left" in message
+    assert "other vLLM" not in message
+
+
+# ---------------------------------------------------------------------------------------------
+# /metrics
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_metrics_are_vllms_then_the_proxys(ring_dir: str, writer: RingWriter) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, content=VLLM_METRICS)
+        return await publishing_handler(writer)(request)
+
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
+        assert (await proxy.client.post("/v1/chat/completions", json=FLAGGED)).status_code == 200
+        assert (await proxy.client.get("/v1/models")).status_code == 200
+        response = await proxy.client.get("/metrics")
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = response.text
+    assert text.startswith(VLLM_METRICS.decode() + "\n# HELP hidden_state_proxy_requests_total")
+    lines = text.splitlines()
+    for line in (
+        'hidden_state_proxy_requests_total{kind="ordinary"} 1',
+        'hidden_state_proxy_requests_total{kind="flagged"} 1',
+        'hidden_state_proxy_requests_total{kind="embeddings"} 0',
+        "hidden_state_proxy_flagged_requests_total 1",
+        'hidden_state_proxy_vector_misses_total{reason="overwritten"} 0',
+        'hidden_state_proxy_vector_misses_total{reason="not_published"} 0',
+        'hidden_state_proxy_vector_misses_total{reason="engine_without_ring"} 0',
+        "hidden_state_proxy_upstream_errors_total 0",
+        "hidden_state_proxy_live_rings 1",
+        "hidden_state_proxy_engines_without_ring 0",
+        'hidden_state_proxy_vector_wait_seconds_bucket{le="+Inf"} 1',
+        "hidden_state_proxy_vector_wait_seconds_count 1",
+    ):
+        assert line in lines, line
+
+
+async def test_the_ring_gauges_follow_the_directory(ring_dir: str, writer: RingWriter) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=VLLM_METRICS + b"\n")
+
+    def gauges(text: str) -> tuple[str, str]:
+        lines = text.splitlines()
+        live = next(line for line in lines if line.startswith("hidden_state_proxy_live_rings "))
+        without = next(
+            line for line in lines if line.startswith("hidden_state_proxy_engines_without_ring ")
+        )
+        return live.split()[1], without.split()[1]
+
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
+        rings = proxy.app.state.proxy.rings
+        assert gauges((await proxy.client.get("/metrics")).text) == ("1", "0")
+        with create_writer(ring_dir, engine=1), create_writer(ring_dir, engine=2):
+            note = FailureNote.write(ring_dir, instance=1, engine=3, message="m")
+            try:
+                rings.refresh()
+                response = await proxy.client.get("/metrics")
+                assert gauges(response.text) == ("3", "1")
+                assert VLLM_METRICS.decode() + "\n# HELP" in response.text  # one newline
+            finally:
+                note.close()
+        rings.refresh()
+        assert gauges((await proxy.client.get("/metrics")).text) == ("1", "0")
+
+
+@pytest.mark.parametrize("mode", ["status-500", "unreachable"])
+async def test_metrics_without_vllm_still_serve_the_proxys_own(mode: str) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if mode == "unreachable":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(500, content=b"boom")
+
+    ring = FakeRing(failures=(FAILURE,))
+    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
+        response = await proxy.client.get("/metrics")
+    assert response.status_code == 200
+    assert response.text.startswith("# HELP hidden_state_proxy_requests_total")
+    assert "boom" not in response.text
+    assert "hidden_state_proxy_engines_without_ring 1" in response.text.splitlines()

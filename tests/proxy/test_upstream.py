@@ -1,0 +1,146 @@
+"""The connection to vLLM (proxy/upstream.py): the request built for vLLM, where it goes, its
+timeouts, and the error a failed exchange becomes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, error_of, proxy_client, settings_for
+from vllm_hidden_state_proxy.proxy import ProxySettings
+from vllm_hidden_state_proxy.proxy.upstream import (
+    KEEPALIVE_EXPIRY,
+    build_request,
+    create_ops_client,
+    create_transport,
+    transport_error,
+    upstream_url,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def scope(path: str = "/v1/models", **details: Any) -> dict[str, Any]:
+    built = AsgiCall.scope("POST", path, details.pop("headers", []))
+    built.update(details)
+    return built
+
+
+@pytest.mark.parametrize(
+    ("upstream", "request_scope", "expected"),
+    [
+        ("http://vllm:8000", scope(query_string=b"a=1"), "http://vllm:8000/v1/models?a=1"),
+        ("http://vllm:8000/", scope(), "http://vllm:8000/v1/models"),
+        ("http://vllm:8000/base/", scope(), "http://vllm:8000/base/v1/models"),
+        # raw_path kept verbatim (percent-encoding is vLLM's to decode), query split off
+        (
+            "http://vllm:8000",
+            scope("/v1/x y", raw_path=b"/v1/x%20y?ignored", query_string=b"q=%2F"),
+            "http://vllm:8000/v1/x%20y?q=%2F",
+        ),
+        ("http://vllm:8000", scope("/v1/plain", raw_path=None), "http://vllm:8000/v1/plain"),
+    ],
+)
+def test_upstream_url(upstream: str, request_scope: dict[str, Any], expected: str) -> None:
+    settings = ProxySettings(upstream_url=upstream)
+    assert upstream_url(settings, request_scope) == expected
+
+
+def test_the_request_carries_the_settings_timeouts() -> None:
+    """The transport is called without an AsyncClient: the timeouts must ride on the request."""
+    settings = ProxySettings(
+        upstream_url="http://vllm:8000", request_timeout=0.5, connect_timeout=2.0
+    )
+    request = build_request(settings, scope(), b"{}")
+    assert request.extensions["timeout"] == {
+        "connect": 2.0,
+        "read": 0.5,
+        "write": 0.5,
+        "pool": None,
+    }
+    assert request.method == "POST"
+    assert ProxySettings(upstream_url="http://v").timeouts["read"] is None  # long generations
+
+
+def test_the_request_has_the_clients_headers_and_nothing_added() -> None:
+    settings = ProxySettings(upstream_url="http://vllm:8000")
+    headers = [(b"authorization", b"Bearer k"), (b"x-request-id", b"r"), (b"host", b"proxy")]
+    request = build_request(
+        settings, scope(headers=headers), b"{}", drop=frozenset({b"x-request-id"})
+    )
+    assert request.headers.raw == [
+        (b"Host", b"vllm:8000"),
+        (b"authorization", b"Bearer k"),
+        (b"content-length", b"2"),
+    ]
+
+
+def test_an_upstream_api_key_replaces_the_clients() -> None:
+    settings = ProxySettings(upstream_url="http://vllm:8000", upstream_api_key="vllm-key")
+    request = build_request(settings, scope(headers=[(b"authorization", b"Bearer client")]), b"")
+    assert request.headers.get_list("authorization") == ["Bearer vllm-key"]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "fragment"),
+    [
+        (httpx.ReadTimeout("r"), 504, "did not answer in time"),
+        (httpx.WriteTimeout("w"), 504, "did not answer in time"),
+        (httpx.PoolTimeout("p"), 504, "did not answer in time"),
+        (httpx.ConnectTimeout("c"), 502, "Could not reach vLLM at http://vllm:8000"),
+        (httpx.ConnectError("c"), 502, "Could not reach vLLM at http://vllm:8000"),
+        (httpx.ReadError("r"), 502, "The exchange with vLLM at http://vllm:8000 failed"),
+        (httpx.DecodingError("d"), 502, "The exchange with vLLM at http://vllm:8000 failed"),
+    ],
+)
+def test_transport_errors_map_to_502_or_504(
+    error: httpx.HTTPError, status: int, fragment: str
+) -> None:
+    mapped = transport_error(ProxySettings(upstream_url="http://vllm:8000"), error)
+    assert mapped.status == status and fragment in mapped.message
+
+
+async def test_an_injected_transport_is_used_as_it_is() -> None:
+    settings = ProxySettings(upstream_url="http://vllm:8000", health_timeout=1.5)
+    injected = httpx.MockTransport(lambda request: httpx.Response(204))
+    assert create_transport(settings, injected) is injected
+    pooled = create_transport(settings)
+    assert isinstance(pooled, httpx.AsyncHTTPTransport)
+    await pooled.aclose()
+    ops = create_ops_client(settings, injected)
+    try:
+        assert ops.timeout == httpx.Timeout(1.5)
+        assert not ops.follow_redirects
+        assert (await ops.get("http://vllm:8000/health")).status_code == 204
+    finally:
+        await ops.aclose()
+    assert KEEPALIVE_EXPIRY < 5.0  # vLLM (uvicorn) drops idle connections after 5 s
+
+
+async def test_a_vllm_that_never_answers_is_a_504_after_the_read_timeout() -> None:
+    async def hang(request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions["timeout"]["read"]
+        await anyio.sleep(timeout)  # what httpcore does with the extension: give up after it
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    settings = settings_for("/unused", request_timeout=0.05)
+    async with proxy_client(settings, FakeVLLM(hang), FakeRing()) as proxy:
+        response = await proxy.client.get("/v1/models")
+    assert response.status_code == 504
+    assert error_of(response)["type"] == "gateway_timeout"
+
+
+async def test_nothing_listening_is_502() -> None:
+    """A real connection attempt (no mock transport) to a closed loopback port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = settings_for("/unused", upstream_url=f"http://127.0.0.1:{port}")
+    async with proxy_client(settings, None, FakeRing()) as proxy:
+        response = await proxy.client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 502
+    assert f"http://127.0.0.1:{port}" in error_of(response)["message"]

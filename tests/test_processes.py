@@ -1,0 +1,170 @@
+"""Process helpers shared by serve, the demo, the bench and the tests (processes.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_hidden_state_proxy.processes import (
+    VLLM_LOOPBACK,
+    NotHealthy,
+    free_port,
+    log_tail,
+    offline_environment,
+    one_vllm_at_a_time,
+    stop_process_group,
+    vllm_command,
+    wait_until_healthy,
+)
+
+UNREACHABLE_PROXY = "http://127.0.0.1:9"
+
+
+def test_vllm_command() -> None:
+    assert vllm_command("org/model", 8001, ["--dtype", "float16"]) == [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "org/model",
+        "--host",
+        VLLM_LOOPBACK,
+        "--port",
+        "8001",
+        "--dtype",
+        "float16",
+    ]
+    assert vllm_command("m", 1, [], host="0.0.0.0")[6] == "0.0.0.0"
+
+
+def test_offline_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    environment = offline_environment()
+    assert environment["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a setting of one's own is kept
+    assert environment["HF_HUB_OFFLINE"] == environment["TRANSFORMERS_OFFLINE"] == "1"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert offline_environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    assert 0 < port < 65536
+
+
+def test_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    log.write_text("\n".join(f"line {i}" for i in range(100)))
+    assert log_tail(log, 2) == "line 98\nline 99"
+    assert log_tail(tmp_path / "missing") == "(no log)"
+
+
+PROBES = r"""
+import http.server, subprocess, sys, threading
+from vllm_hidden_state_proxy.processes import healthy, wait_until_healthy
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = f"http://127.0.0.1:{server.server_address[1]}/health"
+assert healthy(url), "the probe went through the proxy"
+running = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                           stdin=subprocess.PIPE)
+wait_until_healthy(url, running, timeout=30)
+running.stdin.close()
+running.wait()
+print("both probes reached the server")
+"""
+
+
+def test_health_probes_ignore_an_http_proxy_in_the_environment() -> None:
+    """serve, the demo and the bench probe their own children: never through a proxy."""
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    env.update(http_proxy=UNREACHABLE_PROXY, HTTP_PROXY=UNREACHABLE_PROXY)
+    paths = [str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBES], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "both probes reached the server" in done.stdout
+
+
+def test_waiting_for_health_ends_when_the_server_exits() -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        with pytest.raises(NotHealthy, match="exited with status 3"):
+            wait_until_healthy(f"http://127.0.0.1:{free_port()}/health", exited, timeout=3600)
+    finally:
+        exited.wait()
+
+
+SLEEPER = "import signal, sys; {setup}; print('ready', flush=True); sys.stdin.read()"
+
+
+def start_sleeper(setup: str = "pass") -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER.format(setup=setup)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    return process
+
+
+def close_pipes(process: subprocess.Popen[bytes]) -> None:
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def test_stop_process_group_terminates_then_kills() -> None:
+    said: list[str] = []
+    polite = start_sleeper()
+    stubborn = start_sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    try:
+        stop_process_group(polite, "polite", grace=60, say=said.append)
+        assert polite.returncode == -signal.SIGTERM
+        stop_process_group(stubborn, "stubborn", grace=0.1, say=said.append)
+        assert stubborn.returncode == -signal.SIGKILL
+    finally:
+        for process in (polite, stubborn):
+            close_pipes(process)
+    assert said == ["stubborn did not stop in 0 s; killing it"]
+    stop_process_group(None, "nothing")  # nothing started: nothing to do
+    stop_process_group(polite, "again")  # already stopped: no error
+
+
+def test_one_vllm_at_a_time_waits_for_the_holder(tmp_path: Path) -> None:
+    lock_path = tmp_path / "vllm.lock"
+    with open(lock_path, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        waited: list[str] = []
+
+        def on_wait() -> None:  # the other holder finishes while we wait
+            waited.append("waited")
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        with (
+            one_vllm_at_a_time(on_wait, path=lock_path),
+            open(lock_path, "a") as probe,
+            pytest.raises(BlockingIOError),
+        ):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert waited == ["waited"]
+    with one_vllm_at_a_time(lambda: waited.append("again"), path=lock_path):
+        pass
+    assert waited == ["waited"]  # free: no wait
