@@ -70,9 +70,11 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-server = http.server.HTTPServer(("127.0.0.1", port), Health)
 (pid_dir / f".{role}").write_text(str(os.getpid()))
 (pid_dir / f".{role}").rename(pid_dir / role)  # atomic: the test never reads half a pid
+if mode == "silent":  # runs, never listens
+    signal.pause()
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
 server.serve_forever()
 """
 
@@ -289,12 +291,21 @@ def test_taken_port_fails_at_once(start: Starter, option: str) -> None:
     assert not (server.pid_dir / "vllm").exists()  # refused before anything started
 
 
-def test_proxy_that_never_gets_healthy_is_given_up_on(start: Starter) -> None:
-    server: Serve = start(proxy="unhealthy")  # the runner sets PROXY_STARTUP_TIMEOUT = 2
+def test_proxy_that_never_answers_is_given_up_on(start: Starter) -> None:
+    server: Serve = start(proxy="silent")  # the runner sets PROXY_STARTUP_TIMEOUT = 2
     vllm, proxy = server.pid("vllm"), server.pid("proxy")
     assert server.wait() == 1, server.output
     assert "the proxy was not healthy after 2 s; giving up" in server.output
     assert not alive(vllm) and not alive(proxy)
+
+
+def test_a_proxy_that_answers_but_is_not_ready_is_reported_and_kept(start: Starter) -> None:
+    """An engine without a ring makes the proxy's /health 503 once vLLM is healthy: serve
+    says so and goes on serving (the other engines and ordinary traffic work)."""
+    server: Serve = start(proxy="unhealthy")
+    vllm, proxy = server.ready()
+    assert "the proxy is up after" in server.output and "but not ready (503)" in server.output
+    assert alive(vllm) and alive(proxy)
 
 
 def test_sigkill_of_serve_takes_the_children_down(start: Starter, tmp_path: Path) -> None:

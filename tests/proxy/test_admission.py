@@ -237,7 +237,10 @@ async def test_a_layer_the_server_does_not_capture_is_400_listing_the_captured(
     error = error_of(response)
     assert error["param"] == "kv_transfer_params.last_hidden_state_layers"
     assert "Layer 3 is not captured" in error["message"]
-    assert f"captures layers {', '.join(map(str, LAYERED))} (of {FINAL}" in error["message"]
+    assert (
+        f"captures layers {', '.join(map(str, LAYERED))} (the model has {FINAL} decoder layers"
+        in error["message"]
+    )
     assert vllm.requests == []
 
 
@@ -251,7 +254,10 @@ async def test_a_plain_server_captures_only_the_final_layer(
             CHAT, content=with_flag(last_hidden_state_layers=[-1, FINAL])
         )
     assert refused.status_code == 400
-    assert f"captures layers {FINAL} (of {FINAL}" in error_of(refused)["message"]
+    assert (
+        f"captures layers {FINAL} (the model has {FINAL} decoder layers"
+        in error_of(refused)["message"]
+    )
     assert accepted.status_code == 200, accepted.text
 
 

@@ -353,7 +353,7 @@ def test_a_layer_the_server_does_not_capture_is_400_listing_the_captured(layer: 
     error = caught.value
     assert (error.status, error.param) == (400, f"{KV}.last_hidden_state_layers")
     assert f"Layer {layer} is not captured" in error.message
-    assert "captures layers 0, 2, 4 (of 4; -1 is 4" in error.message
+    assert "captures layers 0, 2, 4 (the model has 4 decoder layers; -1 means 4" in error.message
     assert "--hidden-state-layers" in error.message
 
 

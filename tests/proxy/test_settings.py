@@ -276,6 +276,8 @@ def test_every_option_has_a_flag_and_help_and_the_rest_none() -> None:
     with_options = {f.name for f, _ in options()}
     assert with_options == {
         "upstream_url",
+        "upstream_uds",
+        "upstream_client",
         "host",
         "port",
         "ring_dir",
@@ -290,6 +292,7 @@ def test_every_option_has_a_flag_and_help_and_the_rest_none() -> None:
         "api_key",
         "protect_metrics",
         "upstream_api_key",
+        "workers",
         "log_level",
     }
     all_fields = {f.name for f in dataclasses.fields(ProxySettings)}

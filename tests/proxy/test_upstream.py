@@ -3,6 +3,7 @@ timeouts, and the error a failed exchange becomes."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, error_of, proxy_client, settings_for
 from vllm_hidden_state_proxy.proxy import ProxySettings
+from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
 from vllm_hidden_state_proxy.proxy.upstream import (
     KEEPALIVE_EXPIRY,
     build_request,
@@ -109,8 +111,11 @@ async def test_an_injected_transport_is_used_as_it_is() -> None:
     injected = httpx.MockTransport(lambda request: httpx.Response(204))
     assert create_transport(settings, injected) is injected
     pooled = create_transport(settings)
-    assert isinstance(pooled, httpx.AsyncHTTPTransport)
+    assert isinstance(pooled, AiohttpTransport)  # the default engine
     await pooled.aclose()
+    own = create_transport(dataclasses.replace(settings, upstream_client="httpx"))
+    assert isinstance(own, httpx.AsyncHTTPTransport)
+    await own.aclose()
     ops = create_ops_client(settings, injected)
     try:
         assert ops.timeout == httpx.Timeout(1.5)

@@ -6,6 +6,7 @@ are replaced, so the backoff, the deadline and "at once" are exact statements, n
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -30,12 +31,10 @@ from vllm_hidden_state_proxy.proxy import vector_lookup
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.vector_lookup import (
-    EARLY_DELAY,
     EARLY_INTERVAL,
     FIRST_BACKOFF,
     MAX_BACKOFF,
     EarlyCapture,
-    capturing_early,
     check_rings,
     wait_for_record,
 )
@@ -57,7 +56,7 @@ FAILURE = EngineFailure(instance=1, engine=1, pid=4321, message="RingInUseError:
 
 
 class VirtualClock:
-    """Stands in for the module's ``time`` and ``anyio.sleep``: sleeping advances it."""
+    """Stands in for the module's ``time`` and ``asyncio.sleep``: sleeping advances it."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -76,8 +75,8 @@ class VirtualClock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualClock]:
     virtual = VirtualClock()
     monkeypatch.setattr(vector_lookup, "time", SimpleNamespace(monotonic=virtual.monotonic))
-    fake_anyio = SimpleNamespace(sleep=virtual.sleep, create_task_group=anyio.create_task_group)
-    monkeypatch.setattr(vector_lookup, "anyio", fake_anyio)
+    fake_asyncio = SimpleNamespace(sleep=virtual.sleep, get_running_loop=asyncio.get_running_loop)
+    monkeypatch.setattr(vector_lookup, "asyncio", fake_asyncio)
     yield virtual
 
 
@@ -208,22 +207,22 @@ async def test_a_record_for_another_key_is_a_miss(clock: VirtualClock) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# EarlyCapture and capturing_early
+# EarlyCapture
 # ---------------------------------------------------------------------------------------------
 
 
-async def test_the_early_capture_waits_then_polls_until_found(clock: VirtualClock) -> None:
+async def test_the_early_capture_polls_until_found(clock: VirtualClock) -> None:
     ring = CountdownRing(3)
     capture = EarlyCapture(ring, KEY, {})
-    await capture.run()
+    await capture.poll()
     assert capture.found == record_for(KEY)
-    assert clock.sleeps == [EARLY_DELAY, EARLY_INTERVAL, EARLY_INTERVAL]
+    assert clock.sleeps == [EARLY_INTERVAL, EARLY_INTERVAL]
 
 
 async def test_the_early_capture_gives_up_once_overwritten(clock: VirtualClock) -> None:
     ring = CountdownRing(10**9, overwritten=True)
     capture = EarlyCapture(ring, KEY, {})
-    await capture.run()
+    await capture.poll()
     assert capture.found is None
     assert ring.lookups == 1
 
@@ -236,7 +235,7 @@ async def test_the_early_capture_leaves_ring_trouble_to_the_direct_lookup(
             raise RingFormatError("ring-x.bin: truncated after mapping")
 
     capture = EarlyCapture(BrokenRing(), KEY, {})
-    await capture.run()
+    await capture.poll()
     assert capture.found is None
 
 
@@ -246,8 +245,10 @@ async def test_short_work_finishes_before_the_first_look() -> None:
     async def quick() -> None:
         return None
 
-    assert await capturing_early(ring, KEY, {}, quick()) is None
-    assert ring.lookups == 0
+    capture = EarlyCapture(ring, KEY, {})
+    await capture.during(quick())
+    assert capture.found is None
+    assert ring.lookups == 0  # only a timer was set, and cancelled
 
 
 async def test_long_work_gets_the_record_captured_meanwhile() -> None:
@@ -267,8 +268,10 @@ async def test_long_work_gets_the_record_captured_meanwhile() -> None:
     async def generation() -> None:
         await ring.found_once.wait()
 
+    capture = EarlyCapture(ring, KEY, {})
     with anyio.fail_after(60):
-        assert await capturing_early(ring, KEY, {}, generation()) == record_for(KEY)
+        await capture.during(generation())
+    assert capture.found == record_for(KEY)
 
 
 # ---------------------------------------------------------------------------------------------

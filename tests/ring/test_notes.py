@@ -87,11 +87,10 @@ def test_a_second_note_for_a_live_engine_is_refused(
 NOTE_WRITER = """
 note = FailureNote.write(sys.argv[1], instance=7, engine=int(sys.argv[2]), message="boom")
 if sys.argv[3] == "fork":
-    child = os.fork()
-    if child == 0:
+    if os.fork() == 0:  # the child: its after-fork hooks have run when fork returns here
+        print(os.getpid(), flush=True)
         sys.stdin.read()
         os._exit(0)
-    print(child, flush=True)
 else:
     print(os.getpid(), flush=True)
 sys.stdin.read()  # lives until the test closes stdin or kills it

@@ -7,7 +7,9 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -42,7 +44,11 @@ class _ExactPaths:
             if app is not None:
                 await app(scope, receive, send)
                 return
-        await self.router(scope, receive, send)
+        try:
+            await self.router(scope, receive, send)
+        except HTTPException as exc:  # what Starlette's ExceptionMiddleware would answer
+            response = PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+            await response(scope, receive, send)
 
 
 class _ProxyStarlette(Starlette):

@@ -15,7 +15,7 @@ import fcntl
 import mmap
 import os
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 PREFIX = "hidden_state_proxy_"
@@ -138,8 +138,8 @@ class MetricsTable:
             self._fd = None
 
 
-class _Counters:
-    """``metrics.requests["flagged"] += 1`` onto a table row."""
+class _Counters(Mapping[str, int]):
+    """``metrics.requests["flagged"] += 1`` onto a table row (and a read-only mapping)."""
 
     def __init__(self, row: memoryview, first: int, names: tuple[str, ...]) -> None:
         self._row = row
@@ -152,10 +152,26 @@ class _Counters:
     def __setitem__(self, name: str, value: int) -> None:
         self._row[self._index[name]] = value
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
 
 class _WaitHistogram:
     def __init__(self, row: memoryview) -> None:
         self._row = row
+
+    @property
+    def count(self) -> int:
+        value: int = self._row[_WAIT_COUNT]
+        return value
+
+    @property
+    def total(self) -> float:
+        """Seconds observed, summed."""
+        return float(self._row[_WAIT_SUM_NS]) / 1e9
 
     def observe(self, seconds: float) -> None:
         row = self._row

@@ -160,9 +160,10 @@ class EarlyCapture:
                 self._task.cancel()
 
     def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._poll())
+        self._task = asyncio.get_running_loop().create_task(self.poll())
 
-    async def _poll(self) -> None:
+    async def poll(self) -> None:
+        """Look every ``EARLY_INTERVAL`` until found, or until the rings have moved past it."""
         while True:
             try:
                 found = _matching(self.rings, self.key)
