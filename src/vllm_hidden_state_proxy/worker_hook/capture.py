@@ -298,7 +298,13 @@ class StepCapture:
             self._errors.exception("publishing earlier steps' hidden states")
         selected = self.selected
         try:
-            selected.observe(scheduler_output.scheduled_new_reqs, scheduler_output.finished_req_ids)
+            finished = scheduler_output.finished_req_ids
+            if len(self.means):
+                # Before observing: a finished id may be reused by a new request in this step,
+                # which must not continue the old request's sum (keep_only cannot tell them
+                # apart).
+                self.means.forget(finished)
+            selected.observe(scheduler_output.scheduled_new_reqs, finished)
         except Exception:
             self._errors.exception("reading the scheduler output")
             return
