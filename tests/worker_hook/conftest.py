@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.worker_hook.fakes import CAPTURED, HIDDEN, MODEL
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENV,
+    RING_DIR_ENV,
+    RING_DIR_MODE_ENV,
+    RING_SLOTS_ENV,
+)
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
+from vllm_hidden_state_proxy.worker_hook import capture as capture_module
 
 HOOK_LOGGER = "vllm.hidden_state_hook"
-HIDDEN = 4
-MODEL = "test-model"
+#: The instance number of the ``writer`` fixture's ring.
+INSTANCE = 0x1234_5678_9ABC_DEF0
 
 
 class HookLog:
@@ -71,8 +79,18 @@ def ring_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def writer(ring_dir: Path) -> Iterator[RingWriter]:
-    """A real ring of ``HIDDEN``-d vectors for ``MODEL``, closed after the test."""
-    w = RingWriter.create(ring_dir, writer_id="dp0", hidden_size=HIDDEN, model=MODEL, slot_count=16)
+    """A real ring of ``HIDDEN``-d vectors of the ``CAPTURED`` layers for ``MODEL``, closed
+    after the test."""
+    w = RingWriter.create(
+        ring_dir,
+        hidden_size=HIDDEN,
+        model=MODEL,
+        slot_count=16,
+        instance=INSTANCE,
+        engine=0,
+        num_hidden_layers=CAPTURED.num_hidden_layers,
+        layers=CAPTURED.layers,
+    )
     try:
         yield w
     finally:
@@ -86,3 +104,26 @@ def reader(writer: RingWriter) -> Iterator[RingReader]:
         yield r
     finally:
         r.close()
+
+
+@pytest.fixture
+def ring_env(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The hook's environment: rings of 8 slots in ``ring_dir``, default modes, final layer
+    only. Returns ``ring_dir`` (not created: the hook makes it)."""
+    monkeypatch.setenv(RING_DIR_ENV, str(ring_dir))
+    monkeypatch.setenv(RING_SLOTS_ENV, "8")
+    monkeypatch.delenv(RING_DIR_MODE_ENV, raising=False)
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    return ring_dir
+
+
+@pytest.fixture(autouse=True)
+def _release_failure_notes() -> Iterator[None]:
+    """Failure notes are held for the process's lifetime; release the ones a test left."""
+    before = len(capture_module._NOTES)
+    try:
+        yield
+    finally:
+        for note in capture_module._NOTES[before:]:
+            note.close()
+        del capture_module._NOTES[before:]

@@ -1,177 +1,105 @@
-"""capture.StepCapture end to end, without a server: fake runner state -> real ring -> reader."""
+"""capture.StepCapture end to end, without a server: fake runner state -> real ring -> reader.
+
+Steps are laid out by :class:`~tests.worker_hook.fakes.FakeV1Runner` (row ``r`` of layer ``L``
+names ``r`` and ``L``, or rows that depend on the prompt position for mean pooling) and read
+through the real ``V1RunnerView``; records land in a real ring and are read back by a real
+reader. The capture uses the synchronous CPU copier here; the asynchronous device path is in
+``test_device_copy.py``.
+"""
 
 from __future__ import annotations
 
 import logging
-import struct
-from collections.abc import Iterable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from tests.worker_hook.conftest import HIDDEN, MODEL
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
-from vllm_hidden_state_proxy.ring import RingDirectory, RingReader, RingWriter
-from vllm_hidden_state_proxy.worker_hook import capture as capture_mod
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
-from vllm_hidden_state_proxy.worker_hook.device_copy import SyncRowCopier
-from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
-
-
-def key(n: int) -> bytes:
-    return bytes([n] * 16)
-
-
-def expected_vector(row: int) -> bytes:
-    """Little-endian float32 of the fake hidden state row ``row``."""
-    return struct.pack(f"<{HIDDEN}f", *(row + 0.25 * c for c in range(HIDDEN)))
-
-
-class FakeV1Runner:
-    """Exactly the state V1RunnerView reads, laid out per step as the V1 runner does."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.input_batch = SimpleNamespace(
-            req_id_to_index={},
-            num_computed_tokens_cpu=np.zeros(8, dtype=np.int32),
-            num_prompt_tokens=np.zeros(8, dtype=np.int32),
-        )
-        self.query_start_loc = SimpleNamespace(np=np.zeros(9, dtype=np.int32))
-        self.execute_model_state: Any = None
-
-    def load(self, batch: list[tuple[str, int, int, int]]) -> dict[str, int]:
-        """Lay out a step of (req_id, P, nc, ns) in batch order; return each request's start.
-
-        Row ``r`` of the step's hidden states holds ``r + 0.25 * column`` (exact in fp16 and
-        bf16), so a published vector names the row it was copied from.
-        """
-        b = self.input_batch
-        b.req_id_to_index.clear()
-        starts = {}
-        start = 0
-        for i, (req_id, prompt_len, nc, ns) in enumerate(batch):
-            b.req_id_to_index[req_id] = i
-            b.num_prompt_tokens[i] = prompt_len
-            b.num_computed_tokens_cpu[i] = nc
-            self.query_start_loc.np[i] = start
-            starts[req_id] = start
-            start += ns
-        self.query_start_loc.np[len(batch) :] = start
-        rows = torch.arange(start, dtype=torch.float32)[:, None]
-        cols = 0.25 * torch.arange(HIDDEN, dtype=torch.float32)[None, :]
-        self.execute_model_state = SimpleNamespace(hidden_states=(rows + cols).to(self.dtype))
-        return starts
+from tests.worker_hook.conftest import HookLog
+from tests.worker_hook.fakes import (
+    CAPTURED,
+    FINAL,
+    HIDDEN,
+    MODEL,
+    Content,
+    FakeV1Runner,
+    assert_last_record,
+    by_position,
+    by_row,
+    error_of,
+    fake_vllm_config,
+    key,
+    record_of,
+    sched,
+    step,
+    xargs,
+)
+from vllm_hidden_state_proxy.protocol import RING_DIR_MODE_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.ring import RingDirectory, RingInUseError, RingReader, RingWriter
+from vllm_hidden_state_proxy.ring.files import note_name, ring_name
+from vllm_hidden_state_proxy.ring.notes import read_live_note
+from vllm_hidden_state_proxy.worker_hook import capture as capture_module
+from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
+from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows, SyncRowCopier
+from vllm_hidden_state_proxy.worker_hook.engine import instance_of
+from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
+from vllm_hidden_state_proxy.worker_hook.runners import UnsupportedRunner, V1RunnerView
 
 
-def v1_capture(writer: RingWriter) -> tuple[FakeV1Runner, StepCapture]:
-    """A float16 fake V1 runner and a publishing capture reading it."""
-    return FakeV1Runner(torch.float16), StepCapture(V1RunnerView(), writer, MODEL)
-
-
-def sched(
-    batch: list[tuple[str, int, int, int]],
+def v1_capture(
+    writer: RingWriter,
     *,
-    new: dict[str, bytes | str | None] | None = None,  # req_id -> key (None: not flagged)
-    finished: Iterable[str] = (),
-) -> SchedulerOutput:
-    new = new or {}
-    new_reqs = []
-    for req_id, prompt_len, nc, _ in batch:
-        if req_id not in new:
-            continue
-        k = new[req_id]
-        extra = None if k is None else {REQUEST_KEY_ENTRY: k.hex() if isinstance(k, bytes) else k}
-        new_reqs.append(
-            NewRequestData(
-                req_id=req_id,
-                prompt_token_ids=list(range(prompt_len)),
-                mm_features=[],
-                sampling_params=SamplingParams(max_tokens=8, extra_args=extra),
-                pooling_params=None,
-                block_ids=([0],),
-                num_computed_tokens=nc,
-                lora_request=None,
-            )
-        )
-    cached = [(rid, nc) for rid, _, nc, _ in batch if rid not in new]
-    return SchedulerOutput(
-        scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=[rid for rid, _ in cached],
-            resumed_req_ids=set(),
-            new_token_ids=[],
-            all_token_ids={},
-            new_block_ids=[None] * len(cached),
-            num_computed_tokens=[nc for _, nc in cached],
-            num_output_tokens=[0] * len(cached),
-        ),
-        num_scheduled_tokens={rid: ns for rid, _, _, ns in batch},
-        total_num_scheduled_tokens=sum(ns for *_, ns in batch),
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(finished),
-        free_encoder_mm_hashes=[],
-    )
+    dtype: torch.dtype = torch.float16,
+    content: Content = by_row,
+    view: V1RunnerView | None = None,
+    copier: Any = None,
+) -> tuple[FakeV1Runner, StepCapture]:
+    """A fake V1 runner and a publishing capture of the ``CAPTURED`` layers reading it."""
+    runner = FakeV1Runner(dtype, content=content)
+    capture = StepCapture(view or V1RunnerView(), writer, MODEL, captured=CAPTURED, copier=copier)
+    return runner, capture
 
 
-def run(
-    capture: StepCapture,
-    runner: FakeV1Runner,
-    batch: list[tuple[str, int, int, int]],
-    **kw: Any,
-) -> dict[str, int]:
-    starts = runner.load(batch)
-    capture.after_execute_model(runner, sched(batch, **kw))
-    return starts
+def pending_keys(capture: StepCapture) -> dict[str, bytes]:
+    return {req_id: s.key for req_id, s in capture.selected.pending.items()}
 
 
-def assert_record(reader: RingReader, k: bytes, *, row: int, prompt_len: int) -> None:
-    record = reader.lookup(k)
-    assert record is not None
-    assert record.vector == expected_vector(row)
-    assert record.position == prompt_len - 1
-    assert record.num_prompt_tokens == prompt_len
-    assert record.model == MODEL
-    assert record.hidden_size == HIDDEN
+def error_logs(hook_log: HookLog) -> list[logging.LogRecord]:
+    return [r for r in hook_log.records if r.levelno >= logging.ERROR]
+
+
+# -- "last" pooling: which row, when, once --------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_publishes_exactly_the_flagged_last_prompt_rows(
     dtype: torch.dtype, writer: RingWriter, reader: RingReader, ring_dir: Path
 ) -> None:
-    runner = FakeV1Runner(dtype)
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
+    runner, capture = v1_capture(writer, dtype=dtype)
     batch = [
         ("plain", 3, 0, 3),  # not flagged
         ("a", 5, 0, 5),  # flagged, full prefill: row 3 + 4
         ("chunk", 30, 0, 8),  # flagged, first chunk only: nothing yet
         ("hit", 6, 4, 2),  # flagged, prefix-cache hit of 4: row 16 + 1
     ]
-    starts = run(
+    starts = step(
         capture, runner, batch, new={"plain": None, "a": key(1), "chunk": key(2), "hit": key(3)}
     )
     assert starts == {"plain": 0, "a": 3, "chunk": 8, "hit": 16}
-    assert writer.publish_count == 2
-    assert_record(reader, key(1), row=3 + 4, prompt_len=5)
-    assert_record(reader, key(3), row=16 + 1, prompt_len=6)
+    assert writer.publish_count() == 2
+    assert_last_record(reader.lookup(key(1)), row=3 + 4, prompt_len=5)
+    assert_last_record(reader.lookup(key(3)), row=16 + 1, prompt_len=6)
     assert reader.lookup(key(2)) is None
-    assert capture.selected.pending == {"chunk": key(2)}
+    assert pending_keys(capture) == {"chunk": key(2)}
     # The proxy's view of the directory finds the same record.
     with RingDirectory(ring_dir) as directory:
-        record = directory.lookup(key(1))
-        assert record is not None
-        assert record.as_floats() == [7.0, 7.25, 7.5, 7.75]
+        assert record_of(directory.lookup(key(1))).floats(FINAL) == [7.0, 7.25, 7.5, 7.75]
 
     # Decode steps of the published requests publish nothing more.
-    run(capture, runner, [("a", 5, 5, 1), ("hit", 6, 6, 1), ("chunk", 30, 8, 8)])
-    assert writer.publish_count == 2
+    step(capture, runner, [("a", 5, 5, 1), ("hit", 6, 6, 1), ("chunk", 30, 8, 8)])
+    assert writer.publish_count() == 2
 
 
 def test_chunked_prefill_publishes_once_at_the_step_holding_p_minus_1(
@@ -180,59 +108,59 @@ def test_chunked_prefill_publishes_once_at_the_step_holding_p_minus_1(
     runner, capture = v1_capture(writer)
     k = key(9)
     # P = 10 in chunks of 4, 4, 2, next to other requests whose rows shift it around.
-    run(capture, runner, [("c", 10, 0, 4), ("x", 3, 0, 3)], new={"c": k, "x": None})
-    assert writer.publish_count == 0
+    step(capture, runner, [("c", 10, 0, 4), ("x", 3, 0, 3)], new={"c": k, "x": None})
+    assert writer.publish_count() == 0
     assert reader.lookup(k) is None
-    run(capture, runner, [("x", 3, 3, 1), ("c", 10, 4, 4)])
-    assert writer.publish_count == 0
+    step(capture, runner, [("x", 3, 3, 1), ("c", 10, 4, 4)])
+    assert writer.publish_count() == 0
     assert reader.lookup(k) is None
-    starts = run(
+    starts = step(
         capture, runner, [("y", 2, 0, 2), ("x", 3, 4, 1), ("c", 10, 8, 2)], new={"y": None}
     )
     assert starts["c"] == 3
-    assert writer.publish_count == 1
-    assert_record(reader, k, row=3 + 1, prompt_len=10)
+    assert writer.publish_count() == 1
+    assert_last_record(reader.lookup(k), row=3 + 1, prompt_len=10)
     assert capture.selected.pending == {}
-    run(capture, runner, [("c", 10, 10, 1)])
-    assert writer.publish_count == 1
+    step(capture, runner, [("c", 10, 10, 1)])
+    assert writer.publish_count() == 1
 
 
 def test_n_siblings_publish_one_record(writer: RingWriter, reader: RingReader) -> None:
     runner, capture = v1_capture(writer)
     k = key(4)
-    run(capture, runner, [("0_p", 4, 0, 4), ("1_p", 4, 0, 4)], new={"0_p": k, "1_p": k})
-    assert writer.publish_count == 1
-    assert_record(reader, k, row=3, prompt_len=4)
+    step(capture, runner, [("0_p", 4, 0, 4), ("1_p", 4, 0, 4)], new={"0_p": k, "1_p": k})
+    assert writer.publish_count() == 1
+    assert_last_record(reader.lookup(k), row=3, prompt_len=4)
     # A third child scheduled later (prefix-cache hit) does not publish the key again.
-    run(capture, runner, [("2_p", 4, 3, 1)], new={"2_p": k})
-    assert writer.publish_count == 1
+    step(capture, runner, [("2_p", 4, 3, 1)], new={"2_p": k})
+    assert writer.publish_count() == 1
 
 
 def test_re_prefill_after_preemption(writer: RingWriter, reader: RingReader) -> None:
     runner, capture = v1_capture(writer)
     # "early" is preempted mid-prefill, "late" after its vector was published.
-    run(
+    step(
         capture,
         runner,
         [("early", 12, 0, 8), ("late", 4, 0, 4)],
         new={"early": key(5), "late": key(6)},
     )
-    assert writer.publish_count == 1
-    run(capture, runner, [("late", 4, 4, 1)])  # "early" preempted (not scheduled)
-    run(capture, runner, [("late", 4, 5, 1)])  # "late" preempted after 2 outputs
+    assert writer.publish_count() == 1
+    step(capture, runner, [("late", 4, 4, 1)])  # "early" preempted (not scheduled)
+    step(capture, runner, [("late", 4, 5, 1)])  # "late" preempted after 2 outputs
     # Both re-prefilled from scratch, prompt + output tokens.
-    run(capture, runner, [("late", 4, 0, 6), ("early", 12, 0, 12)])
-    assert writer.publish_count == 2
-    assert_record(reader, key(6), row=8 + 3, prompt_len=4)  # the first publication stands
-    assert_record(reader, key(5), row=6 + 11, prompt_len=12)
+    step(capture, runner, [("late", 4, 0, 6), ("early", 12, 0, 12)])
+    assert writer.publish_count() == 2
+    assert_last_record(reader.lookup(key(6)), row=8 + 3, prompt_len=4)  # the first one stands
+    assert_last_record(reader.lookup(key(5)), row=6 + 11, prompt_len=12)
 
 
 def test_finished_before_its_last_chunk_publishes_nothing(writer: RingWriter) -> None:
     runner, capture = v1_capture(writer)
-    run(capture, runner, [("c", 10, 0, 4)], new={"c": key(7)})
-    run(capture, runner, [("z", 2, 0, 2)], new={"z": None}, finished=["c"])
+    step(capture, runner, [("c", 10, 0, 4)], new={"c": key(7)})
+    step(capture, runner, [("z", 2, 0, 2)], new={"z": None}, finished=["c"])
     assert capture.selected.pending == {}
-    assert writer.publish_count == 0
+    assert writer.publish_count() == 0
 
 
 def test_step_without_hidden_states_keeps_the_request_pending(
@@ -241,12 +169,127 @@ def test_step_without_hidden_states_keeps_the_request_pending(
     runner, capture = v1_capture(writer)
     batch = [("a", 3, 0, 3)]
     runner.load(batch)
-    runner.execute_model_state = None  # e.g. a non-last PP rank or an empty step
+    runner.execute_model_state = None  # e.g. an empty step: execute_model() kept no state
     capture.after_execute_model(runner, sched(batch, new={"a": key(8)}))
-    assert writer.publish_count == 0
-    assert capture.selected.pending == {"a": key(8)}
-    run(capture, runner, batch)
-    assert_record(reader, key(8), row=2, prompt_len=3)
+    assert writer.publish_count() == 0
+    assert pending_keys(capture) == {"a": key(8)}
+    step(capture, runner, batch)
+    assert_last_record(reader.lookup(key(8)), row=2, prompt_len=3)
+
+
+def test_a_malformed_key_does_not_cost_other_requests_their_vector(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer)
+    batch = [("bad", 3, 0, 3), ("good", 3, 0, 3)]
+    step(capture, runner, batch, new={"bad": "ab" * 15 + "  ", "good": key(1)})
+    assert_last_record(reader.lookup(key(1)), row=5, prompt_len=3)
+    assert writer.publish_count() == 1
+
+
+# -- "last" pooling with several layers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_last_rows_of_each_wanted_layer_in_layer_order(
+    dtype: torch.dtype, writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=dtype)
+    batch = [
+        ("all", 5, 0, 5),  # rows 0..4
+        ("some", 3, 0, 3),  # rows 5..7
+        ("unsorted", 4, 2, 2),  # rows 8..9 (prefix-cache hit of 2)
+        ("default", 2, 0, 2),  # rows 10..11
+        ("plain", 3, 0, 3),
+    ]
+    step(
+        capture,
+        runner,
+        batch,
+        new={
+            "all": xargs(key(1), layers=[0, 2, FINAL], pooling="last"),
+            "some": xargs(key(2), layers=[2]),
+            "unsorted": xargs(key(3), layers=[FINAL, 0]),
+            "default": key(4),
+            "plain": None,
+        },
+    )
+    assert writer.publish_count() == 4
+    assert_last_record(reader.lookup(key(1)), row=4, prompt_len=5, layers=(0, 2, FINAL))
+    assert_last_record(reader.lookup(key(2)), row=7, prompt_len=3, layers=(2,))
+    assert_last_record(reader.lookup(key(3)), row=9, prompt_len=4, layers=(0, FINAL))
+    assert_last_record(reader.lookup(key(4)), row=11, prompt_len=2, layers=(FINAL,))
+    assert capture.selected.pending == {}
+
+
+def test_intermediate_layers_follow_the_chunk_that_holds_p_minus_1(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=torch.bfloat16)
+    flag = xargs(key(1), layers=[0, 2])
+    step(capture, runner, [("x", 6, 0, 6), ("c", 9, 0, 5)], new={"x": None, "c": flag})
+    assert writer.publish_count() == 0
+    starts = step(capture, runner, [("x", 6, 6, 1), ("c", 9, 5, 4)])
+    assert_last_record(reader.lookup(key(1)), row=starts["c"] + 3, prompt_len=9, layers=(0, 2))
+
+
+# -- what a flagged request cannot get becomes an error record ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"layers": "4"}, "malformed layer list '4'"),
+        ({"layers": []}, "malformed layer list []"),
+        ({"layers": [True]}, "malformed layer list [True]"),
+        ({"layers": [2.0]}, "malformed layer list [2.0]"),
+        ({"layers": [0, 0]}, "malformed layer list [0, 0]"),
+        (
+            {"layers": [1, 2]},
+            "layers [1] are not captured by this vLLM engine (it captures 0, 2, 4",
+        ),
+        ({"layers": [-1]}, "layers [-1] are not captured"),  # the proxy sends absolute indices
+        ({"pooling": "max"}, "unknown pooling 'max'"),
+        ({"pooling": None, "layers": [FINAL]}, None),  # None: the default pooling, no problem
+        ({"pooling": ["mean"]}, "unknown pooling ['mean']"),
+    ],
+)
+def test_a_request_the_engine_cannot_serve_gets_an_error_record_at_once(
+    writer: RingWriter, reader: RingReader, extra: dict[str, Any], message: str | None
+) -> None:
+    runner, capture = v1_capture(writer)
+    flag = xargs(key(1), **extra)
+    # The first chunk of a long prompt: the answer need not wait for the last one.
+    step(
+        capture,
+        runner,
+        [("bad", 20, 0, 4), ("good", 3, 0, 3)],
+        new={"bad": flag, "good": key(2)},
+    )
+    assert_last_record(reader.lookup(key(2)), row=6, prompt_len=3)
+    if message is None:
+        assert reader.lookup(key(1)) is None
+        assert pending_keys(capture) == {"bad": key(1)}
+        return
+    assert message in error_of(reader.lookup(key(1))).message
+    assert writer.publish_count() == 2
+    assert capture.selected.pending == {}
+    # Not answered twice, even when its prompt completes later.
+    step(capture, runner, [("bad", 20, 4, 16)])
+    assert writer.publish_count() == 2
+
+
+def test_siblings_with_a_problem_share_one_error_record(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer)
+    flag = xargs(key(3), layers=[1])
+    step(capture, runner, [("0_p", 4, 0, 4), ("1_p", 4, 0, 4)], new={"0_p": flag, "1_p": flag})
+    assert "not captured" in error_of(reader.lookup(key(3))).message
+    assert writer.publish_count() == 1
+    assert capture.selected.pending == {}
+    step(capture, runner, [("2_p", 4, 3, 1)], new={"2_p": flag})  # a late child
+    assert writer.publish_count() == 1
 
 
 class RaisingView(V1RunnerView):
@@ -254,30 +297,95 @@ class RaisingView(V1RunnerView):
         raise RuntimeError("runner internals changed")
 
 
-def test_view_failure_is_contained_logged_once_and_drops_the_keys(
-    writer: RingWriter, reader: RingReader, hook_log: Any
+def test_a_failing_view_is_contained_logged_once_and_answers_the_steps_keys(
+    writer: RingWriter, reader: RingReader, hook_log: HookLog
 ) -> None:
-    runner = FakeV1Runner(torch.float16)
-    capture = StepCapture(RaisingView(), writer, MODEL)
-    run(capture, runner, [("a", 3, 0, 3), ("b", 2, 0, 2)], new={"a": key(1), "b": key(2)})
+    runner, capture = v1_capture(writer, view=RaisingView())
+    step(
+        capture,
+        runner,
+        [("a", 3, 0, 3), ("b", 30, 0, 2), ("plain", 2, 0, 2)],
+        new={"a": key(1), "b": key(2), "plain": None},
+    )
     assert capture.selected.pending == {}
-    errors = [r for r in hook_log.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1
-    assert errors[0].exc_info is not None
-    assert "publishing" in errors[0].getMessage()
-    # Next failing step: still contained, not logged again.
-    run(capture, runner, [("c", 4, 0, 4)], new={"c": key(3)})
-    assert capture.selected.pending == {}
-    assert len([r for r in hook_log.records if r.levelno >= logging.ERROR]) == 1
-    assert writer.publish_count == 0
-    # The dropped requests are not published later by a working view either.
+    assert error_of(reader.lookup(key(1))).message == STEP_FAILED
+    assert error_of(reader.lookup(key(2))).message == STEP_FAILED
+    [logged] = error_logs(hook_log)
+    assert logged.exc_info is not None
+    assert "capturing a step's hidden states" in logged.getMessage()
+    # Next failing step: still contained and answered, not logged again.
+    step(capture, runner, [("c", 4, 0, 4)], new={"c": key(3)})
+    assert error_of(reader.lookup(key(3))).message == STEP_FAILED
+    assert len(error_logs(hook_log)) == 1
+    assert writer.publish_count() == 3
+    # The failed requests are not published later by a working view either.
     capture.view = V1RunnerView()
-    run(capture, runner, [("a", 3, 0, 3)])
-    assert writer.publish_count == 0
-    assert reader.lookup(key(1)) is None
+    step(capture, runner, [("a", 3, 0, 3)])
+    assert writer.publish_count() == 3
 
 
-def test_unreadable_scheduler_output_is_contained(writer: RingWriter, hook_log: Any) -> None:
+@pytest.mark.parametrize("aux", [None, "one short"])
+def test_auxiliary_outputs_that_are_not_the_configured_ones_fail_the_step(
+    writer: RingWriter, reader: RingReader, hook_log: HookLog, aux: str | None
+) -> None:
+    runner, capture = v1_capture(writer)
+    # The model returns fewer auxiliary layers than the capture asked for (or none at all).
+    runner.captured = CapturedLayers(FINAL, (2, FINAL)) if aux else CapturedLayers(FINAL, (FINAL,))
+    step(capture, runner, [("a", 3, 0, 3)], new={"a": key(1)})
+    assert error_of(reader.lookup(key(1))).message == STEP_FAILED
+    [logged] = error_logs(hook_log)
+    assert logged.exc_info is not None
+    assert "auxiliary hidden states, not the 2 of layers [0, 2]" in str(logged.exc_info[1])
+
+
+class FailingOnce:
+    """A copier whose ``number``-th copy cannot start (e.g. no pinned memory left)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.starts = 0
+
+    def start(self, rows: Any) -> PendingRows:
+        self.starts += 1
+        if self.starts == self.number:
+            raise RuntimeError("cannot allocate pinned memory")
+        return SyncRowCopier().start(rows)
+
+
+def test_a_step_copy_failure_answers_exactly_that_steps_keys(
+    writer: RingWriter, reader: RingReader, hook_log: HookLog
+) -> None:
+    runner, capture = v1_capture(writer, copier=FailingOnce(2))
+    step(
+        capture,
+        runner,
+        [("a", 3, 0, 3), ("later", 10, 0, 4)],
+        new={"a": key(1), "later": key(5)},
+    )
+    assert_last_record(reader.lookup(key(1)), row=2, prompt_len=3)
+    # Step 2: "b" and "c" complete (their copy fails), "d" runs its first chunk.
+    step(
+        capture,
+        runner,
+        [("b", 2, 0, 2), ("c", 3, 0, 3), ("d", 20, 0, 4)],
+        new={"b": xargs(key(2), layers=[0, FINAL]), "c": key(3), "d": key(4)},
+    )
+    for k in (key(2), key(3), key(4)):
+        assert error_of(reader.lookup(k)).message == STEP_FAILED
+    [logged] = error_logs(hook_log)
+    assert logged.exc_info is not None
+    assert "cannot allocate pinned memory" in str(logged.exc_info[1])
+    # "later" was not in that step: it is still served.
+    assert pending_keys(capture) == {"later": key(5)}
+    starts = step(capture, runner, [("later", 10, 4, 6)])
+    assert_last_record(reader.lookup(key(5)), row=starts["later"] + 5, prompt_len=10)
+    assert writer.publish_count() == 5
+    # Nothing of the failed step is taken again.
+    step(capture, runner, [("b", 2, 0, 2), ("c", 3, 0, 3)])
+    assert writer.publish_count() == 5
+
+
+def test_unreadable_scheduler_output_is_contained(writer: RingWriter, hook_log: HookLog) -> None:
     class Broken:
         def __init__(self) -> None:
             self.finished_req_ids: set[str] = set()
@@ -287,53 +395,330 @@ def test_unreadable_scheduler_output_is_contained(writer: RingWriter, hook_log: 
         def scheduled_new_reqs(self) -> list[Any]:
             raise AttributeError("renamed in a later vLLM")
 
-    capture = StepCapture(V1RunnerView(), writer, MODEL)
-    capture.after_execute_model(FakeV1Runner(torch.float16), Broken())
-    capture.after_execute_model(FakeV1Runner(torch.float16), Broken())
-    errors = [r for r in hook_log.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1
-    assert "scheduler output" in errors[0].getMessage()
-
-
-def test_a_malformed_key_does_not_cost_other_requests_their_vector(
-    writer: RingWriter, reader: RingReader
-) -> None:
     runner, capture = v1_capture(writer)
-    batch = [("bad", 3, 0, 3), ("good", 3, 0, 3)]
-    run(capture, runner, batch, new={"bad": "ab" * 15 + "  ", "good": key(1)})
-    assert reader.lookup(key(1)) is not None
+    capture.after_execute_model(runner, Broken())
+    capture.after_execute_model(runner, Broken())
+    [logged] = error_logs(hook_log)
+    assert "scheduler output" in logged.getMessage()
 
 
 class UntouchableView(V1RunnerView):
-    def hidden_states(self, runner: Any) -> Any:
-        raise AssertionError("a non-publishing rank must not read the runner")
+    def check(self, runner: Any) -> None:
+        raise AssertionError("a non-publishing rank must not check the runner")
 
     def scheduled(self, runner: Any, scheduler_output: Any, wanted: Any) -> Any:
         raise AssertionError("a non-publishing rank must not read the runner")
 
 
-def test_non_publishing_rank_does_nothing(hook_log: Any) -> None:
+def test_non_publishing_rank_does_nothing(hook_log: HookLog) -> None:
     capture = StepCapture(UntouchableView(), None, MODEL)
     assert not capture.publishing
-    runner = FakeV1Runner(torch.float16)
-    batch = [("a", 3, 0, 3)]
-    run(capture, runner, batch, new={"a": key(1)})
+    assert capture.publications is None
+    runner = FakeV1Runner()
+    step(capture, runner, [("a", 3, 0, 3)], new={"a": key(1)})
     assert capture.selected.pending == {}  # not even tracked
     # Neither runner nor scheduler output is touched at all.
     capture.after_execute_model(object(), object())
+    capture.after_sample_tokens(object())
     assert hook_log.records == []
 
 
-def test_cpu_copy_is_little_endian_and_ordered() -> None:
-    hidden = (torch.arange(12, dtype=torch.float32).reshape(6, 2) / 4).to(torch.bfloat16)
-    pending = SyncRowCopier().start(hidden, [5, 0, 5])
-    assert pending.done()
-    out = pending.vectors()
-    assert out == [
-        struct.pack("<2f", 2.5, 2.75),
-        struct.pack("<2f", 0.0, 0.25),
-        struct.pack("<2f", 2.5, 2.75),
-    ]
+# -- "mean" pooling -------------------------------------------------------------------------------
+
+
+def assert_mean_record(
+    reader: RingReader,
+    k: bytes,
+    runner: FakeV1Runner,
+    req_id: str,
+    *,
+    prompt_len: int,
+    layers: tuple[int, ...],
+) -> None:
+    record = record_of(reader.lookup(k))
+    assert record.pooling == "mean"
+    assert record.layers == layers
+    assert record.position == prompt_len - 1
+    assert record.num_prompt_tokens == prompt_len
+    for layer in layers:
+        expected = runner.expected_mean(req_id, prompt_len, layer)
+        np.testing.assert_allclose(record.floats(layer), expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_over_chunked_prefill_of_several_layers(
+    dtype: torch.dtype, writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=dtype, content=by_position)
+    flag = xargs(key(1), layers=[0, 2, FINAL], pooling="mean")
+    # P = 10 in chunks of 4, 4, 2, with other requests around it.
+    step(capture, runner, [("x", 3, 0, 3), ("m", 10, 0, 4)], new={"x": None, "m": flag})
+    step(capture, runner, [("m", 10, 4, 4), ("x", 3, 3, 1)])
+    assert writer.publish_count() == 0
+    assert len(capture.means) == 1
+    step(capture, runner, [("y", 2, 0, 2), ("m", 10, 8, 2)], new={"y": None})
+    assert writer.publish_count() == 1
+    assert_mean_record(reader, key(1), runner, "m", prompt_len=10, layers=(0, 2, FINAL))
+    assert len(capture.means) == 0
+    assert capture.selected.pending == {}
+    # Decode steps add nothing.
+    step(capture, runner, [("m", 10, 10, 1)])
+    assert writer.publish_count() == 1
+
+
+def test_mean_of_a_one_step_prompt_next_to_last_requests(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=torch.bfloat16, content=by_position)
+    step(
+        capture,
+        runner,
+        [("l", 4, 0, 4), ("m", 3, 0, 3), ("l2", 2, 0, 2)],
+        new={
+            "l": xargs(key(1), layers=[2, FINAL]),
+            "m": xargs(key(2), layers=[0], pooling="mean"),
+            "l2": key(3),
+        },
+    )
+    assert writer.publish_count() == 3
+    assert_mean_record(reader, key(2), runner, "m", prompt_len=3, layers=(0,))
+    # The "last" records are the bfloat16 rows of position P - 1, exactly.
+    for k, req_id, prompt_len, layers in (
+        (key(1), "l", 4, (2, FINAL)),
+        (key(3), "l2", 2, (FINAL,)),
+    ):
+        record = record_of(reader.lookup(k))
+        assert record.pooling == "last"
+        for layer in layers:
+            held = runner.layer_tensor([(req_id, -1, prompt_len - 1)], layer).float()
+            assert record.floats(layer) == held[0].tolist()
+
+
+def test_mean_after_preemption_skips_the_recomputed_positions(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=torch.float32, content=by_position)
+    flag = xargs(key(1), layers=[0, FINAL], pooling="mean")
+    step(capture, runner, [("m", 12, 0, 8)], new={"m": flag})  # positions 0..7 summed
+    step(capture, runner, [("x", 2, 0, 2)], new={"x": None})  # "m" preempted
+    # Re-prefilled from scratch in chunks: 0..3 (all seen), 4..11 (8..11 new).
+    step(capture, runner, [("m", 12, 0, 4)])
+    assert writer.publish_count() == 0
+    step(capture, runner, [("m", 12, 4, 8)])
+    assert writer.publish_count() == 1
+    # Repeated positions counted twice would move the mean away from this.
+    assert_mean_record(reader, key(1), runner, "m", prompt_len=12, layers=(0, FINAL))
+
+
+@pytest.mark.parametrize(
+    ("steps", "gap"),
+    [
+        ([(4, 4)], "positions 0..3 were served from the prefix cache"),
+        ([(0, 4), (8, 4)], "positions 4..7 were served from the prefix cache"),
+    ],
+)
+def test_mean_with_positions_served_from_the_prefix_cache_is_an_error_record(
+    writer: RingWriter, reader: RingReader, steps: list[tuple[int, int]], gap: str
+) -> None:
+    runner, capture = v1_capture(writer, content=by_position)
+    flag = xargs(key(1), pooling="mean")
+    for number, (nc, ns) in enumerate(steps):
+        step(capture, runner, [("m", 12, nc, ns)], new={"m": flag} if number == 0 else None)
+    message = error_of(reader.lookup(key(1))).message
+    assert gap in message
+    assert "mean pooling needs all 12 prompt positions" in message
+    assert writer.publish_count() == 1
+    assert capture.selected.pending == {}
+    assert len(capture.means) == 0
+
+
+def test_a_mean_gap_leaves_the_key_to_a_pending_sibling(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, content=by_position)
+    flag = xargs(key(1), pooling="mean")
+    # n = 2: child 1 got a prefix-cache hit (a gap), child 0 computes the whole prompt.
+    step(capture, runner, [("0_m", 8, 0, 4), ("1_m", 8, 4, 4)], new={"0_m": flag, "1_m": flag})
+    assert writer.publish_count() == 0
+    assert pending_keys(capture) == {"0_m": key(1)}
+    step(capture, runner, [("0_m", 8, 4, 4), ("1_m", 8, 8, 1)])
+    assert writer.publish_count() == 1
+    # The mean is child 0's (the fake gives each child rows of its own, to tell them apart).
+    assert_mean_record(reader, key(1), runner, "0_m", prompt_len=8, layers=(FINAL,))
+
+
+def test_a_mean_gap_in_every_sibling_is_one_error_record(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, content=by_position)
+    flag = xargs(key(1), pooling="mean")
+    step(capture, runner, [("0_m", 8, 2, 6), ("1_m", 8, 4, 4)], new={"0_m": flag, "1_m": flag})
+    assert "served from the prefix cache" in error_of(reader.lookup(key(1))).message
+    assert writer.publish_count() == 1
+    assert capture.selected.pending == {}
+
+
+def test_a_mean_request_that_finishes_mid_prompt_leaves_no_sum(writer: RingWriter) -> None:
+    runner, capture = v1_capture(writer, content=by_position)
+    step(capture, runner, [("m", 12, 0, 4)], new={"m": xargs(key(1), pooling="mean")})
+    assert len(capture.means) == 1
+    step(capture, runner, [("x", 2, 0, 2)], new={"x": None}, finished=["m"])
+    assert len(capture.means) == 0
+    assert writer.publish_count() == 0
+
+
+def test_a_request_id_reused_in_the_step_its_first_use_finished_starts_a_new_mean(
+    writer: RingWriter, reader: RingReader
+) -> None:
+    runner, capture = v1_capture(writer, dtype=torch.float32, content=by_position)
+    step(capture, runner, [("r", 8, 0, 4)], new={"r": xargs(key(1), pooling="mean")})
+
+    def other_prompt(req_id: str, row: int, position: int, layer: int) -> list[float]:
+        return by_position("another " + req_id, row, position, layer)
+
+    runner.content = other_prompt
+    step(
+        capture,
+        runner,
+        [("r", 6, 0, 6)],
+        new={"r": xargs(key(2), pooling="mean")},
+        finished=["r"],
+    )
+    assert reader.lookup(key(1)) is None
+    assert_mean_record(reader, key(2), runner, "r", prompt_len=6, layers=(FINAL,))
+
+
+# -- StepCapture.for_runner: the engine's ring, or a failure note in its place ---------------------
+
+
+@pytest.fixture
+def for_runner() -> Any:
+    """``StepCapture.for_runner``, whose rings are closed after the test."""
+    made: list[StepCapture] = []
+
+    def start(runner: Any, view: Any = None) -> StepCapture:
+        capture = StepCapture.for_runner(runner, view or V1RunnerView())
+        made.append(capture)
+        return capture
+
+    yield start
+    for capture in made:
+        if capture.writer is not None:
+            capture.writer.close()
+
+
+def engine_config(engine: int, **parallel: int) -> Any:
+    config = fake_vllm_config(instance_id="for-runner-test")
+    config.parallel_config.data_parallel_index = engine
+    for name, value in parallel.items():
+        setattr(config.parallel_config, name, value)
+    return config
+
+
+def test_the_publishing_rank_creates_its_engines_ring(ring_env: Path, for_runner: Any) -> None:
+    runner = FakeV1Runner(vllm_config=engine_config(3))
+    capture = for_runner(runner)
+    assert capture.publishing
+    assert capture.model_name == MODEL  # the first served name
+    instance = instance_of(runner.vllm_config)
+    assert capture.writer.path == ring_env / ring_name(instance, 3)
+    with RingReader.open(capture.writer.path) as ring:
+        assert (ring.instance, ring.engine) == (instance, 3)
+        assert ring.hidden_size == HIDDEN
+        assert ring.slot_count == 8
+        assert ring.layers == (FINAL,)  # HIDDEN_STATE_PROXY_LAYERS unset: the final layer only
+    assert capture.captured == CapturedLayers(FINAL, (FINAL,))
+    # The same engine of another instance (vLLM server) in the same directory: a second ring.
+    other = FakeV1Runner(vllm_config=engine_config(3))
+    other.vllm_config.instance_id = "another server"
+    assert for_runner(other).writer.path != capture.writer.path
+    with RingDirectory(ring_env) as directory:
+        assert directory.live_ring_count() == 2
+
+
+def live_note(ring_dir: Path, config: Any) -> Any:
+    engine = config.parallel_config.data_parallel_index
+    note = read_live_note(ring_dir / note_name(instance_of(config), engine), None)
+    assert note is not None, "no live failure note"
+    return note
+
+
+def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
+    ring_env: Path, for_runner: Any
+) -> None:
+    runner = FakeV1Runner(vllm_config=engine_config(2))
+    del runner.input_batch.num_prompt_tokens  # e.g. a vLLM version that renamed it
+    with pytest.raises(UnsupportedRunner, match="num_prompt_tokens"):
+        for_runner(runner)
+    assert not list(ring_env.glob("*.bin"))
+    note = live_note(ring_env, runner.vllm_config)
+    assert note.engine == 2
+    assert note.message == "UnsupportedRunner: the V1 input batch has no num_prompt_tokens"
+    with RingDirectory(ring_env) as directory:
+        [failure] = directory.failed_engines()
+        assert failure == note
+        assert "engine 2 (data-parallel index)" in failure.describe()
+        assert "num_prompt_tokens" in failure.describe()
+
+
+@pytest.mark.parametrize(
+    ("setup", "error", "cause"),
+    [
+        ("slots", ValueError, "slot_count must be in"),
+        ("in use", RingInUseError, "is held by a live writer"),
+        ("context parallel", UnsupportedRunner, "prefill_context_parallel_size=2"),
+    ],
+)
+def test_a_ring_that_cannot_start_leaves_a_note(
+    ring_env: Path,
+    for_runner: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    setup: str,
+    error: type[Exception],
+    cause: str,
+) -> None:
+    config = engine_config(1)
+    held = None
+    if setup == "slots":
+        monkeypatch.setenv(RING_SLOTS_ENV, "0")
+    elif setup == "in use":  # the same instance and engine already publish there
+        held = RingWriter.create(
+            ring_env,
+            hidden_size=HIDDEN,
+            model=MODEL,
+            slot_count=2,
+            instance=instance_of(config),
+            engine=1,
+        )
+    else:
+        config.parallel_config.prefill_context_parallel_size = 2
+    try:
+        with pytest.raises(error, match=cause):
+            for_runner(FakeV1Runner(vllm_config=config))
+        note = live_note(ring_env, config)
+        assert note.engine == 1
+        assert note.message.startswith(error.__name__ + ": ")
+        assert cause in note.message
+    finally:
+        if held is not None:
+            held.close()
+
+
+def test_when_not_even_a_note_can_be_written_the_error_still_propagates(
+    ring_env: Path, for_runner: Any, hook_log: HookLog
+) -> None:
+    ring_env.parent.mkdir(parents=True, exist_ok=True)
+    ring_env.write_text("not a directory")
+    notes = len(capture_module._NOTES)
+    with pytest.raises(OSError):
+        for_runner(FakeV1Runner(vllm_config=engine_config(0)))
+    assert len(capture_module._NOTES) == notes
+    assert ring_env.read_text() == "not a directory"
+    [warning] = [r for r in hook_log.records if r.levelno == logging.WARNING]
+    assert "could not leave a failure note" in warning.getMessage()
+
+
+# -- ring modes -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -350,7 +735,7 @@ def test_ring_modes(
     monkeypatch: pytest.MonkeyPatch, raw: str | None, modes: tuple[int, int]
 ) -> None:
     if raw is None:
-        monkeypatch.delenv(capture_mod.RING_DIR_MODE_ENV, raising=False)
+        monkeypatch.delenv(RING_DIR_MODE_ENV, raising=False)
     else:
-        monkeypatch.setenv(capture_mod.RING_DIR_MODE_ENV, raw)
-    assert capture_mod._ring_modes() == modes
+        monkeypatch.setenv(RING_DIR_MODE_ENV, raw)
+    assert capture_module._ring_modes() == modes

@@ -2,79 +2,53 @@
 
 A fake copier stands in for the device: its copies complete only when a test says so (as an
 event would report), so these tests pin when vectors are published, under which key, in which
-order, and what a failing copy costs. The real :class:`AsyncRowCopier` runs on CPU tensors with
-fake events to check its buffer reuse.
+order, and what a failing copy costs (error records for exactly its keys). The real
+:class:`AsyncRowCopier` runs on CPU tensors with fake events and unpinned buffers to check what
+it copies and its buffer reuse.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
-import threading
 from typing import Any
 
 import pytest
 import torch
 
-from tests.worker_hook.test_capture import (
+from tests.worker_hook.conftest import HookLog
+from tests.worker_hook.fakes import (
+    CAPTURED,
+    FINAL,
     HIDDEN,
     MODEL,
+    Batch,
+    FakeRows,
     FakeV1Runner,
-    assert_record,
-    expected_vector,
+    assert_last_record,
+    by_row,
+    error_of,
     key,
+    record_of,
+    row_vector,
     sched,
+    xargs,
 )
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
-from vllm_hidden_state_proxy.worker_hook import plugin
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
+from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import (
     AsyncRowCopier,
     HostBuffers,
     PinnedBufferPool,
     SyncRowCopier,
     copier_for,
-    gather_rows_as_float32,
+    rows_as_float32,
+    stack_as_float32,
 )
-from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
+from vllm_hidden_state_proxy.worker_hook.publication_queue import COPY_FAILED
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
 # -- fakes ----------------------------------------------------------------------------------------
-
-
-class FakeRows:
-    """A started copy that completes when the test calls ``complete()`` (or ``wait()`` runs)."""
-
-    def __init__(self, vectors: list[bytes]) -> None:
-        self._vectors = vectors
-        self.completed = False
-        self.failure: Exception | None = None
-        self.released = False
-        self.waits = 0
-        self.may_wait = threading.Event()  # wait() blocks until this is set
-        self.may_wait.set()
-
-    def complete(self) -> None:
-        self.completed = True
-
-    def done(self) -> bool:
-        if self.failure is not None:
-            raise self.failure
-        return self.completed
-
-    def wait(self) -> None:
-        self.waits += 1
-        self.may_wait.wait(timeout=10)
-        if self.failure is not None:
-            raise self.failure
-        self.completed = True
-
-    def vectors(self) -> list[bytes]:
-        assert self.completed, "read before the copy completed"
-        return self._vectors
-
-    def release(self) -> None:
-        self.released = True
 
 
 class FakeCopier:
@@ -83,8 +57,8 @@ class FakeCopier:
     def __init__(self) -> None:
         self.started: list[FakeRows] = []
 
-    def start(self, hidden_states: Any, rows: list[int]) -> FakeRows:
-        pending = FakeRows(gather_rows_as_float32(hidden_states, rows))
+    def start(self, rows: Any) -> FakeRows:
+        pending = FakeRows(rows_as_float32(rows))
         self.started.append(pending)
         return pending
 
@@ -110,19 +84,17 @@ def copier() -> FakeCopier:
 
 @pytest.fixture
 def capture(writer: RingWriter, copier: FakeCopier) -> StepCapture:
-    return StepCapture(V1RunnerView(), writer, MODEL, copier=copier)
+    return StepCapture(V1RunnerView(), writer, MODEL, captured=CAPTURED, copier=copier)
 
 
-def step(
-    capture: StepCapture, runner: FakeV1Runner, batch: list[tuple[str, int, int, int]], **kw: Any
-) -> dict[str, int]:
+def step(capture: StepCapture, runner: FakeV1Runner, batch: Batch, **kw: Any) -> dict[str, int]:
     """One ``execute_model``: lay out the batch, then run the hook."""
     starts = runner.load(batch)
     capture.after_execute_model(runner, sched(batch, **kw))
     return starts
 
 
-def errors(hook_log: Any) -> list[logging.LogRecord]:
+def errors(hook_log: HookLog) -> list[logging.LogRecord]:
     return [r for r in hook_log.records if r.levelno >= logging.ERROR]
 
 
@@ -135,15 +107,15 @@ def test_nothing_is_published_before_the_copy_completes(
     runner = FakeV1Runner(torch.float16)
     starts = step(capture, runner, [("a", 5, 0, 5)], new={"a": key(1)})
     [pending] = copier.started
-    assert writer.publish_count == 0
+    assert writer.publish_count() == 0
     assert reader.lookup(key(1)) is None
     assert pending.waits == 0  # execute_model never waits for the device
     # A later execute_model polls: still running, still nothing.
     step(capture, runner, [("a", 5, 5, 1)])
-    assert writer.publish_count == 0
+    assert writer.publish_count() == 0
     pending.complete()
     step(capture, runner, [("a", 5, 6, 1)])
-    assert_record(reader, key(1), row=starts["a"] + 4, prompt_len=5)
+    assert_last_record(reader.lookup(key(1)), row=starts["a"] + 4, prompt_len=5)
     assert pending.released
     assert pending.waits == 0
 
@@ -156,11 +128,11 @@ def test_the_steps_output_publishes_before_vllms_get_output_runs(
     seen_by_vllm: list[bool] = []
     output = FakeAsyncOutput(lambda: seen_by_vllm.append(reader.lookup(key(1)) is not None))
     capture.after_sample_tokens(output)
-    assert writer.publish_count == 0  # sample_tokens returned without waiting
+    assert writer.publish_count() == 0  # sample_tokens returned without waiting
     assert copier.started[0].waits == 0
     assert output.get_output() == "model-runner-output"  # e.g. on vLLM's output thread
     assert seen_by_vllm == [True]
-    assert_record(reader, key(1), row=2, prompt_len=3)
+    assert_last_record(reader.lookup(key(1)), row=2, prompt_len=3)
 
 
 def test_get_output_waits_only_for_its_own_and_earlier_steps(
@@ -209,7 +181,11 @@ def test_sample_tokens_without_pending_copies_leaves_the_output_alone(
 
 
 def test_several_pending_steps_publish_in_order_under_their_own_keys(
-    capture: StepCapture, copier: FakeCopier, writer: RingWriter, reader: RingReader
+    capture: StepCapture,
+    copier: FakeCopier,
+    writer: RingWriter,
+    reader: RingReader,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = FakeV1Runner(torch.float16)
     # Three steps, each computing a different request's last prompt token at a different row.
@@ -229,7 +205,7 @@ def test_several_pending_steps_publish_in_order_under_their_own_keys(
         published.append(k)
         real_publish(k, vector, **kw)
 
-    writer.publish = recording_publish  # type: ignore[method-assign]
+    monkeypatch.setattr(writer, "publish", recording_publish)
     # Later copies completing first are held back: the queue publishes oldest first.
     third.complete()
     second.complete()
@@ -238,10 +214,10 @@ def test_several_pending_steps_publish_in_order_under_their_own_keys(
     first.complete()
     capture.after_execute_model(runner, sched([]))
     assert published == [key(1), key(2), key(3), key(4)]
-    assert_record(reader, key(1), row=s1["a"] + 2, prompt_len=3)
-    assert_record(reader, key(2), row=s2["b"] + 4, prompt_len=5)
-    assert_record(reader, key(3), row=s3["c"] + 1, prompt_len=4)
-    assert_record(reader, key(4), row=s3["d"] + 1, prompt_len=2)
+    assert_last_record(reader.lookup(key(1)), row=s1["a"] + 2, prompt_len=3)
+    assert_last_record(reader.lookup(key(2)), row=s2["b"] + 4, prompt_len=5)
+    assert_last_record(reader.lookup(key(3)), row=s3["c"] + 1, prompt_len=4)
+    assert_last_record(reader.lookup(key(4)), row=s3["d"] + 1, prompt_len=2)
     assert capture.publications is not None and len(capture.publications) == 0
 
 
@@ -256,17 +232,21 @@ def test_keys_are_fixed_when_the_copy_starts(
     second.complete()
     first.complete()
     capture.after_execute_model(runner, sched([]))
-    assert_record(reader, key(1), row=2, prompt_len=3)
-    assert_record(reader, key(2), row=3, prompt_len=4)
+    assert_last_record(reader.lookup(key(1)), row=2, prompt_len=3)
+    assert_last_record(reader.lookup(key(2)), row=3, prompt_len=4)
 
 
-def test_a_failing_copy_drops_only_its_keys_and_is_logged_once(
-    capture: StepCapture, copier: FakeCopier, writer: RingWriter, reader: RingReader, hook_log: Any
+def test_a_failing_copy_answers_only_its_keys_and_is_logged_once(
+    capture: StepCapture,
+    copier: FakeCopier,
+    writer: RingWriter,
+    reader: RingReader,
+    hook_log: HookLog,
 ) -> None:
     runner = FakeV1Runner(torch.float16)
     step(capture, runner, [("a", 3, 0, 3), ("b", 2, 0, 2)], new={"a": key(1), "b": key(2)})
     step(capture, runner, [("c", 4, 0, 4)], new={"c": key(3)})
-    step(capture, runner, [("d", 2, 0, 2)], new={"d": key(4)})
+    step(capture, runner, [("d", 2, 0, 2)], new={"d": xargs(key(4), layers=[0, FINAL])})
     broken, fine, also_broken = copier.started
     broken.failure = RuntimeError("CUDA error: an illegal memory access")
     fine.complete()
@@ -276,85 +256,57 @@ def test_a_failing_copy_drops_only_its_keys_and_is_logged_once(
     output = FakeAsyncOutput()
     capture.after_sample_tokens(output)
     assert output.get_output() == "model-runner-output"  # raises inside wait(): contained
-    assert reader.lookup(key(1)) is None
-    assert reader.lookup(key(2)) is None
-    assert reader.lookup(key(4)) is None
-    assert_record(reader, key(3), row=3, prompt_len=4)
-    assert writer.publish_count == 1
+    for k in (key(1), key(2), key(4)):
+        assert error_of(reader.lookup(k)).message == COPY_FAILED
+    assert_last_record(reader.lookup(key(3)), row=3, prompt_len=4)
+    assert writer.publish_count() == 4
     [record] = errors(hook_log)
     assert record.exc_info is not None
     assert "copying" in record.getMessage()
     assert not broken.released and not also_broken.released  # their buffers are not reused
     assert fine.released
-    # The dropped keys are not captured again (e.g. after a preemption).
+    # The failed keys are not captured again (e.g. after a preemption).
     step(capture, runner, [("a", 3, 0, 3)])
     assert len(copier.started) == 3
 
 
-def test_a_copier_that_cannot_start_drops_the_steps_keys(
-    writer: RingWriter, reader: RingReader, hook_log: Any
+def test_a_copier_that_cannot_start_answers_the_steps_keys(
+    writer: RingWriter, reader: RingReader, hook_log: HookLog
 ) -> None:
     class Broken:
-        def start(self, hidden_states: Any, rows: list[int]) -> Any:
+        def start(self, rows: Any) -> Any:
             raise RuntimeError("cannot pin memory")
 
-    capture = StepCapture(V1RunnerView(), writer, MODEL, copier=Broken())
+    capture = StepCapture(V1RunnerView(), writer, MODEL, captured=CAPTURED, copier=Broken())
     runner = FakeV1Runner(torch.float16)
     step(capture, runner, [("a", 3, 0, 3), ("b", 30, 0, 8)], new={"a": key(1), "b": key(2)})
     assert capture.selected.pending == {}
-    assert writer.publish_count == 0
+    assert error_of(reader.lookup(key(1))).message == STEP_FAILED
+    assert error_of(reader.lookup(key(2))).message == STEP_FAILED  # its chunk was in the step
+    assert writer.publish_count() == 2
     [record] = errors(hook_log)
-    assert "publishing" in record.getMessage()
+    assert "capturing a step's hidden states" in record.getMessage()
 
 
-def test_too_many_unpublished_steps_wait_for_the_oldest(
-    writer: RingWriter, reader: RingReader
+def test_mean_vectors_go_through_the_same_queue(
+    capture: StepCapture, copier: FakeCopier, reader: RingReader
 ) -> None:
-    queue = PublicationQueue(writer, lambda where: None, max_entries=2)
-    started = [FakeRows([expected_vector(i)]) for i in range(3)]
-    for i, rows in enumerate(started):
-        queue.add(rows, [RecordTarget(key(i + 1), position=0, num_prompt_tokens=1)])
-    assert [r.waits for r in started] == [1, 0, 0]
-    assert len(queue) == 2
-    record = reader.lookup(key(1))
-    assert record is not None and record.vector == expected_vector(0)
-
-
-def test_polling_never_waits_for_another_thread_draining(writer: RingWriter) -> None:
-    """The output thread may wait on a copy; the main thread's poll must not wait behind it."""
-    queue = PublicationQueue(writer, lambda where: None)
-    rows = FakeRows([expected_vector(0)])
-    rows.may_wait.clear()
-    queue.add(rows, [RecordTarget(key(1), position=0, num_prompt_tokens=1)])
-    output_thread = threading.Thread(target=queue.publish_through, args=(queue.last_number,))
-    output_thread.start()
-    try:
-        while rows.waits == 0:
-            threading.Event().wait(0.001)
-        queue.publish_ready()  # returns at once although the drain lock is taken
-        assert writer.publish_count == 0
-    finally:
-        rows.may_wait.set()
-        output_thread.join(timeout=10)
-    assert not output_thread.is_alive()
-    assert writer.publish_count == 1
-
-
-def test_a_bad_record_costs_only_itself(writer: RingWriter, reader: RingReader) -> None:
-    seen: list[str] = []
-    queue = PublicationQueue(writer, seen.append)
-    rows = FakeRows([b"short", expected_vector(1)])
-    rows.complete()
-    queue.add(
-        rows,
-        [
-            RecordTarget(key(1), position=0, num_prompt_tokens=1),
-            RecordTarget(key(2), position=0, num_prompt_tokens=1),
-        ],
-    )
+    runner = FakeV1Runner(torch.float32)
+    flag = xargs(key(1), layers=[2, FINAL], pooling="mean")
+    step(capture, runner, [("m", 4, 0, 2)], new={"m": flag})
+    assert copier.started == []  # half the prompt: no copy yet
+    step(capture, runner, [("m", 4, 2, 2), ("l", 2, 0, 2)], new={"l": key(2)})
+    [pending] = copier.started
     assert reader.lookup(key(1)) is None
-    assert reader.lookup(key(2)) is not None
-    assert seen == ["publishing a hidden state to the ring"]
+    pending.complete()
+    capture.after_execute_model(runner, sched([]))
+    record = record_of(reader.lookup(key(1)))
+    assert record.pooling == "mean"
+    # by_row: the mean of rows 0, 1 (step 1) and 0, 1 (step 2) is row 0.5 of each layer.
+    for layer in (2, FINAL):
+        rows_0_1 = zip(by_row("", 0, 0, layer), by_row("", 1, 1, layer), strict=True)
+        assert record.floats(layer) == [(a + b) / 2 for a, b in rows_0_1]
+    assert_last_record(reader.lookup(key(2)), row=3, prompt_len=2)
 
 
 # -- the CPU path ---------------------------------------------------------------------------------
@@ -369,15 +321,46 @@ def test_cpu_tensors_get_the_synchronous_copier() -> None:
 def test_cpu_path_publishes_before_execute_model_returns(
     writer: RingWriter, reader: RingReader
 ) -> None:
-    capture = StepCapture(V1RunnerView(), writer, MODEL)  # copier chosen from the tensors
+    # The copier is chosen from the tensors.
+    capture = StepCapture(V1RunnerView(), writer, MODEL, captured=CAPTURED)
     runner = FakeV1Runner(torch.bfloat16)
     step(capture, runner, [("a", 3, 0, 3)], new={"a": key(1)})
     assert isinstance(capture.copier, SyncRowCopier)
-    assert_record(reader, key(1), row=2, prompt_len=3)
+    assert_last_record(reader.lookup(key(1)), row=2, prompt_len=3)
     assert capture.publications is not None and len(capture.publications) == 0
     output = FakeAsyncOutput()
     capture.after_sample_tokens(output)
     assert "get_output" not in vars(output)
+
+
+def hidden(rows: int, dtype: torch.dtype = torch.bfloat16, layer: int = FINAL) -> torch.Tensor:
+    """A step's ``[rows, HIDDEN]`` states of ``layer`` laid out as :func:`by_row`."""
+    return torch.tensor([by_row("", r, r, layer) for r in range(rows)]).to(dtype)
+
+
+def test_sync_copy_is_little_endian_float32_in_the_given_order() -> None:
+    states = hidden(6)
+    pending = SyncRowCopier().start([states[5], states[0], states[5]])
+    assert pending.done()
+    pending.wait()
+    assert pending.vectors() == [row_vector(5), row_vector(0), row_vector(5)]
+    assert struct.unpack(f"<{HIDDEN}f", pending.vectors()[1]) == (0.0, 0.25, 0.5, 0.75)
+    pending.release()
+
+
+def test_rows_of_different_dtypes_and_layers_stack_as_float32() -> None:
+    last = hidden(3, torch.bfloat16)[2]
+    aux = hidden(3, torch.float16, layer=0)[1]
+    mean = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float32)  # a pooled vector
+    stacked = stack_as_float32([last, aux, mean])
+    assert stacked.dtype == torch.float32
+    assert stacked.shape == (3, HIDDEN)
+    assert rows_as_float32([last, aux, mean]) == [
+        row_vector(2),
+        row_vector(1, 0),
+        struct.pack(f"<{HIDDEN}f", 0.1, 0.2, 0.3, 0.4),
+    ]
+    assert stack_as_float32([last, last]).dtype == torch.float32
 
 
 # -- AsyncRowCopier and its buffers, on CPU tensors with fake events -------------------------------
@@ -396,10 +379,7 @@ class FakeEvent:
 
 
 def unpinned(capacity: int, hidden_size: int) -> HostBuffers:
-    return HostBuffers(
-        index=torch.empty(capacity, dtype=torch.long),
-        rows=torch.empty((capacity, hidden_size), dtype=torch.float32),
-    )
+    return HostBuffers(rows=torch.empty((capacity, hidden_size), dtype=torch.float32))
 
 
 @pytest.fixture
@@ -419,15 +399,12 @@ def async_copier(events: list[FakeEvent]) -> AsyncRowCopier:
     return AsyncRowCopier(PinnedBufferPool(unpinned, max_free=2), make_event, record)
 
 
-def hidden(rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    values = torch.arange(rows, dtype=torch.float32)[:, None] + 0.25 * torch.arange(HIDDEN)
-    return values.to(dtype)
-
-
-def test_async_copier_reads_back_the_requested_rows(
+def test_async_copier_reads_back_the_given_rows(
     async_copier: AsyncRowCopier, events: list[FakeEvent]
 ) -> None:
-    pending = async_copier.start(hidden(6), [5, 0, 5])
+    states = hidden(6)
+    aux = hidden(6, torch.float16, layer=0)
+    pending = async_copier.start([states[5], states[0], aux[5], states[5]])
     [event] = events
     assert event.recorded
     assert not pending.done()
@@ -435,16 +412,31 @@ def test_async_copier_reads_back_the_requested_rows(
         pending.vectors()
     event.completed = True
     assert pending.done()
-    assert pending.vectors() == [expected_vector(5), expected_vector(0), expected_vector(5)]
+    assert pending.vectors() == [row_vector(5), row_vector(0), row_vector(5, 0), row_vector(5)]
     assert struct.unpack(f"<{HIDDEN}f", pending.vectors()[1]) == (0.0, 0.25, 0.5, 0.75)
+
+
+def test_the_stacked_rows_stay_referenced_until_release(
+    async_copier: AsyncRowCopier, events: list[FakeEvent]
+) -> None:
+    pending = async_copier.start([hidden(2)[1]])
+    kept = pending._device_tensors  # type: ignore[attr-defined]
+    assert len(kept) == 1 and kept[0].dtype == torch.float32
+    events[0].completed = True
+    assert pending.done()
+    pending.release()
+    assert pending._device_tensors == ()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="released"):
+        pending.vectors()
 
 
 def test_buffers_are_not_reused_while_their_copy_is_pending(
     async_copier: AsyncRowCopier, events: list[FakeEvent]
 ) -> None:
     pool = async_copier.pool
-    first = async_copier.start(hidden(4), [1])
-    second = async_copier.start(hidden(4), [2])
+    states = hidden(4)
+    first = async_copier.start([states[1]])
+    second = async_copier.start([states[2]])
     buffers_of = [p._buffers for p in (first, second)]  # type: ignore[attr-defined]
     assert buffers_of[0] is not buffers_of[1]
     # Released before completion (e.g. a failed copy): the buffer is dropped, not pooled.
@@ -452,14 +444,14 @@ def test_buffers_are_not_reused_while_their_copy_is_pending(
     assert pool.free_count == 0
     events[0].completed = True
     assert first.done()
-    assert first.vectors() == [expected_vector(1)]
+    assert first.vectors() == [row_vector(1)]
     first.release()
     assert pool.free_count == 1
-    third = async_copier.start(hidden(4), [3])
+    third = async_copier.start([states[3]])
     assert third._buffers is buffers_of[0]  # type: ignore[attr-defined]
     assert pool.free_count == 0
     third.wait()
-    assert third.vectors() == [expected_vector(3)]
+    assert third.vectors() == [row_vector(3)]
 
 
 def test_pool_sizes_buffers_to_the_rows_and_keeps_a_few() -> None:
@@ -472,6 +464,7 @@ def test_pool_sizes_buffers_to_the_rows_and_keeps_a_few() -> None:
     pool = PinnedBufferPool(allocate, max_free=2, min_rows=8)
     small, large, larger = pool.take(1, 4), pool.take(9, 4), pool.take(33, 4)
     assert made == [(8, 4), (16, 4), (64, 4)]
+    assert (larger.capacity, larger.hidden_size) == (64, 4)
     for buffers in (small, large, larger):
         pool.release(buffers)
     assert pool.free_count == 2  # the smallest went
@@ -480,40 +473,7 @@ def test_pool_sizes_buffers_to_the_rows_and_keeps_a_few() -> None:
     assert made[-1] == (8, 8)
 
 
-# -- plugin: sample_tokens is wrapped --------------------------------------------------------------
-
-
-def test_sample_tokens_is_wrapped_and_hands_its_output_to_the_capture(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    seen: list[Any] = []
-
-    class Capture:
-        def after_execute_model(self, runner: Any, scheduler_output: Any) -> None:
-            return None
-
-        def after_sample_tokens(self, output: Any) -> None:
-            seen.append(output)
-            raise RuntimeError("contained")
-
-    monkeypatch.setattr(StepCapture, "for_runner", staticmethod(lambda runner, view: Capture()))
-
-    class Runner:
-        def execute_model(self, scheduler_output: Any) -> None:
-            return None
-
-        def sample_tokens(self, grammar_output: Any) -> str:
-            return f"sampled({grammar_output})"
-
-    plugin.patch_runner_class(Runner, V1RunnerView())
-    plugin.patch_runner_class(Runner, V1RunnerView())
-    assert Runner.sample_tokens.__wrapped__.__name__ == "sample_tokens"  # type: ignore[attr-defined]
-    assert not hasattr(Runner.sample_tokens.__wrapped__, "__wrapped__")  # type: ignore[attr-defined]
-    runner = Runner()
-    assert runner.sample_tokens("g") == "sampled(g)"  # no capture yet: untouched
-    runner.execute_model("so")
-    assert runner.sample_tokens("g") == "sampled(g)"
-    assert seen == ["sampled(g)"]
+# -- vLLM's outputs -------------------------------------------------------------------------------
 
 
 def test_vllms_async_outputs_accept_a_shadowing_get_output() -> None:
@@ -522,13 +482,5 @@ def test_vllms_async_outputs_accept_a_shadowing_get_output() -> None:
 
     for cls in (AsyncGPUModelRunnerOutput, AsyncOutput):
         output = object.__new__(cls)
-        output.get_output = lambda: "shadowed"  # type: ignore[method-assign]
+        output.get_output = lambda: "shadowed"
         assert output.get_output() == "shadowed"
-
-
-def test_vllms_runner_classes_have_the_sample_tokens_the_hook_wraps() -> None:
-    import importlib
-
-    for module_name, (class_name, _) in plugin.RUNNER_MODULES.items():
-        cls = getattr(importlib.import_module(module_name), class_name)
-        assert callable(cls.sample_tokens)

@@ -1,35 +1,33 @@
-"""plugin.py: the vllm.general_plugins entry point, runner patching, import hook, rank rule."""
+"""plugin.py: the vllm.general_plugins entry point, runner patching, import hook, and that a
+hook which cannot start never raises into vLLM."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import vllm
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from vllm_hidden_state_proxy.protocol import (
-    HOOK_ENABLED_ENV,
-    RING_DIR_ENV,
-    RING_DIR_MODE_ENV,
-    RING_SLOTS_ENV,
-)
-from vllm_hidden_state_proxy.ring import RingReader
+from tests.worker_hook.conftest import HookLog
+from tests.worker_hook.fakes import FINAL, FakeV1Runner, key, record_of, row_vector, sched
+from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.ring import RingDirectory, RingReader
+from vllm_hidden_state_proxy.ring.files import note_name, ring_name
+from vllm_hidden_state_proxy.ring.notes import read_live_note
 from vllm_hidden_state_proxy.worker_hook import plugin
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
-from vllm_hidden_state_proxy.worker_hook.runners import (
-    UnsupportedRunner,
-    V1RunnerView,
-    V2RunnerView,
-)
+from vllm_hidden_state_proxy.worker_hook.capture import _LAYERS_ATTR, StepCapture
+from vllm_hidden_state_proxy.worker_hook.engine import instance_of
+from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
+from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerView
 
 ENTRY_POINT = "vllm_hidden_state_proxy.worker_hook.plugin:register"
 
@@ -75,7 +73,7 @@ def install_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 def test_register_disabled_by_env(
     monkeypatch: pytest.MonkeyPatch,
     install_calls: list[Any],
-    hook_log: Any,
+    hook_log: HookLog,
     clean_meta_path: None,
     value: str,
 ) -> None:
@@ -91,7 +89,7 @@ def test_register_disabled_by_env(
 def test_register_unsupported_version_logs_one_line_and_patches_nothing(
     monkeypatch: pytest.MonkeyPatch,
     install_calls: list[Any],
-    hook_log: Any,
+    hook_log: HookLog,
     clean_meta_path: None,
 ) -> None:
     monkeypatch.delenv(HOOK_ENABLED_ENV, raising=False)
@@ -122,7 +120,7 @@ def test_register_on_supported_version_installs_the_patches(
     assert install_calls == [()]
 
 
-def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, hook_log: Any) -> None:
+def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, hook_log: HookLog) -> None:
     def boom(*args: Any) -> None:
         raise RuntimeError("broken")
 
@@ -150,14 +148,36 @@ def test_vllm_discovers_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_plugins_by_group("vllm.general_plugins")["hidden_state_hook"] is plugin.register
 
 
+# -- the runner classes of the installed vLLM ----------------------------------------------------
+
+
 def test_runner_targets_name_real_vllm_classes() -> None:
-    for module_name, (class_name, view) in plugin.RUNNER_MODULES.items():
+    for module_name, (class_name, view, methods) in plugin.RUNNER_MODULES.items():
         cls = getattr(importlib.import_module(module_name), class_name)
-        assert callable(cls.execute_model)
-        assert callable(cls.initialize_kv_cache)
+        # Each wrapped method is the class's own: a wrapper on an inherited one would be lost.
+        for name in methods:
+            assert name in cls.__dict__, f"{class_name}.{name} is inherited in {module_name}"
+            assert callable(getattr(cls, name))
         assert isinstance(
             view, V2RunnerView if ".gpu.model_runner" in module_name else V1RunnerView
         )
+
+
+def test_the_cpu_runner_reaches_the_v1_runners_wrapped_methods() -> None:
+    """The CPU runner's own load_model does not call the V1 one (so it is wrapped itself); its
+    other methods are the V1 runner's, or call them."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    cpu_target = plugin.RUNNER_MODULES["vllm.v1.worker.cpu_model_runner"]
+    assert cpu_target[2] == ("load_model",)
+    assert issubclass(CPUModelRunner, GPUModelRunner)
+    assert "super().load_model" not in inspect.getsource(CPUModelRunner.__dict__["load_model"])
+    for name in ("execute_model", "sample_tokens"):
+        assert name not in CPUModelRunner.__dict__
+    own = CPUModelRunner.__dict__.get("initialize_kv_cache")
+    if own is not None:
+        assert "super().initialize_kv_cache(" in inspect.getsource(own)
 
 
 # -- patch_runner_class -------------------------------------------------------------------------
@@ -166,6 +186,7 @@ def test_runner_targets_name_real_vllm_classes() -> None:
 class FakeCapture:
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[tuple[Any, Any]] = []
+        self.outputs: list[Any] = []
         self.fail = fail
 
     def after_execute_model(self, runner: Any, scheduler_output: Any) -> None:
@@ -173,20 +194,52 @@ class FakeCapture:
         if self.fail:
             raise RuntimeError("capture broke")
 
+    def after_sample_tokens(self, output: Any) -> None:
+        self.outputs.append(output)
+        if self.fail:
+            raise RuntimeError("capture broke")
 
-def make_runner_class() -> type:
-    class Runner:
-        def __init__(self) -> None:
-            self.kv_initialized = False
+
+class RunnerMethods(FakeV1Runner):
+    """The four methods the plugin wraps, declared for the type checker (each runner class of
+    :func:`make_runner_class` defines its own, which is what gets wrapped)."""
+
+    kv_initialized = False
+
+    def load_model(self, load_dummy_weights: bool = False) -> str:
+        raise NotImplementedError
+
+    def initialize_kv_cache(self, config: Any) -> str:
+        raise NotImplementedError
+
+    def execute_model(
+        self, scheduler_output: Any, intermediate_tensors: Any = None, **kw: Any
+    ) -> Any:
+        raise NotImplementedError
+
+    def sample_tokens(self, grammar_output: Any) -> str:
+        raise NotImplementedError
+
+
+def make_runner_class() -> type[RunnerMethods]:
+    """A fresh runner class defining the four wrapped methods, with the state the capture
+    reads."""
+
+    class Runner(RunnerMethods):
+        def load_model(self, load_dummy_weights: bool = False) -> str:
+            return "loaded"
+
+        def initialize_kv_cache(self, config: Any) -> str:
+            self.kv_initialized = True
+            return "kv-result"
 
         def execute_model(
             self, scheduler_output: Any, intermediate_tensors: Any = None, **kw: Any
         ) -> Any:
             return ("output", scheduler_output, intermediate_tensors)
 
-        def initialize_kv_cache(self, config: Any) -> str:
-            self.kv_initialized = True
-            return "kv-result"
+        def sample_tokens(self, grammar_output: Any) -> str:
+            return f"sampled({grammar_output})"
 
     return Runner
 
@@ -203,46 +256,105 @@ def captures(monkeypatch: pytest.MonkeyPatch) -> list[FakeCapture]:
     return made
 
 
-def test_patch_runner_class_wraps_and_is_idempotent(captures: list[FakeCapture]) -> None:
+@pytest.fixture
+def prepared(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    runners: list[Any] = []
+    monkeypatch.setattr(plugin, "prepare_layers", runners.append)
+    return runners
+
+
+def wrapped(method: Any) -> bool:
+    return bool(getattr(method, plugin._WRAPPED_ATTR, False))
+
+
+def test_patch_runner_class_wraps_and_is_idempotent(
+    captures: list[FakeCapture], prepared: list[Any]
+) -> None:
     cls = make_runner_class()
-    original_execute = cls.execute_model
+    originals = {name: cls.__dict__[name] for name in plugin.ALL_METHODS}
     plugin.patch_runner_class(cls, V1RunnerView())
-    wrapped_execute, wrapped_init = cls.execute_model, cls.initialize_kv_cache
-    assert wrapped_execute is not original_execute
-    assert wrapped_execute.__wrapped__ is original_execute
+    wrappers = {name: cls.__dict__[name] for name in plugin.ALL_METHODS}
+    for name in plugin.ALL_METHODS:
+        assert wrappers[name] is not originals[name]
+        assert wrappers[name].__wrapped__ is originals[name]
+        assert wrapped(wrappers[name])
     plugin.patch_runner_class(cls, V1RunnerView())
-    assert cls.execute_model is wrapped_execute
-    assert cls.initialize_kv_cache is wrapped_init
+    assert {name: cls.__dict__[name] for name in plugin.ALL_METHODS} == wrappers
 
     runner = cls()
+    assert runner.load_model() == "loaded"
+    assert prepared == [runner]  # the layers are asked for right after loading
     assert runner.initialize_kv_cache("cfg") == "kv-result"
     assert runner.kv_initialized
     assert len(captures) == 1  # created once the KV cache exists, before any step
     assert runner.execute_model("so", "it") == ("output", "so", "it")
     assert runner.execute_model(scheduler_output="so2") == ("output", "so2", None)
+    assert runner.sample_tokens("g") == "sampled(g)"
     assert len(captures) == 1
     assert captures[0].calls == [(runner, "so"), (runner, "so2")]
+    assert captures[0].outputs == ["sampled(g)"]
     # Dummy runs (V2 profiling / warm-up) are not captured.
     assert runner.execute_model("dummy", dummy_run=True) == ("output", "dummy", None)
     assert len(captures[0].calls) == 2
 
 
-def test_capture_created_lazily_without_initialize_kv_cache(captures: list[FakeCapture]) -> None:
+def test_only_the_given_methods_the_class_defines_itself_are_wrapped(
+    captures: list[FakeCapture], prepared: list[Any]
+) -> None:
+    base = make_runner_class()
+    plugin.patch_runner_class(base, V1RunnerView())
+
+    class CPULike(base):  # type: ignore[valid-type, misc]
+        def load_model(self, load_dummy_weights: bool = False) -> str:
+            return "cpu-loaded"  # does not call the base one
+
+        def initialize_kv_cache(self, config: Any) -> str:
+            return "cpu-" + str(super().initialize_kv_cache(config))
+
+    own_init = CPULike.__dict__["initialize_kv_cache"]
+    plugin.patch_runner_class(CPULike, V1RunnerView(), ("load_model",))
+    assert wrapped(CPULike.__dict__["load_model"])
+    assert CPULike.__dict__["initialize_kv_cache"] is own_init  # not asked for
+    assert "execute_model" not in CPULike.__dict__  # inherited, wrapped on the base
+    # Patching again (another import hook pass) leaves each method wrapped once.
+    plugin.patch_runner_class(CPULike, V1RunnerView(), ("load_model",))
+    assert not wrapped(CPULike.__dict__["load_model"].__wrapped__)
+
+    runner = CPULike()
+    assert runner.load_model() == "cpu-loaded"
+    assert prepared == [runner]
+    assert runner.initialize_kv_cache("cfg") == "cpu-kv-result"
+    assert len(captures) == 1  # through the base's wrapper
+    runner.execute_model("so")
+    assert captures[0].calls == [(runner, "so")]
+
+
+def test_a_class_defining_some_methods_gets_those_wrapped(captures: list[FakeCapture]) -> None:
     class Bare:
         def execute_model(self, scheduler_output: Any) -> str:
             return "out"
 
     plugin.patch_runner_class(Bare, V1RunnerView())
-    assert not hasattr(Bare, "initialize_kv_cache")
+    assert wrapped(Bare.__dict__["execute_model"])
+    for name in ("load_model", "initialize_kv_cache", "sample_tokens"):
+        assert not hasattr(Bare, name)
     runner = Bare()
     assert runner.execute_model("s1") == "out"
     assert runner.execute_model("s2") == "out"
-    assert len(captures) == 1
+    assert len(captures) == 1  # created lazily by the first step
     assert [so for _, so in captures[0].calls] == ["s1", "s2"]
 
 
-def test_wrapped_execute_model_survives_a_failing_capture_start(
-    monkeypatch: pytest.MonkeyPatch, hook_log: Any
+def test_sample_tokens_before_any_capture_is_left_alone(captures: list[FakeCapture]) -> None:
+    cls = make_runner_class()
+    plugin.patch_runner_class(cls, V1RunnerView())
+    runner = cls()
+    assert runner.sample_tokens("g") == "sampled(g)"
+    assert captures == []  # sample_tokens does not create the capture
+
+
+def test_wrapped_methods_survive_a_failing_capture_start(
+    monkeypatch: pytest.MonkeyPatch, hook_log: HookLog
 ) -> None:
     attempts = []
 
@@ -257,38 +369,50 @@ def test_wrapped_execute_model_survives_a_failing_capture_start(
     assert runner.initialize_kv_cache("cfg") == "kv-result"
     assert runner.execute_model("so") == ("output", "so", None)
     assert runner.execute_model("so") == ("output", "so", None)
+    assert runner.sample_tokens("g") == "sampled(g)"
     assert len(attempts) == 1  # the failure is remembered, not retried every step
     [record] = hook_log.records
     assert record.levelno == logging.ERROR
     assert record.exc_info is not None
 
 
-def test_wrapped_execute_model_survives_a_failing_capture_step(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_wrapped_methods_survive_a_failing_capture_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         StepCapture, "for_runner", staticmethod(lambda runner, view: FakeCapture(fail=True))
     )
     cls = make_runner_class()
     plugin.patch_runner_class(cls, V1RunnerView())
-    assert cls().execute_model("so") == ("output", "so", None)
+    runner = cls()
+    assert runner.execute_model("so") == ("output", "so", None)
+    assert runner.sample_tokens("g") == "sampled(g)"
 
 
-def test_original_exceptions_propagate_unchanged(captures: list[FakeCapture]) -> None:
+def test_original_exceptions_propagate_unchanged(
+    captures: list[FakeCapture], prepared: list[Any]
+) -> None:
     class Failing:
+        def load_model(self) -> None:
+            raise MemoryError("vLLM's own load error")
+
         def execute_model(self, scheduler_output: Any) -> Any:
             raise ValueError("vLLM's own error")
 
     plugin.patch_runner_class(Failing, V1RunnerView())
+    with pytest.raises(MemoryError, match="vLLM's own load error"):
+        Failing().load_model()
     with pytest.raises(ValueError, match="vLLM's own error"):
         Failing().execute_model("so")
     assert captures == []
+    assert prepared == []  # nothing is asked of a model that did not load
 
 
 # -- install_runner_patches / _PatchOnImport ----------------------------------------------------
 
 RUNNER_SOURCE = """
 class Runner:
+    def load_model(self):
+        return "loaded"
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         return "out"
 
@@ -322,13 +446,15 @@ def hook_finders() -> list[Any]:
 
 
 def is_wrapped(cls: type) -> bool:
-    return bool(getattr(cls.execute_model, plugin._WRAPPED_ATTR, False))
+    return wrapped(cls.__dict__["execute_model"])
 
 
 def test_patch_on_import(throwaway: tuple[str, str], captures: list[FakeCapture]) -> None:
     top, sub = throwaway
     view = V1RunnerView()
-    plugin.install_runner_patches({top: ("Runner", view), sub: ("Runner", view)})
+    plugin.install_runner_patches(
+        {top: ("Runner", view, plugin.ALL_METHODS), sub: ("Runner", view, ("load_model",))}
+    )
     [finder] = hook_finders()
     assert sys.meta_path[0] is finder  # ahead of the path finders that would load it plainly
     assert top not in sys.modules
@@ -336,12 +462,26 @@ def test_patch_on_import(throwaway: tuple[str, str], captures: list[FakeCapture]
     top_module = importlib.import_module(top)
     sub_module = importlib.import_module(sub)
     assert is_wrapped(top_module.Runner)
-    assert is_wrapped(sub_module.Runner)
-    assert getattr(top_module.Runner.initialize_kv_cache, plugin._WRAPPED_ATTR, False)
+    assert wrapped(top_module.Runner.initialize_kv_cache)
+    assert wrapped(top_module.Runner.load_model)
+    # Only the methods named for that module.
+    assert wrapped(sub_module.Runner.load_model)
+    assert not is_wrapped(sub_module.Runner)
     assert top_module.Runner().execute_model("so") == "out"
     assert len(captures) == 1
     # Modules that are not targets load normally.
     assert finder.find_spec("json", None) is None
+
+
+def test_a_second_install_joins_the_existing_finder(
+    throwaway: tuple[str, str], captures: list[FakeCapture]
+) -> None:
+    top, sub = throwaway
+    plugin.install_runner_patches({top: ("Runner", V1RunnerView(), plugin.ALL_METHODS)})
+    plugin.install_runner_patches({sub: ("Runner", V1RunnerView(), plugin.ALL_METHODS)})
+    [finder] = hook_finders()
+    assert set(finder.targets) == {top, sub}
+    assert is_wrapped(importlib.import_module(sub).Runner)
 
 
 def test_already_imported_module_is_patched_at_once(
@@ -350,146 +490,111 @@ def test_already_imported_module_is_patched_at_once(
     top, _ = throwaway
     module = importlib.import_module(top)
     assert not is_wrapped(module.Runner)
-    plugin.install_runner_patches({top: ("Runner", V1RunnerView())})
+    plugin.install_runner_patches({top: ("Runner", V1RunnerView(), plugin.ALL_METHODS)})
     assert is_wrapped(module.Runner)
     assert hook_finders() == []  # nothing left to wait for
     # A second install does not double-wrap.
-    wrapped = module.Runner.execute_model
-    plugin.install_runner_patches({top: ("Runner", V1RunnerView())})
-    assert module.Runner.execute_model is wrapped
+    wrapped_execute = module.Runner.execute_model
+    plugin.install_runner_patches({top: ("Runner", V1RunnerView(), plugin.ALL_METHODS)})
+    assert module.Runner.execute_model is wrapped_execute
 
 
 def test_patching_failure_does_not_break_the_import(
-    throwaway: tuple[str, str], hook_log: Any
+    throwaway: tuple[str, str], hook_log: HookLog
 ) -> None:
     top, _ = throwaway
-    plugin.install_runner_patches({top: ("NoSuchRunner", V1RunnerView())})
+    plugin.install_runner_patches({top: ("NoSuchRunner", V1RunnerView(), plugin.ALL_METHODS)})
     module = importlib.import_module(top)  # must not raise
     assert not is_wrapped(module.Runner)
     [record] = hook_log.records
     assert top in record.getMessage()
 
 
-# -- the rank rule ------------------------------------------------------------------------------
+# -- the real capture behind the wrappers ---------------------------------------------------------
 
 
-def fake_runner(dp_rank: int = 0, prefill_context_parallel_size: int = 1) -> SimpleNamespace:
-    """What StepCapture.for_runner and V1RunnerView.check read from a V1 runner."""
-    model_config = SimpleNamespace(
-        served_model_name=["served-name", "alias"],
-        model="org/model",
-        get_hidden_size=lambda: 8,
-    )
-    return SimpleNamespace(
-        vllm_config=SimpleNamespace(
-            model_config=model_config,
-            parallel_config=SimpleNamespace(
-                data_parallel_rank=dp_rank,
-                prefill_context_parallel_size=prefill_context_parallel_size,
-            ),
-        ),
-        input_batch=SimpleNamespace(
-            req_id_to_index={}, num_computed_tokens_cpu=[], num_prompt_tokens=[]
-        ),
-        query_start_loc=SimpleNamespace(np=[0]),
-    )
-
-
-@pytest.fixture
-def ring_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    ring_dir = tmp_path / "rings"
-    monkeypatch.setenv(RING_DIR_ENV, str(ring_dir))
-    monkeypatch.setenv(RING_SLOTS_ENV, "8")
-    monkeypatch.delenv(RING_DIR_MODE_ENV, raising=False)
-    return ring_dir
-
-
-def set_ranks(monkeypatch: pytest.MonkeyPatch, tp_rank: int, last_pp: bool) -> None:
-    from vllm.distributed import parallel_state
-
-    monkeypatch.setattr(
-        parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp_rank)
-    )
-    monkeypatch.setattr(
-        parallel_state, "get_pp_group", lambda: SimpleNamespace(is_last_rank=last_pp)
-    )
-
-
-@pytest.mark.parametrize(
-    ("tp_rank", "last_pp", "publishes"),
-    [(0, True, True), (1, True, False), (0, False, False), (1, False, False)],
-)
-def test_only_tp_rank_0_of_the_last_pp_stage_publishes(
-    monkeypatch: pytest.MonkeyPatch,
-    ring_env: Path,
-    tp_rank: int,
-    last_pp: bool,
-    publishes: bool,
-) -> None:
-    set_ranks(monkeypatch, tp_rank, last_pp)
-    capture = StepCapture.for_runner(fake_runner(), V1RunnerView())
-    try:
-        assert capture.publishing is publishes
-        assert capture.model_name == "served-name"
-        ring_file = ring_env / "ring-dp0.bin"
-        assert ring_file.exists() is publishes
-        if publishes:
-            assert capture.writer.path == ring_file
-            with RingReader.open(ring_file) as reader:
-                assert reader.hidden_size == 8
-                assert reader.slot_count == 8
-    finally:
-        if capture.writer is not None:
-            capture.writer.close()
-
-
-def test_ring_exists_after_initialize_kv_cache_before_any_request(
-    monkeypatch: pytest.MonkeyPatch, ring_env: Path
-) -> None:
-    set_ranks(monkeypatch, 0, True)
+def patched_runner(engine: int = 0, **kw: Any) -> RunnerMethods:
     cls = make_runner_class()
     plugin.patch_runner_class(cls, V1RunnerView())
-    runner = cls()
-    runner.__dict__.update(vars(fake_runner(dp_rank=3)))
+    runner = cls(**kw)
+    runner.vllm_config.parallel_config.data_parallel_index = engine
+    return runner
+
+
+def test_the_ring_exists_after_initialize_kv_cache_before_any_request(ring_env: Path) -> None:
+    runner = patched_runner(engine=3)
+    assert runner.load_model() == "loaded"
+    assert runner.__dict__[_LAYERS_ATTR] == CapturedLayers(FINAL, (FINAL,))
     runner.initialize_kv_cache("cfg")
     capture = runner.__dict__[plugin._CAPTURE_ATTR]
     try:
-        assert (ring_env / "ring-dp3.bin").exists()
+        instance = instance_of(runner.vllm_config)
+        assert capture.writer.path == ring_env / ring_name(instance, 3)
+        with RingReader.open(capture.writer.path) as ring:
+            assert ring.engine == 3
         # An idle step goes through the real capture without publishing anything.
         empty = SchedulerOutput.make_empty()
         assert runner.execute_model(empty) == ("output", empty, None)
-        assert capture.writer.publish_count == 0
+        assert capture.writer.publish_count() == 0
+        # A flagged request: published before sample_tokens returns (CPU).
+        batch = [("a", 3, 0, 3)]
+        runner.load(batch)
+        so = sched(batch, new={"a": key(1)})
+        assert runner.execute_model(so) == ("output", so, None)
+        assert runner.sample_tokens("g") == "sampled(g)"
+        with RingDirectory(ring_env) as directory:
+            assert record_of(directory.lookup(key(1))).vector(FINAL) == row_vector(2)
     finally:
         capture.writer.close()
 
 
-def test_a_runner_without_the_expected_state_disables_the_hook_before_any_ring_exists(
-    monkeypatch: pytest.MonkeyPatch, ring_env: Path, hook_log: Any
+@pytest.mark.parametrize(
+    "cause",
+    ["ring directory is a file", "unsupported runner", "uncapturable layers", "no slots"],
+)
+def test_a_hook_that_cannot_start_never_raises_into_vllm(
+    ring_env: Path, monkeypatch: pytest.MonkeyPatch, hook_log: HookLog, cause: str
 ) -> None:
-    set_ranks(monkeypatch, 0, True)
-    runner = fake_runner()
-    del runner.input_batch.num_prompt_tokens  # e.g. a vLLM version that renamed it
-    assert plugin.capture_for(runner, V1RunnerView()) is None
-    assert not ring_env.exists() or not any(ring_env.iterdir())
-    text = " ".join(r.getMessage() for r in hook_log.records)
-    assert "worker hook disabled" in text and "num_prompt_tokens" in text
+    runner = patched_runner(engine=2, model=object())
+    expected = ""
+    if cause == "ring directory is a file":
+        ring_env.parent.mkdir(parents=True, exist_ok=True)
+        ring_env.write_text("")
+    elif cause == "unsupported runner":  # e.g. a vLLM version that renamed it
+        query_start_loc = runner.query_start_loc
+        del runner.query_start_loc
+        expected = "UnsupportedRunner: the V1 model runner has no query_start_loc"
+    elif cause == "uncapturable layers":
+        monkeypatch.setenv(LAYERS_ENV, "1")
+        expected = "LayerConfigError: object does not support auxiliary hidden-state outputs"
+    else:
+        monkeypatch.setenv(RING_SLOTS_ENV, "0")
+        expected = "ValueError: slot_count must be in [1, "
 
+    assert runner.load_model() == "loaded"
+    assert runner.initialize_kv_cache("cfg") == "kv-result"
+    if cause == "unsupported runner":
+        runner.query_start_loc = query_start_loc  # only so that the fake can lay out a step
+    batch = [("a", 3, 0, 3)]
+    runner.load(batch)
+    so = sched(batch, new={"a": key(1)})
+    assert runner.execute_model(so) == ("output", so, None)
+    assert runner.sample_tokens("g") == "sampled(g)"
+    assert runner.execute_model(so) == ("output", so, None)
 
-def test_prefill_context_parallelism_disables_the_hook(
-    monkeypatch: pytest.MonkeyPatch, ring_env: Path, hook_log: Any
-) -> None:
-    set_ranks(monkeypatch, 0, True)
-    runner = fake_runner(prefill_context_parallel_size=2)
-    assert plugin.capture_for(runner, V1RunnerView()) is None
-    assert not ring_env.exists() or not any(ring_env.iterdir())
-    assert any("prefill_context_parallel_size=2" in r.getMessage() for r in hook_log.records)
-
-
-def test_v2_view_check_accepts_vllms_real_v2_classes() -> None:
-    runner = SimpleNamespace(
-        vllm_config=object(),
-        req_states=SimpleNamespace(prompt_len=SimpleNamespace(np=[0])),
-    )
-    V2RunnerView().check(runner)
-    with pytest.raises(UnsupportedRunner, match="prompt_len"):
-        V2RunnerView().check(SimpleNamespace(vllm_config=object(), req_states=object()))
+    assert runner.__dict__[plugin._CAPTURE_ATTR] is None  # disabled, and not retried
+    assert not ring_env.is_dir() or not any(ring_env.glob("*.bin"))
+    note_path = ring_env / note_name(instance_of(runner.vllm_config), 2)
+    if not expected:  # nowhere to leave a note: the logs say why
+        assert ring_env.is_file()
+        assert any("could not leave a failure note" in r.getMessage() for r in hook_log.records)
+        return
+    note = read_live_note(note_path, None)
+    assert note is not None
+    assert note.engine == 2
+    assert note.message.startswith(expected)
+    with RingDirectory(ring_env) as directory:
+        [failure] = directory.failed_engines()
+        assert failure.describe().startswith("engine 2 (data-parallel index) of vLLM instance")
+    disabled = [r for r in hook_log.records if r.levelno >= logging.WARNING]
+    assert any("worker hook" in r.getMessage() for r in disabled)

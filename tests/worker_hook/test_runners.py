@@ -10,7 +10,9 @@ allocation and batch sorting in V2).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,11 +20,13 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from tests.worker_hook.fakes import v1_execute_model_state
 from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.worker_hook.runners import (
+    UnsupportedRunner,
     V1RunnerView,
     V2RunnerView,
-    step_hidden_states,
+    step_layers,
 )
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest, last_prompt_row
 
@@ -109,8 +113,9 @@ class V1Harness:
         self.query_start_loc = CpuGpuBuffer(
             self.max_num_reqs + 1, dtype=torch.int32, device=CPU, pin_memory=False
         )
-        self.requests: dict = {}
-        self.execute_model_state = None
+        self.requests: dict[str, Any] = {}
+        self.execute_model_state: Any = None
+        self.vllm_config = object()
 
     def step(self, so: SchedulerOutput) -> None:
         from vllm.v1.worker.gpu_input_batch import CachedRequestState
@@ -238,9 +243,11 @@ def test_v1_mixed_batch(v1: V1Harness) -> None:
     }
     # Every row lies in [0, total tokens) and rows of different requests differ.
     total = sum(step3.num_scheduled_tokens.values())
-    assert 0 <= rows["preempted"] < total
-    assert 0 <= rows["chunked"] < total
-    assert rows["preempted"] != rows["chunked"]
+    preempted_row, chunked_row = rows["preempted"], rows["chunked"]
+    assert preempted_row is not None and chunked_row is not None
+    assert 0 <= preempted_row < total
+    assert 0 <= chunked_row < total
+    assert preempted_row != chunked_row
 
 
 def test_v1_wanted_but_not_scheduled_is_skipped(v1: V1Harness) -> None:
@@ -252,15 +259,36 @@ def test_v1_wanted_but_not_scheduled_is_skipped(v1: V1Harness) -> None:
     assert got == [ScheduledRequest("a", 0, 0, 5, 5)]
 
 
-def test_v1_hidden_states_come_from_execute_model_state(v1: V1Harness) -> None:
-    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+def test_v1_view_check_accepts_the_real_v1_state(v1: V1Harness) -> None:
+    V1RunnerView().check(v1)
+    del v1.input_batch.__dict__["num_prompt_tokens"]  # a vLLM version that renamed it
+    with pytest.raises(UnsupportedRunner, match="V1 input batch has no num_prompt_tokens"):
+        V1RunnerView().check(v1)
+    with pytest.raises(UnsupportedRunner, match="query_start_loc"):
+        V1RunnerView().check(SimpleNamespace(input_batch=None, vllm_config=None))
 
-    assert step_hidden_states(v1) is None  # between steps / after sample_tokens()
-    hidden = torch.zeros(5, 4)
-    fields = dict.fromkeys(ExecuteModelState._fields)
-    fields["hidden_states"] = hidden
-    v1.execute_model_state = ExecuteModelState(**fields)
-    assert step_hidden_states(v1) is hidden
+
+def layer_states(tokens: int, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """One ``[tokens, 4]`` tensor per layer, filled with the layer's number."""
+    return {layer: torch.full((tokens, 4), float(layer)) for layer in layers}
+
+
+def test_v1_layers_come_from_execute_model_state(v1: V1Harness) -> None:
+    assert step_layers(v1, 4, ()) is None  # between steps / after sample_tokens()
+    assert step_layers(v1, 4, (0, 2)) is None
+    states = layer_states(5, (0, 2, 4))
+    v1.execute_model_state = v1_execute_model_state(states[4])
+    assert step_layers(v1, 4, ()) == {4: states[4]}  # no auxiliary outputs asked for
+    with pytest.raises(RuntimeError, match="returned 0 auxiliary hidden states, not the 2"):
+        step_layers(v1, 4, (0, 2))
+    # The V1 runner keeps the model's auxiliary outputs in the order of the aux layer ids.
+    v1.execute_model_state = v1_execute_model_state(states[4], [states[0], states[2]])
+    got = step_layers(v1, 4, (0, 2))
+    assert got is not None
+    assert list(got) == [4, 0, 2]
+    assert all(got[layer] is states[layer] for layer in (0, 2, 4))
+    with pytest.raises(RuntimeError, match="returned 2 auxiliary hidden states, not the 1"):
+        step_layers(v1, 4, (2,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,9 +333,20 @@ class V2Harness:
             device=CPU,
         )
         self.input_buffers = InputBuffers(self.max_num_reqs, 256, CPU)
-        self.execute_model_state = None
+        self.execute_model_state: Any = None
+        self.vllm_config = object()
 
-    def step(self, so: SchedulerOutput, *, pad_reqs: int = 0) -> None:
+    def step(
+        self,
+        so: SchedulerOutput,
+        *,
+        pad_reqs: int = 0,
+        aux_ids: Sequence[int] = (),
+        last_stage: bool = True,
+    ) -> None:
+        """One step; ``aux_ids``: the model returns those auxiliary layers too (filled with
+        their number, the final hidden states with -1); ``last_stage=False``: a non-last
+        pipeline stage, which keeps no hidden states (``execute_model``)."""
         from vllm.v1.worker.gpu.input_batch import InputBatch
         from vllm.v1.worker.gpu.model_runner import ExecuteModelState, sort_batch_req_ids
 
@@ -360,8 +399,12 @@ class V2Harness:
             input_batch=batch,
             attn_metadata=None,
             slot_mappings_by_layer=None,
-            hidden_states=torch.zeros(num_tokens, 4),
-            aux_hidden_states=None,
+            hidden_states=torch.full((num_tokens, 4), -1.0) if last_stage else None,
+            aux_hidden_states=(
+                [torch.full((num_tokens, 4), float(a)) for a in aux_ids]
+                if aux_ids and last_stage
+                else None
+            ),
             dp_sync_state=None,
             finished_req_ids=so.finished_req_ids,
             ec_connector_output=None,
@@ -452,10 +495,42 @@ def test_v2_mixed_batch_with_resumed_request(v2: V2Harness) -> None:
     assert last_prompt_row(by_id["decoding"]) is None
 
 
-def test_v2_hidden_states_and_no_state(v2: V2Harness) -> None:
+def test_v2_layers_and_no_state(v2: V2Harness) -> None:
     view = V2RunnerView()
-    assert step_hidden_states(v2) is None
+    assert step_layers(v2, 4, ()) is None
     assert view.scheduled(v2, None, ["a"]) == []
     v2.step(scheduler_output(new=[new_request("a", 3)], scheduled={"a": 3}))
-    assert step_hidden_states(v2) is v2.execute_model_state.hidden_states
+    assert step_layers(v2, 4, ()) == {4: v2.execute_model_state.hidden_states}
     assert view.scheduled(v2, None, ["a"]) == [ScheduledRequest("a", 0, 0, 3, 3)]
+
+
+def test_v2_auxiliary_layers(v2: V2Harness) -> None:
+    v2.step(
+        scheduler_output(
+            new=[new_request("a", 3), new_request("b", 2)], scheduled={"a": 3, "b": 2}
+        ),
+        aux_ids=(0, 2),
+    )
+    got = step_layers(v2, 4, (0, 2))
+    assert got is not None
+    assert sorted(got) == [0, 2, 4]
+    for layer, value in ((0, 0.0), (2, 2.0), (4, -1.0)):
+        assert got[layer].shape == (5, 4)
+        assert bool((got[layer] == value).all()), layer
+    with pytest.raises(RuntimeError, match="returned 2 auxiliary hidden states, not the 3"):
+        step_layers(v2, 4, (0, 1, 2))
+
+
+def test_v2_non_last_pipeline_stage_has_no_layers(v2: V2Harness) -> None:
+    v2.step(scheduler_output(new=[new_request("a", 3)], scheduled={"a": 3}), last_stage=False)
+    assert v2.execute_model_state is not None  # V2 keeps the state, without hidden states
+    assert step_layers(v2, 4, ()) is None
+    assert step_layers(v2, 4, (0, 2)) is None
+
+
+def test_v2_view_check_accepts_vllms_real_v2_classes(v2: V2Harness) -> None:
+    V2RunnerView().check(v2)
+    with pytest.raises(UnsupportedRunner, match="prompt_len"):
+        V2RunnerView().check(SimpleNamespace(vllm_config=object(), req_states=object()))
+    with pytest.raises(UnsupportedRunner, match="req_states"):
+        V2RunnerView().check(SimpleNamespace(vllm_config=object()))

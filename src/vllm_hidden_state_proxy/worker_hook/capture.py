@@ -298,7 +298,13 @@ class StepCapture:
             self._errors.exception("publishing earlier steps' hidden states")
         selected = self.selected
         try:
-            selected.observe(scheduler_output.scheduled_new_reqs, scheduler_output.finished_req_ids)
+            finished = scheduler_output.finished_req_ids
+            if len(self.means):
+                # Before observing: a finished id may be reused by a new request in this step,
+                # which must not continue the old request's sum (keep_only cannot tell them
+                # apart).
+                self.means.forget(finished)
+            selected.observe(scheduler_output.scheduled_new_reqs, finished)
         except Exception:
             self._errors.exception("reading the scheduler output")
             return
@@ -356,35 +362,43 @@ class StepCapture:
             return
         rows: list[Any] = []
         targets: list[RecordTarget] = []
-        for request in self.view.scheduled(runner, scheduler_output, wanted):
-            selection = self.selected.pending.get(request.req_id)
-            if selection is None:  # a sibling took the key earlier in this step
-                continue
-            if selection.problem is not None:
-                self._fail([request.req_id], selection.problem)
-                continue
-            vectors = self._vectors(request, selection, layers)
-            if vectors is None:
-                continue
-            rows.extend(vectors)
-            targets.append(
-                RecordTarget(
-                    selection.key,
-                    position=request.num_prompt_tokens - 1,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    layers=selection.layers,
-                    pooling=selection.pooling,
+        try:
+            for request in self.view.scheduled(runner, scheduler_output, wanted):
+                selection = self.selected.pending.get(request.req_id)
+                if selection is None:  # a sibling took the key earlier in this step
+                    continue
+                if selection.problem is not None:
+                    self._fail([request.req_id], selection.problem)
+                    continue
+                vectors = self._vectors(request, selection, layers)
+                if vectors is None:
+                    continue
+                rows.extend(vectors)
+                targets.append(
+                    RecordTarget(
+                        selection.key,
+                        position=request.num_prompt_tokens - 1,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        layers=selection.layers,
+                        pooling=selection.pooling,
+                    )
                 )
-            )
-            # The key is claimed now: whether or not the copy succeeds, it is not taken again.
-            self.selected.mark_published(request.req_id, selection.key)
-        if not rows:
-            return
-        if self.copier is None:
-            self.copier = copier_for(rows[0].device)
-        publications = self.publications
-        if publications is not None:
-            publications.add(self.copier.start(rows), targets)
+                # The key is claimed now: whether or not the copy succeeds, it is not taken
+                # again.
+                self.selected.mark_published(request.req_id, selection.key)
+            if not rows:
+                return
+            if self.copier is None:
+                self.copier = copier_for(rows[0].device)
+            started = self.copier.start(rows)
+        except Exception:
+            # The keys claimed so far are no longer pending, so the caller's error records
+            # (for the step's pending keys) would miss them: answer them here.
+            if self.publications is not None:
+                self.publications.publish_errors(targets, STEP_FAILED)
+            raise
+        if self.publications is not None:
+            self.publications.add(started, targets)
 
     def _vectors(
         self, request: ScheduledRequest, selection: Selection, layers: dict[int, Any]

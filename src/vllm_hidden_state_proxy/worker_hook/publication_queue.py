@@ -11,7 +11,8 @@ published in the order they were added, one drainer at a time.
 
 A failing entry (the copy, or reading it back) is logged once through ``on_error`` and its keys
 get error records (the proxy answers them at once with the reason); the other entries are
-unaffected, and its host buffers are not reused.
+unaffected, and its host buffers are not reused. So does a record the ring refuses: its key
+gets an error record, the entry's other records go out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows
 
 #: The error record of a request whose copy to the host failed.
 COPY_FAILED = "copying the hidden states to the host failed in the vLLM worker (see vLLM's log)"
+#: The error record of a request whose record could not be written to the ring.
+PUBLISH_FAILED = "writing the hidden states to the ring failed in the vLLM worker (see vLLM's log)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ class PublicationQueue:
     def _publish(self, targets: list[RecordTarget], vectors: list[bytes]) -> None:
         if len(vectors) != sum(len(target.layers) for target in targets):
             self._on_error("matching copied rows to their keys")
+            self.publish_errors(targets, COPY_FAILED)
             return
         at = 0
         for target in targets:
@@ -155,3 +159,4 @@ class PublicationQueue:
                 )
             except Exception:
                 self._on_error("publishing a hidden state to the ring")
+                self.publish_errors([target], PUBLISH_FAILED)

@@ -64,12 +64,12 @@ def step_layers(runner: Any, final_layer: int, aux_ids: Sequence[int]) -> dict[i
     final norm) and the auxiliary outputs of ``aux_ids``. Both runners keep them in
     ``execute_model_state`` between ``execute_model()`` and ``sample_tokens()``.
 
-    ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling, a non-last
-    pipeline stage), since then no state is kept. Raises ``RuntimeError`` if the auxiliary
-    outputs are not the ones asked for.
+    ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling), since then no
+    state is kept, and on a non-last pipeline stage (V1 keeps no state there, V2 one without
+    hidden states). Raises ``RuntimeError`` if the auxiliary outputs are not the ones asked for.
     """
     state = getattr(runner, "execute_model_state", None)
-    if state is None:
+    if state is None or state.hidden_states is None:
         return None
     layers = {final_layer: state.hidden_states}
     if aux_ids:

@@ -1,0 +1,392 @@
+"""layers.py and capture.prepare_layers: which layers a server captures, and asking the model.
+
+The models are stand-ins (vLLM's ``supports_eagle3`` is an ``isinstance`` check against the
+runtime-checkable ``SupportsEagle3`` protocol, so what a model must have is exactly that
+protocol's members), plus vLLM's real model classes, created without weights, where only the
+check runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+
+from tests.worker_hook.conftest import HookLog
+from tests.worker_hook.fakes import FINAL, HIDDEN, FakeV1Runner, fake_vllm_config
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+from vllm_hidden_state_proxy.ring import RingReader
+from vllm_hidden_state_proxy.ring.files import note_name
+from vllm_hidden_state_proxy.ring.notes import read_live_note
+from vllm_hidden_state_proxy.worker_hook import capture as capture_module
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
+from vllm_hidden_state_proxy.worker_hook.engine import instance_of
+from vllm_hidden_state_proxy.worker_hook.layers import (
+    CapturedLayers,
+    LayerConfigError,
+    configured_layers,
+    enable_aux_outputs,
+    parse_layers,
+)
+from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
+
+# -- parse_layers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "layers"),
+    [
+        (None, (12,)),
+        ("", (12,)),
+        (" , ", (12,)),
+        ("-1", (12,)),
+        ("12", (12,)),
+        ("4,8,-1", (4, 8, 12)),
+        ("8, 4", (4, 8, 12)),  # sorted, the final layer always included
+        ("0", (0, 12)),  # the embeddings
+        ("-13", (0, 12)),  # -N-1 is the embeddings
+        ("-2,11", (11, 12)),  # duplicates collapse
+        ("+3,-0", (0, 3, 12)),
+        (" 1 ,, 2 ", (1, 2, 12)),
+    ],
+)
+def test_parse_layers(text: str | None, layers: tuple[int, ...]) -> None:
+    captured = parse_layers(text, 12)
+    assert captured == CapturedLayers(12, layers)
+    assert captured.aux_ids == tuple(layer for layer in layers if layer != 12)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("13", "layer 13 is out of range for a model with 12 layers (valid: 0..12, or -13..-1)"),
+        ("-14", "layer -14 is out of range"),
+        ("4,100", "layer 100 is out of range"),
+        ("four", "'four' is not a layer index (expected e.g. 4,8,-1)"),
+        ("1.5", "'1.5' is not a layer index"),
+        ("1;2", "'1;2' is not a layer index"),
+        ("0x2", "'0x2' is not a layer index"),
+    ],
+)
+def test_parse_layers_refuses_what_is_not_a_layer(text: str, message: str) -> None:
+    with pytest.raises(LayerConfigError) as raised:
+        parse_layers(text, 12)
+    assert message in str(raised.value)
+    assert str(raised.value).startswith(f"{LAYERS_ENV}={text!r}: ")
+
+
+def test_a_one_layer_model_has_layers_0_and_1() -> None:
+    assert parse_layers("0,-2,-1", 1) == CapturedLayers(1, (0, 1))
+    with pytest.raises(LayerConfigError, match=re.escape("(valid: 0..1, or -2..-1)")):
+        parse_layers("2", 1)
+
+
+def test_configured_layers_read_the_env_and_the_models_layer_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = fake_vllm_config()
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    assert configured_layers(config) == CapturedLayers(FINAL, (FINAL,))
+    monkeypatch.setenv(LAYERS_ENV, "2,-4")
+    assert configured_layers(config) == CapturedLayers(FINAL, (1, 2, FINAL))
+
+
+# -- enable_aux_outputs ---------------------------------------------------------------------------
+
+
+class Eagle3Model(SupportsEagle3):  # type: ignore[misc]  # vLLM's types are not followed
+    """A model with vLLM's EAGLE-3 interface; records what it is asked for."""
+
+    def __init__(self) -> None:
+        self.aux_layers: tuple[int, ...] | None = None
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.aux_layers = layers
+
+
+class ProtocolShapedModel:
+    """Not a subclass, but every member of the protocol: ``isinstance`` accepts it too."""
+
+    supports_eagle3 = True
+    has_own_lm_head = False
+    has_own_embed_tokens = False
+
+    def __init__(self) -> None:
+        self.aux_layers: tuple[int, ...] | None = None
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.aux_layers = layers
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return (1,)
+
+
+class OnlyTheSetterModel:
+    """Has ``set_aux_hidden_state_layers`` but not the rest of ``SupportsEagle3``."""
+
+    def __init__(self) -> None:
+        self.aux_layers: tuple[int, ...] | None = None
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.aux_layers = layers
+
+
+def runner_with(model: Any, *, pipeline: int = 1) -> FakeV1Runner:
+    runner = FakeV1Runner(model=model)
+    runner.vllm_config.parallel_config.pipeline_parallel_size = pipeline
+    return runner
+
+
+def test_what_supports_eagle3_needs() -> None:
+    assert supports_eagle3(Eagle3Model())
+    assert supports_eagle3(ProtocolShapedModel())
+    assert not supports_eagle3(OnlyTheSetterModel())
+
+
+@pytest.mark.parametrize("model_class", [Eagle3Model, ProtocolShapedModel])
+def test_enable_aux_outputs_asks_the_model_and_switches_the_runner(model_class: type) -> None:
+    model = model_class()
+    runner = runner_with(model)
+    enable_aux_outputs(runner, CapturedLayers(FINAL, (0, 2, FINAL)))
+    assert model.aux_layers == (0, 2)  # the final layer is the runner's own output
+    assert runner.use_aux_hidden_state_outputs is True
+
+
+def test_the_model_comes_from_get_model_where_the_runner_has_it() -> None:
+    loaded, wrapper = Eagle3Model(), Eagle3Model()
+    runner = SimpleNamespace(
+        vllm_config=fake_vllm_config(),
+        use_aux_hidden_state_outputs=False,
+        model=wrapper,
+        get_model=lambda: loaded,
+    )
+    enable_aux_outputs(runner, CapturedLayers(FINAL, (1, FINAL)))
+    assert (loaded.aux_layers, wrapper.aux_layers) == ((1,), None)
+    # A runner without get_model: its model attribute.
+    bare = SimpleNamespace(
+        vllm_config=fake_vllm_config(), use_aux_hidden_state_outputs=False, model=wrapper
+    )
+    enable_aux_outputs(bare, CapturedLayers(FINAL, (3, FINAL)))
+    assert wrapper.aux_layers == (3,)
+
+
+@pytest.mark.parametrize("model", [OnlyTheSetterModel(), object()])
+def test_the_final_layer_alone_asks_nothing_of_any_model(model: Any) -> None:
+    runner = runner_with(model, pipeline=4)
+    enable_aux_outputs(runner, CapturedLayers(FINAL, (FINAL,)))
+    assert runner.use_aux_hidden_state_outputs is False
+    assert getattr(model, "aux_layers", None) is None
+
+
+def refusal(runner: FakeV1Runner, layers: tuple[int, ...] = (1, FINAL)) -> str:
+    with pytest.raises(LayerConfigError) as raised:
+        enable_aux_outputs(runner, CapturedLayers(FINAL, layers))
+    return str(raised.value)
+
+
+def test_a_model_without_the_interface_is_refused_by_its_class_name() -> None:
+    model = OnlyTheSetterModel()
+    runner = runner_with(model)
+    message = refusal(runner, (0, 2, FINAL))
+    assert message.startswith("OnlyTheSetterModel does not support auxiliary hidden-state outputs")
+    assert "SupportsEagle3" in message
+    assert "layers 0, 2 of HIDDEN_STATE_PROXY_LAYERS cannot be captured" in message
+    assert "only the final layer (-1) can be" in message
+    assert model.aux_layers is None  # nothing was changed
+    assert runner.use_aux_hidden_state_outputs is False
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "supported"),
+    [
+        ("vllm.model_executor.models.llama", "LlamaForCausalLM", True),
+        ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", True),
+        ("vllm.model_executor.models.gpt2", "GPT2LMHeadModel", False),
+        ("vllm.model_executor.models.opt", "OPTForCausalLM", False),
+    ],
+)
+def test_vllms_own_model_classes(module: str, name: str, supported: bool) -> None:
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    model = cls.__new__(cls)  # no weights, no config: only the interface check runs
+    assert supports_eagle3(model) is supported
+    if not supported:
+        assert refusal(runner_with(model)).startswith(f"{name} does not support auxiliary")
+
+
+def test_pipeline_parallelism_is_refused() -> None:
+    model = Eagle3Model()
+    runner = runner_with(model, pipeline=2)
+    message = refusal(runner)
+    assert "with pipeline parallelism (2 stages) is not supported yet" in message
+    assert message.startswith(LAYERS_ENV)
+    assert model.aux_layers is None
+    assert runner.use_aux_hidden_state_outputs is False
+
+
+def test_a_runner_whose_aux_outputs_are_taken_is_refused() -> None:
+    model = Eagle3Model()
+    runner = runner_with(model)
+    runner.use_aux_hidden_state_outputs = True  # EAGLE-3 speculative decoding set them up
+    message = refusal(runner)
+    assert "speculative decoding already uses the model's auxiliary hidden-state outputs" in message
+    assert f"{LAYERS_ENV} cannot be combined with it" in message
+    assert model.aux_layers is None  # the drafter's layers stay as they are
+
+
+# -- prepare_layers (run by the load_model wrapper) ----------------------------------------------
+
+
+LAYERS_ATTR = capture_module._LAYERS_ATTR
+
+
+def test_prepare_layers_asks_the_model_and_leaves_the_layers_on_the_runner(
+    monkeypatch: pytest.MonkeyPatch, hook_log: HookLog
+) -> None:
+    monkeypatch.setenv(LAYERS_ENV, "0,2")
+    model = Eagle3Model()
+    runner = runner_with(model)
+    prepare_layers(runner)
+    assert runner.__dict__[LAYERS_ATTR] == CapturedLayers(FINAL, (0, 2, FINAL))
+    assert model.aux_layers == (0, 2)
+    assert runner.use_aux_hidden_state_outputs is True
+    [logged] = hook_log.records
+    assert logged.levelno == logging.INFO
+    assert "layers 0,2 as auxiliary outputs" in logged.getMessage()
+    # Once per runner: a second call changes nothing.
+    model.aux_layers = None
+    prepare_layers(runner)
+    assert model.aux_layers is None
+
+
+def test_prepare_layers_without_the_setting_touches_nothing(
+    monkeypatch: pytest.MonkeyPatch, hook_log: HookLog
+) -> None:
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    runner = runner_with(OnlyTheSetterModel())
+    prepare_layers(runner)
+    assert runner.__dict__[LAYERS_ATTR] == CapturedLayers(FINAL, (FINAL,))
+    assert runner.use_aux_hidden_state_outputs is False
+    assert hook_log.records == []
+
+
+@pytest.mark.parametrize(
+    ("setting", "model", "expected"),
+    [
+        ("1", OnlyTheSetterModel(), "OnlyTheSetterModel does not support"),
+        ("99", Eagle3Model(), "layer 99 is out of range"),
+        ("x", Eagle3Model(), "'x' is not a layer index"),
+    ],
+)
+def test_prepare_layers_never_raises_and_leaves_the_error_on_the_runner(
+    monkeypatch: pytest.MonkeyPatch,
+    hook_log: HookLog,
+    setting: str,
+    model: Any,
+    expected: str,
+) -> None:
+    monkeypatch.setenv(LAYERS_ENV, setting)
+    runner = runner_with(model)
+    prepare_layers(runner)
+    outcome = runner.__dict__[LAYERS_ATTR]
+    assert isinstance(outcome, LayerConfigError)
+    assert expected in str(outcome)
+    assert runner.use_aux_hidden_state_outputs is False
+    [logged] = hook_log.records
+    assert logged.levelno == logging.ERROR
+    assert expected in logged.getMessage()
+
+
+def test_prepare_layers_survives_a_runner_it_cannot_read(hook_log: HookLog) -> None:
+    class Odd:
+        @property
+        def vllm_config(self) -> Any:
+            raise AttributeError("no config here")
+
+    runner = Odd()
+    prepare_layers(runner)
+    assert isinstance(runner.__dict__[LAYERS_ATTR], AttributeError)
+    assert [r.levelno for r in hook_log.records] == [logging.ERROR]
+
+
+def test_a_model_that_rejects_the_layers_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Rejecting(Eagle3Model):
+        def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+            raise AssertionError("Model instance must inherit from EagleModelMixin")
+
+    monkeypatch.setenv(LAYERS_ENV, "1")
+    runner = runner_with(Rejecting())
+    prepare_layers(runner)
+    assert isinstance(runner.__dict__[LAYERS_ATTR], AssertionError)
+    assert runner.use_aux_hidden_state_outputs is False
+
+
+# -- what the capture makes of it ----------------------------------------------------------------
+
+
+@pytest.fixture
+def closing() -> Any:
+    made: list[StepCapture] = []
+    yield made
+    for capture in made:
+        if capture.writer is not None:
+            capture.writer.close()
+
+
+def test_the_ring_holds_the_prepared_layers(
+    monkeypatch: pytest.MonkeyPatch, ring_env: Path, closing: list[StepCapture]
+) -> None:
+    monkeypatch.setenv(LAYERS_ENV, "2,0")
+    runner = runner_with(Eagle3Model())
+    prepare_layers(runner)
+    capture = StepCapture.for_runner(runner, V1RunnerView())
+    closing.append(capture)
+    assert capture.writer is not None
+    assert capture.captured == CapturedLayers(FINAL, (0, 2, FINAL))
+    assert capture.selected.captured == (0, 2, FINAL)
+    with RingReader.open(capture.writer.path) as ring:
+        assert ring.layers == (0, 2, FINAL)
+        assert ring.shape.num_hidden_layers == FINAL
+        assert ring.hidden_size == HIDDEN
+
+
+@pytest.mark.parametrize(
+    ("prepare", "cause"),
+    [
+        (True, "LayerConfigError: OnlyTheSetterModel does not support auxiliary"),
+        (False, "LayerConfigError: the model was loaded before the worker hook could ask it"),
+    ],
+)
+def test_layers_that_cannot_be_captured_leave_a_failure_note(
+    monkeypatch: pytest.MonkeyPatch, ring_env: Path, prepare: bool, cause: str
+) -> None:
+    monkeypatch.setenv(LAYERS_ENV, "1")
+    runner = runner_with(OnlyTheSetterModel())
+    if prepare:
+        prepare_layers(runner)
+    with pytest.raises(LayerConfigError):
+        StepCapture.for_runner(runner, V1RunnerView())
+    assert not list(ring_env.glob("*.bin"))
+    config = runner.vllm_config
+    note = read_live_note(ring_env / note_name(instance_of(config), 0), None)
+    assert note is not None
+    assert note.message.startswith(cause)
+
+
+def test_a_non_publishing_rank_ignores_the_layer_outcome(
+    monkeypatch: pytest.MonkeyPatch, ring_env: Path
+) -> None:
+    monkeypatch.setenv(LAYERS_ENV, "1")
+    runner = runner_with(OnlyTheSetterModel())
+    runner.vllm_config.parallel_config.tensor_parallel_size = 2
+    runner.vllm_config.parallel_config.rank = 1
+    prepare_layers(runner)
+    capture = StepCapture.for_runner(runner, V1RunnerView())
+    assert not capture.publishing
+    assert not ring_env.exists()
