@@ -4,6 +4,7 @@
 #   make test      lint, type check, unit tests and end-to-end tests against real vLLM
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
 #   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
+#   make compose-up    the CPU stack in Docker (vLLM + the proxy on :8000; docs/deploy.md)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -22,7 +23,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: install demo test test-unit test-e2e test-own-server lint typecheck serve bench clean
+.PHONY: install demo test test-unit test-e2e test-own-server test-compose lint typecheck serve \
+	bench compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -59,6 +61,10 @@ test-e2e: install
 test-own-server: install
 	$(VENV)/bin/pytest -q -m own_server $(PYTEST_ARGS)
 
+# The compose stack in Docker (part of test-own-server): builds both images, runs compose.yaml.
+test-compose: install
+	$(VENV)/bin/pytest -q tests/compose $(PYTEST_ARGS)
+
 test: lint typecheck
 	$(VENV)/bin/pytest -q -m "not own_server" $(PYTEST_ARGS)
 	$(VENV)/bin/pytest -q -m own_server $(PYTEST_ARGS)
@@ -70,6 +76,16 @@ serve: install
 # bench-results/bench.{md,json}.
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
+
+# compose.yaml's CPU pair on the public base images (Docker Compose v2, Docker Engine 20.10+):
+# builds the proxy and CPU vLLM images, starts both and returns once both are healthy. Settings
+# (MODEL, PROXY_PORT, VLLM_EXTRA_ARGS, ...) come from the environment: docs/deploy.md.
+compose-up:
+	docker compose --profile cpu up --build --detach --wait
+	@echo "[compose-up] OpenAI API with vectors: http://localhost:$${PROXY_PORT:-8000}/v1"
+
+compose-down:
+	docker compose --profile cpu down
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist src/*.egg-info

@@ -60,29 +60,40 @@ __all__ = [
 # Dockerfiles
 
 
-def image_config(dockerfile: str | Path) -> dict[str, Any]:
-    """ENTRYPOINT, CMD, USER and FROM of a Dockerfile's final stage (parsed with ``dockerfile``).
+def image_config(
+    dockerfile: str | Path, build_args: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """ENTRYPOINT, CMD, USER, FROM and ARGs of a Dockerfile's final stage (parsed with
+    ``dockerfile``).
 
     Returns ``{"from": str, "entrypoint": list|None, "cmd": list|None, "user": str|None,
-    "env": dict}``. Shell-form ENTRYPOINT/CMD become ``["/bin/sh", "-c", text]``, as Docker runs
-    them.
+    "env": dict, "args": dict}``. ``from`` is the base image with the ARGs declared before the
+    first FROM substituted, as Docker does: their defaults, or ``build_args`` (``--build-arg``).
+    ``args`` maps the final stage's ARGs to their defaults (None without one). Shell-form
+    ENTRYPOINT/CMD become ``["/bin/sh", "-c", text]``, as Docker runs them.
     """
     import dockerfile as dockerfile_parser
 
     commands = dockerfile_parser.parse_file(str(dockerfile))
+    global_args: dict[str, str] = {}
     stage: list[Any] = []
     for command in commands:
         if command.cmd.upper() == "FROM":
             stage = []
+        elif command.cmd.upper() == "ARG" and not stage:  # before the first FROM
+            name, _, default = command.value[0].partition("=")
+            global_args[name] = default
         stage.append(command)
     if not stage or stage[0].cmd.upper() != "FROM":
         raise ValueError(f"{dockerfile}: no FROM")
+    global_args.update(build_args or {})
     config: dict[str, Any] = {
-        "from": stage[0].value[0],
+        "from": _substitute(stage[0].value[0], global_args),
         "entrypoint": None,
         "cmd": None,
         "user": None,
         "env": {},
+        "args": {},
     }
     for command in stage[1:]:
         name = command.cmd.upper()
@@ -96,7 +107,15 @@ def image_config(dockerfile: str | Path) -> dict[str, Any]:
         elif name == "ENV":
             values = list(command.value)
             config["env"].update(dict(zip(values[::2], values[1::2], strict=True)))
+        elif name == "ARG":
+            arg, equals, default = command.value[0].partition("=")
+            config["args"][arg] = default if equals else None
     return config
+
+
+def _substitute(text: str, args: Mapping[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` in a FROM line (the forms Docker expands there)."""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,10 +246,11 @@ def compose_commands(
     service: str = "proxy",
     path: str | Path = COMPOSE_FILE,
 ) -> dict[str, Command]:
-    """The vLLM and proxy command lines of ``docker compose up <service>``.
+    """The vLLM and proxy command lines of one compose profile.
 
-    ``service`` is the proxy service: ``"proxy"`` (GPU, the default ``docker compose up``) or
-    ``"proxy-cpu"`` (``docker compose up proxy-cpu``). The vLLM service is the one it depends on.
+    ``service`` is the proxy service: ``"proxy"`` (GPU, ``docker compose --profile gpu up``) or
+    ``"proxy-cpu"`` (``docker compose --profile cpu up``). The vLLM service is the one it
+    depends on.
     ``env`` holds the variables compose would see (shell or ``.env``), e.g. ``{"MODEL": ...,
     "VLLM_EXTRA_ARGS": ...}``. Returns ``{"vllm": (argv, env), "proxy": (argv, env)}``.
     """

@@ -58,6 +58,25 @@ def flag_value(argv: list[str], flag: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Dockerfiles
+
+
+def declared_args(dockerfile: Path) -> dict[str, str | None]:
+    """Every ARG of a Dockerfile, all stages and before the first FROM: name -> default (None
+    without one). A build argument nobody declares is ignored with a warning."""
+    import dockerfile as dockerfile_parser
+
+    args: dict[str, str | None] = {}
+    for command in dockerfile_parser.parse_file(str(dockerfile)):
+        if command.cmd.upper() == "ARG":
+            name, equals, default = command.value[0].partition("=")
+            if args.get(name) not in (None, default if equals else None):
+                raise AssertionError(f"{dockerfile.name}: ARG {name} has two defaults")
+            args[name] = default if equals else None
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
 # The Docker build context (repository root filtered by .dockerignore)
 
 

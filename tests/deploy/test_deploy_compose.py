@@ -18,7 +18,7 @@ from tests.deploy.commands import (
     image_config,
     load_compose,
 )
-from tests.deploy.deploy_helpers import flag_value
+from tests.deploy.deploy_helpers import declared_args, flag_value
 
 CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
 PAIRS = [("vllm", "proxy"), ("vllm-cpu", "proxy-cpu")]
@@ -64,9 +64,48 @@ def test_compose_schema_check_can_fail(tmp_path: Path) -> None:
 def test_services(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert set(services) == {"vllm", "proxy", "vllm-cpu", "proxy-cpu"}
-    # GPU by default: `docker compose up` starts the unprofiled pair; the CPU pair is a profile.
-    assert "profiles" not in services["vllm"] and "profiles" not in services["proxy"]
+    # Each pair is a profile, so `--profile cpu` starts (and builds) the CPU pair alone: no GPU
+    # service, no pull of vllm/vllm-openai, no second proxy on the same published port.
+    assert services["vllm"]["profiles"] == ["gpu"] == services["proxy"]["profiles"]
     assert services["vllm-cpu"]["profiles"] == ["cpu"] == services["proxy-cpu"]["profiles"]
+
+
+def test_runs_on_engine_20_10(compose: dict[str, Any]) -> None:
+    """Compose v2 (the top-level `name`), but no `healthcheck.start_interval`: Compose refuses it
+    on Docker Engine older than 25, and Debian 12's engine is 20.10 (the one tests/compose runs)."""
+    assert compose["name"] == "vllm-hidden-state"
+    for name, service in compose["services"].items():
+        assert "start_interval" not in service["healthcheck"], name
+        assert duration_seconds(service["healthcheck"]["interval"]) <= 10, name
+
+
+#: Build arguments and the environment variables compose.yaml fills them from.
+BUILD_SETTINGS = {
+    "proxy": {"BASE_IMAGE": "PYTHON_BASE_IMAGE"},
+    "proxy-cpu": {"BASE_IMAGE": "PYTHON_BASE_IMAGE"},
+    "vllm-cpu": {"BASE_IMAGE": "PYTHON_BASE_IMAGE", "TORCH_INDEX_URL": "TORCH_INDEX_URL"},
+    "vllm": {"BASE_IMAGE": "VLLM_BASE_IMAGE"},
+}
+PIP_SETTINGS = {"PIP_INDEX_URL": "PIP_INDEX_URL", "PIP_TRUSTED_HOST": "PIP_TRUSTED_HOST"}
+
+
+@pytest.mark.parametrize("name", sorted(BUILD_SETTINGS))
+def test_build_arguments_from_the_environment(compose: dict[str, Any], name: str) -> None:
+    """Every build argument is one the Dockerfile declares, with the Dockerfile's default, and
+    comes from the environment variable the header documents."""
+    build = compose["services"][name]["build"]
+    dockerfile = COMPOSE_FILE.parent / build["context"] / build["dockerfile"]
+    declared = declared_args(dockerfile)
+    settings = BUILD_SETTINGS[name] | PIP_SETTINGS
+    assert set(build["args"]) == set(settings)
+    for arg, value in build["args"].items():
+        assert value == declared[arg], f"{name}: {arg} default {value!r} != {declared[arg]!r}"
+    overridden = load_compose({variable: f"x-{arg}" for arg, variable in settings.items()})
+    assert overridden["services"][name]["build"]["args"] == {arg: f"x-{arg}" for arg in settings}
+    assert "network" not in build  # the default network: only the test builds on the host's
+    header = COMPOSE_FILE.read_text().split("\nname:")[0]
+    for variable in settings.values():
+        assert re.search(rf"^#\s+{variable}\s", header, re.MULTILINE), variable
 
 
 @pytest.mark.parametrize(("vllm", "proxy"), PAIRS)
@@ -161,7 +200,7 @@ def test_model_cache_volume(compose: dict[str, Any]) -> None:
         assert "hf-cache" not in {v["source"] for v in compose["services"][proxy]["volumes"]}
 
 
-def test_gpu_by_default_cpu_profile(compose: dict[str, Any]) -> None:
+def test_gpu_pair_and_cpu_pair(compose: dict[str, Any]) -> None:
     services = compose["services"]
     (device,) = services["vllm"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]

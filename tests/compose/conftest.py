@@ -1,0 +1,48 @@
+"""Fixtures of the compose test: a Docker engine, the tiny model and the running compose stack."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.reference import Reference
+from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+
+from . import docker_host
+from .stack import PHASES, VERSIONS, ComposeStack, leftovers, run_compose_stack, timed
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if VERSIONS:
+        terminalreporter.write_line(
+            "compose stack ran on: " + ", ".join(f"{k} {v}" for k, v in VERSIONS.items())
+        )
+    for phase, seconds in PHASES:
+        terminalreporter.write_line(f"compose stack: {phase}: {seconds:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("compose-model") / "tiny-chat-model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def compose_stack(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ComposeStack]:
+    with timed("Docker engine and Compose (apt, the plugin, dockerd: when missing)"):
+        reason = docker_host.ensure_engine()
+    if reason is not None:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("compose")
+    with run_compose_stack(model_dir, work) as stack:
+        yield stack
+    left = leftovers(stack.project)
+    assert not left, f"docker compose down -v left {left}"
