@@ -64,8 +64,7 @@ def test_a_flagged_chat_finds_its_vector_in_a_real_ring(tmp_path: Path) -> None:
     with RingDirectory(tmp_path / "rings") as rings:
         record = rings.lookup(key)
         assert rings.has_ring()
-    assert record is not None and record.num_prompt_tokens == PROMPT_TOKENS
-    assert isinstance(record, Record)
+    assert isinstance(record, Record) and record.num_prompt_tokens == PROMPT_TOKENS
     values = struct.unpack(f"<{HIDDEN_SIZE}f", record.vector(record.layers[0]))
     assert len(values) == HIDDEN_SIZE and values[1] > values[0]
     publish(orjson.dumps({"vllm_xargs": {REQUEST_KEY_ENTRY: "not a key"}}))  # ignored, not an error

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.compose import docker_host
+from tests.compose.stack import PHASES, VERSIONS, ComposeStack, leftovers, run_compose_stack, timed
 from tests.e2e.reference import Reference
 from vllm_hidden_state_proxy.tiny_model import build_tiny_model
-
-from . import docker_host
-from .stack import PHASES, VERSIONS, ComposeStack, leftovers, run_compose_stack, timed
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -35,10 +35,9 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
+from tests.compose import docker_host
+from tests.compose.docker_host import HostError, run
 from vllm_hidden_state_proxy.processes import free_port, one_vllm_at_a_time
-
-from . import docker_host
-from .docker_host import HostError, run
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"

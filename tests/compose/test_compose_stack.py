@@ -24,10 +24,9 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.compose.stack import PHASES, PROXY_SERVICE, SERVED_MODEL_NAME, VLLM_SERVICE, ComposeStack
 from tests.e2e.reference import Reference, assert_matches
 from vllm_hidden_state_proxy.processes import healthy
-
-from .stack import PHASES, PROXY_SERVICE, SERVED_MODEL_NAME, VLLM_SERVICE, ComposeStack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server, pytest.mark.timeout(1800)]
 

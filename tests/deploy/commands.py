@@ -198,7 +198,9 @@ def _interpolate_tree(node: Any, env: Mapping[str, str]) -> Any:
     return node
 
 
-def load_compose(env: Mapping[str, str] | None = None, path: str | Path = COMPOSE_FILE) -> dict:
+def load_compose(
+    env: Mapping[str, str] | None = None, path: str | Path = COMPOSE_FILE
+) -> dict[str, Any]:
     """``compose.yaml`` with YAML merge keys resolved and variables interpolated from ``env``
     (``None``: no variables set, every default applies). ``x-*`` extension fields are dropped."""
     raw = yaml.safe_load(Path(path).read_text())
@@ -273,7 +275,7 @@ def compose_commands(
 # Helm chart
 
 
-def _deep_merge(base: dict, override: Mapping) -> dict:
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     result = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(result.get(key), dict):

@@ -29,13 +29,15 @@ def only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 def pod_spec(manifests: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    return only(objects_of(manifests), "Deployment")["spec"]["template"]["spec"]
+    spec: dict[str, Any] = only(objects_of(manifests), "Deployment")["spec"]["template"]["spec"]
+    return spec
 
 
 def container(manifests: dict[str, list[dict[str, Any]]], name: str) -> dict[str, Any]:
     containers = {c["name"]: c for c in pod_spec(manifests)["containers"]}
     assert set(containers) == {"vllm", "proxy"}, set(containers)
-    return containers[name]
+    found: dict[str, Any] = containers[name]
+    return found
 
 
 def env_of(container_spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 import base64
 import json
 import re
@@ -21,6 +16,7 @@ import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 
 from tests.deploy.commands import CHART_DIR, REPO, chart_commands, chart_manifests
@@ -70,7 +66,7 @@ def test_helm_lint_strict(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_rendered_objects_pass_kubernetes_schemas(rendered: dict, name: str) -> None:
+def test_rendered_objects_pass_kubernetes_schemas(rendered: dict[str, Any], name: str) -> None:
     objects = objects_of(rendered[name])
     kinds = {doc["kind"] for doc in objects}
     assert {"Deployment", "Service", "Pod"} <= kinds
@@ -80,7 +76,7 @@ def test_rendered_objects_pass_kubernetes_schemas(rendered: dict, name: str) -> 
         assert kubernetes_validate.validate(doc, KUBE_VERSION, strict=True) == KUBE_VERSION
 
 
-def test_kubernetes_validate_is_strict(rendered: dict) -> None:
+def test_kubernetes_validate_is_strict(rendered: dict[str, Any]) -> None:
     """The schema check above can fail: an unknown field in the pod spec is rejected."""
     deployment = json.loads(json.dumps(only(objects_of(rendered["default"]), "Deployment")))
     deployment["spec"]["template"]["spec"]["containers"][1]["readinessProbes"] = {}
@@ -88,7 +84,7 @@ def test_kubernetes_validate_is_strict(rendered: dict) -> None:
         kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
 
 
-def test_names_follow_release(rendered: dict) -> None:
+def test_names_follow_release(rendered: dict[str, Any]) -> None:
     for doc in objects_of(rendered["default"]):
         assert doc["metadata"]["name"].startswith("rel-vllm-hidden-state")
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
@@ -99,7 +95,7 @@ def test_names_follow_release(rendered: dict) -> None:
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_both_containers_share_the_memory_ring_volume(rendered: dict, name: str) -> None:
+def test_both_containers_share_the_memory_ring_volume(rendered: dict[str, Any], name: str) -> None:
     spec = pod_spec(rendered[name])
     volumes = {v["name"]: v for v in spec["volumes"]}
     vllm, proxy = container(rendered[name], "vllm"), container(rendered[name], "proxy")
@@ -124,7 +120,7 @@ def test_both_containers_share_the_memory_ring_volume(rendered: dict, name: str)
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_ring_is_readable_across_users(rendered: dict, name: str) -> None:
+def test_ring_is_readable_across_users(rendered: dict[str, Any], name: str) -> None:
     """The proxy (uid 10001) reads what vLLM (root) writes: shared fsGroup + group-readable ring."""
     spec = pod_spec(rendered[name])
     proxy = container(rendered[name], "proxy")
@@ -137,7 +133,7 @@ def test_ring_is_readable_across_users(rendered: dict, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_proxy_is_non_root_with_read_only_root(rendered: dict, name: str) -> None:
+def test_proxy_is_non_root_with_read_only_root(rendered: dict[str, Any], name: str) -> None:
     proxy = container(rendered[name], "proxy")
     security = proxy["securityContext"]
     assert security["runAsNonRoot"] is True
@@ -148,7 +144,7 @@ def test_proxy_is_non_root_with_read_only_root(rendered: dict, name: str) -> Non
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_vllm_binds_loopback_and_is_not_exposed(rendered: dict, name: str) -> None:
+def test_vllm_binds_loopback_and_is_not_exposed(rendered: dict[str, Any], name: str) -> None:
     vllm, proxy = container(rendered[name], "vllm"), container(rendered[name], "proxy")
     argv = argv_of(vllm)
     assert argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
@@ -160,7 +156,7 @@ def test_vllm_binds_loopback_and_is_not_exposed(rendered: dict, name: str) -> No
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_service_targets_the_proxy(rendered: dict, name: str) -> None:
+def test_service_targets_the_proxy(rendered: dict[str, Any], name: str) -> None:
     objects = objects_of(rendered[name])
     service = only(objects, "Service")
     deployment = only(objects, "Deployment")
@@ -168,7 +164,7 @@ def test_service_targets_the_proxy(rendered: dict, name: str) -> None:
     proxy_ports = {p["name"]: p["containerPort"] for p in proxy["ports"]}
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "http"
-    assert proxy_ports["http"] == int(flag_value(argv_of(proxy), "--port"))
+    assert proxy_ports["http"] == int(flag_value(argv_of(proxy), "--port") or 0)
     selector = service["spec"]["selector"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
@@ -176,7 +172,7 @@ def test_service_targets_the_proxy(rendered: dict, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_probes(rendered: dict, name: str) -> None:
+def test_probes(rendered: dict[str, Any], name: str) -> None:
     vllm, proxy = container(rendered[name], "vllm"), container(rendered[name], "proxy")
     port = flag_value(argv_of(vllm), "--port")
     for probe in ("startupProbe", "livenessProbe"):
@@ -198,11 +194,11 @@ def test_vllm_probe_command_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", SETS)
-def test_gpu_resources_only_with_gpu_values(rendered: dict, name: str) -> None:
+def test_gpu_resources_only_with_gpu_values(rendered: dict[str, Any], name: str) -> None:
     spec = pod_spec(rendered[name])
     vllm = container(rendered[name], "vllm")
     gpus = vllm.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-    tp = int(flag_value(argv_of(vllm), "--tensor-parallel-size"))
+    tp = int(flag_value(argv_of(vllm), "--tensor-parallel-size") or 0)
     text = json.dumps(spec)
     if name == "cpu":
         assert "nvidia.com/gpu" not in text
@@ -216,7 +212,7 @@ def test_gpu_resources_only_with_gpu_values(rendered: dict, name: str) -> None:
         assert tp == 2 and int(gpus) == 2
 
 
-def test_model_arguments(rendered: dict) -> None:
+def test_model_arguments(rendered: dict[str, Any]) -> None:
     argv = argv_of(container(rendered["tp2"], "vllm"))
     assert flag_value(argv, "--model") == "Qwen/Qwen3-8B"
     assert flag_value(argv, "--max-model-len") == "32768"
@@ -232,7 +228,7 @@ def test_model_arguments(rendered: dict) -> None:
     assert flag_value(big, "--max-model-len") == "1048576"  # not 1.048576e+06
 
 
-def test_embedding_template_and_vector_timeout_only_when_set(rendered: dict) -> None:
+def test_embedding_template_and_vector_timeout_only_when_set(rendered: dict[str, Any]) -> None:
     default_proxy = container(rendered["default"], "proxy")
     assert "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE" not in env_of(default_proxy)
     assert flag_value(argv_of(default_proxy), "--vector-timeout") is None
@@ -249,7 +245,7 @@ def test_embedding_template_and_vector_timeout_only_when_set(rendered: dict) -> 
     )
 
 
-def test_hf_token_secret(rendered: dict) -> None:
+def test_hf_token_secret(rendered: dict[str, Any]) -> None:
     assert "HF_TOKEN" not in env_of(container(rendered["default"], "vllm"))
     assert "Secret" not in {d["kind"] for d in objects_of(rendered["default"])}
     created = only(objects_of(rendered["gpu"]), "Secret")
@@ -261,10 +257,11 @@ def test_hf_token_secret(rendered: dict) -> None:
     assert existing == {"name": "hf-token", "key": "token"}
 
 
-def test_model_cache(rendered: dict) -> None:
+def test_model_cache(rendered: dict[str, Any]) -> None:
     def cache(name: str) -> dict[str, Any]:
         volumes = {v["name"]: v for v in pod_spec(rendered[name])["volumes"]}
-        return volumes["model-cache"]
+        found: dict[str, Any] = volumes["model-cache"]
+        return found
 
     assert cache("default")["emptyDir"] == {}
     assert cache("cpu")["emptyDir"] == {"sizeLimit": "20Gi"}
@@ -277,7 +274,7 @@ def test_model_cache(rendered: dict) -> None:
     assert env_of(vllm)["HF_HOME"] == mounts["model-cache"]
 
 
-def test_autoscaling_pdb_and_service_monitor(rendered: dict) -> None:
+def test_autoscaling_pdb_and_service_monitor(rendered: dict[str, Any]) -> None:
     default_kinds = {d["kind"] for d in objects_of(rendered["default"])}
     assert not default_kinds & {"HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"}
     assert only(objects_of(rendered["default"]), "Deployment")["spec"]["replicas"] == 1
@@ -490,7 +487,7 @@ def fake_proxy() -> Any:
     server.server_close()
 
 
-def test_helm_test_pod_is_a_test_hook(rendered: dict) -> None:
+def test_helm_test_pod_is_a_test_hook(rendered: dict[str, Any]) -> None:
     pods = [d for d in objects_of(rendered["default"]) if d["kind"] == "Pod"]
     (pod,) = pods
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"

@@ -4,11 +4,6 @@ the proxy's non-root user and entry point, the vLLM images' worker hook, the bui
 
 from __future__ import annotations
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 import re
 import subprocess
 from pathlib import Path
@@ -16,6 +11,7 @@ from typing import Any
 
 import dockerfile
 import pytest
+import tomllib
 
 from tests.deploy.commands import DOCKER_DIR, REPO, image_config
 from tests.deploy.deploy_helpers import declared_args, dockerignore_ignores, dockerignore_rules
@@ -26,7 +22,8 @@ VLLM_ENTRYPOINT = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def parse(path: Path) -> tuple[Any, ...]:
-    return dockerfile.parse_file(str(path))
+    commands: tuple[Any, ...] = dockerfile.parse_file(str(path))
+    return commands
 
 
 def extra_pin(extra: str, package: str) -> str:

@@ -161,7 +161,7 @@ def test_concurrent_mixed_requests_each_get_their_own_vector(
 
     def run(job: tuple[bool, str]) -> tuple[bool, str, Any]:
         is_flagged, text = job
-        messages = [{"role": "user", "content": text}]
+        messages: Any = [{"role": "user", "content": text}]
         if is_flagged:
             return is_flagged, text, flagged(client, model_name, messages)
         response = client.chat.completions.create(

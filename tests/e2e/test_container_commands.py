@@ -26,12 +26,10 @@ from tests.e2e.server import (
     SERVED_MODEL_NAME,
     STARTUP_TIMEOUT,
     TEST_VLLM_ARGS,
-    free_port,
-    one_vllm_at_a_time,
     stack_environment,
     wait_healthy,
 )
-from vllm_hidden_state_proxy.processes import stop_process_group
+from vllm_hidden_state_proxy.processes import free_port, one_vllm_at_a_time, stop_process_group
 
 pytestmark = pytest.mark.own_server
 
@@ -74,9 +72,7 @@ def _run_pair(
 
                 client = OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0)
                 model = client.models.list().data[0].id
-                messages: list[dict[str, Any]] = [
-                    {"role": "user", "content": "Deployment smoke test."}
-                ]
+                messages: Any = [{"role": "user", "content": "Deployment smoke test."}]
                 response = client.chat.completions.create(
                     model=model,
                     messages=messages,

@@ -36,7 +36,7 @@ import psutil
 import pytest
 
 from tests.e2e.reference import Reference, assert_matches
-from tests.e2e.server import RunningStack, free_port
+from tests.e2e.server import RunningStack
 from tests.e2e.stack_probe import (
     MIB,
     connections_to,
@@ -57,6 +57,7 @@ from tests.e2e.stack_probe import (
     wait_until,
     working_on_it,
 )
+from vllm_hidden_state_proxy.processes import free_port
 
 FLAG = {"return_last_hidden_state": True}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -26,14 +26,17 @@ from tests.e2e.server import (
     SERVED_MODEL_NAME,
     STARTUP_TIMEOUT,
     TEST_VLLM_ARGS,
-    free_port,
-    one_vllm_at_a_time,
     proxy_process,
     run_serve,
     stack_environment,
     wait_healthy,
 )
-from vllm_hidden_state_proxy.processes import stop_process_group, vllm_command
+from vllm_hidden_state_proxy.processes import (
+    free_port,
+    one_vllm_at_a_time,
+    stop_process_group,
+    vllm_command,
+)
 from vllm_hidden_state_proxy.ring import RingReader
 from vllm_hidden_state_proxy.serve import vllm_environment
 

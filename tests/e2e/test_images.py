@@ -358,7 +358,7 @@ def test_concurrent_flagged_and_ordinary_image_requests(
         for i in range(8)
     ]
 
-    def run(job: tuple[bool, list[dict[str, Any]]]) -> Any:
+    def run(job: tuple[bool, Any]) -> Any:
         is_flagged, messages = job
         if is_flagged:
             return flagged(client, messages)

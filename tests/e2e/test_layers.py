@@ -90,7 +90,7 @@ def test_assistant_prefill(
         {"role": "user", "content": "Name a colour of the sea."},
         {"role": "assistant", "content": "The colour of the sea is"},
     ]
-    template = {"continue_final_message": True, "add_generation_prompt": False}
+    template: dict[str, Any] = {"continue_final_message": True, "add_generation_prompt": False}
     answer = ask(client, model_name, messages, pooling=pooling, **template)
     ids = reference.chat_token_ids(messages, enable_thinking=False, **template)
     assert answer["prompt_token_ids"] == ids
@@ -190,7 +190,7 @@ def test_streaming_n3_and_base64_with_layers(
         "last_hidden_state_pooling": "mean",
         "last_hidden_state_format": "base64",
     }
-    stream = client.chat.completions.create(
+    stream: Any = client.chat.completions.create(
         model=model_name,
         messages=messages,  # type: ignore[arg-type]
         max_completion_tokens=3,
@@ -198,7 +198,7 @@ def test_streaming_n3_and_base64_with_layers(
         stream=True,
         extra_body={**NO_THINKING, "kv_transfer_params": kv},
     )
-    found = [
+    found: list[Any] = [
         (chunk.model_extra or {}).get("kv_transfer_params")
         for chunk in stream
         if (chunk.model_extra or {}).get("kv_transfer_params")

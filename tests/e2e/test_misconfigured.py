@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.server import RunningStack, free_port, proxy_process, wait_healthy
+from tests.e2e.server import RunningStack, proxy_process, wait_healthy
+from vllm_hidden_state_proxy.processes import free_port
 
 CHAT = "/v1/chat/completions"
 

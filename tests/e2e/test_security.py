@@ -23,7 +23,8 @@ def non_loopback_addresses() -> list[str]:
         pass
     with contextlib.suppress(OSError):
         found.update(
-            info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+            str(info[4][0])
+            for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
         )
     return sorted(a for a in found if not a.startswith("127."))
 

@@ -152,9 +152,10 @@ def plan(model: str, rng: random.Random) -> list[Call]:
         if kind == "flagged_n2":
             return chat_call(kind, prompts[0], fmt, stream=False, n=2)
         if kind == "embeddings":
-            body = {"model": model, "input": [p.text for p in prompts], "encoding_format": fmt}
-            return Call(kind, "/v1/embeddings", body, prompts)
-        body = {
+            inputs = [p.text for p in prompts]
+            embed = {"model": model, "input": inputs, "encoding_format": fmt}
+            return Call(kind, "/v1/embeddings", embed, prompts)
+        body: dict[str, Any] = {
             "model": model,
             "prompt": prompts[0].text
             if kind == "flagged_completion"
@@ -283,7 +284,8 @@ def expected_vector(reference: Reference, prompt: Prompt) -> list[float]:
 
 def unit_rows(vectors: list[np.ndarray]) -> np.ndarray:
     matrix = np.stack(vectors)
-    return matrix / np.linalg.norm(matrix, axis=1, keepdims=True)
+    unit: np.ndarray = matrix / np.linalg.norm(matrix, axis=1, keepdims=True)
+    return unit
 
 
 def test_soak_mixed_load_no_loss_no_misattribution_flat_memory(

@@ -39,7 +39,7 @@ def test_tp2_vectors_match_transformers_and_only_rank_zero_publishes(
 
     client = OpenAI(base_url=tp_stack.proxy_url + "/v1", api_key="unused", max_retries=0)
     for text in ["Tensor parallel one.", "Tensor parallel two, a longer prompt about rivers."]:
-        messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        messages: Any = [{"role": "user", "content": text}]
         response = client.chat.completions.create(
             model=model_name,
             messages=messages,

@@ -106,14 +106,19 @@ def needs_inspection(body: bytes) -> bool:
     return any(marker in body for marker in _MARKERS) or _maybe_not_utf8(body)
 
 
+class _NonFinite(float):
+    """NaN or an infinity read by Python's parser: orjson refuses to write this subclass (it
+    would write ``null``), so :func:`encode_document` falls back to ``json``, which keeps it."""
+
+
 def _load(body: bytes) -> Any:
     """Parse like vLLM would; raises ``ValueError`` if neither parser accepts the body."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep...
         first_error = exc
-    try:
-        return json.loads(body)  # ...or only what orjson refuses: UTF-16/32, lone surrogates
+    try:  # ...or only what orjson refuses: UTF-16/32, lone surrogates, NaN
+        return json.loads(body, parse_constant=_NonFinite)
     except (ValueError, RecursionError):
         raise ValueError(str(first_error)) from None
 
