@@ -144,6 +144,10 @@ def write_override(path: Path, model_dir: Path) -> Path:
     return path
 
 
+#: The layers the test's vLLM captures (compose passes HIDDEN_STATE_PROXY_LAYERS through).
+LAYERS = "1,-1"
+
+
 def compose_environment(
     base_image: str, proxy_port: int, torch_index_url: str | None
 ) -> dict[str, str]:
@@ -169,6 +173,7 @@ def compose_environment(
             "VLLM_EXTRA_ARGS": shlex.join(VLLM_ARGS),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "PROXY_PORT": str(proxy_port),
+            "HIDDEN_STATE_PROXY_LAYERS": LAYERS,
         }
     )
     return env

@@ -24,7 +24,14 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.compose.stack import PHASES, PROXY_SERVICE, SERVED_MODEL_NAME, VLLM_SERVICE, ComposeStack
+from tests.compose.stack import (
+    LAYERS,
+    PHASES,
+    PROXY_SERVICE,
+    SERVED_MODEL_NAME,
+    VLLM_SERVICE,
+    ComposeStack,
+)
 from tests.e2e.reference import Reference, assert_matches
 from vllm_hidden_state_proxy.processes import healthy
 
@@ -75,6 +82,30 @@ def test_flagged_chat_matches_transformers(
 ) -> None:
     text = "Summarize this text in one word: A yellow bicycle beside a stone wall."
     assert_matches(_flagged_vector(compose_stack, text), _expected(reference, text))
+
+
+def test_layers_set_through_compose_match_transformers(
+    compose_stack: ComposeStack, reference: Reference
+) -> None:
+    text = "A layer through compose."
+    response = _client(compose_stack).chat.completions.create(
+        model=SERVED_MODEL_NAME,
+        messages=_messages(text),
+        max_completion_tokens=1,
+        extra_body={
+            **FLAG,
+            "kv_transfer_params": {
+                "return_last_hidden_state": True,
+                "last_hidden_state_layers": [int(layer) for layer in LAYERS.split(",")],
+            },
+        },
+    )
+    by_layer = response.model_dump()["kv_transfer_params"]["last_hidden_states_by_layer"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
+    ids = reference.chat_token_ids(messages, enable_thinking=False)
+    assert set(by_layer) == set(LAYERS.split(","))
+    for label, vector in by_layer.items():
+        assert_matches(vector, reference.layer_vector(ids, int(label), "last"))
 
 
 def test_streamed_flagged_chat(compose_stack: ComposeStack, reference: Reference) -> None:
