@@ -195,6 +195,7 @@ def test_base64_equals_float_and_info_is_right(
         "hidden_size": reference.hidden_size,
         "dtype": "float32",
         "layer": "final_norm",
+        "pooling": "last",
     }
     assert as_base64["last_hidden_state_info"] == as_float["last_hidden_state_info"]
     assert_matches(as_float["last_hidden_state"], reference.last_hidden_state(ids))

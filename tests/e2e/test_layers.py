@@ -23,7 +23,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 LONG_TEXT = " ".join(
     f"Layer sentence {i} describes a harbour, a lighthouse and the colour {c}."
-    for i, c in enumerate(["amber", "teal", "crimson", "ivory", "olive", "slate"] * 6)
+    for i, c in enumerate(["amber", "teal", "crimson", "ivory", "olive", "slate"] * 3)
 )
 CHAT = "/v1/chat/completions"
 
