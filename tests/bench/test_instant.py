@@ -3,7 +3,6 @@ instant upstream, with small counts. No timing thresholds: the numbers must only
 
 from __future__ import annotations
 
-import functools
 import io
 from collections.abc import Iterator
 
@@ -11,15 +10,13 @@ import anyio
 import pytest
 
 from vllm_hidden_state_proxy.bench.instant import (
-    Target,
     cpu_arms,
     measure_instant,
     measure_instant_throughput,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
-from vllm_hidden_state_proxy.bench.servers import instant_stack
-from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
+from vllm_hidden_state_proxy.bench.servers import Server, instant_stack
 
 #: Per arm: enough that each server's CPU time spans several of Linux's 10 ms ticks.
 REQUESTS = 300
@@ -32,26 +29,19 @@ PROXIES = (
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, list[Target]]]:
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[Server]]]:
     logs = tmp_path_factory.mktemp("instant")
     with instant_stack(logs, Progress(io.StringIO()), PROXIES) as stack:
-        app = Target("app", stack.app_url, functools.partial(tree_cpu_seconds, stack.app_pid))
-        yield (
-            app,
-            [
-                Target(proxy.label, proxy.url, functools.partial(tree_cpu_seconds, proxy.pid))
-                for proxy in stack.proxies
-            ],
-        )
+        yield stack.app, list(stack.proxies)
 
 
 @pytest.fixture(scope="module")
-def table(targets: tuple[Target, list[Target]]) -> Table:
+def table(targets: tuple[Server, list[Server]]) -> Table:
     app, proxies = targets
     return anyio.run(measure_instant, app, proxies[:2], REQUESTS, 2, Progress(io.StringIO()))
 
 
-def test_every_arm_sends_its_requests(table: Table, targets: tuple[Target, list[Target]]) -> None:
+def test_every_arm_sends_its_requests(table: Table, targets: tuple[Server, list[Server]]) -> None:
     arms = cpu_arms(targets[0], targets[1][:2])
     assert [row["arm"] for row in table.rows] == [arm.name for arm in arms]
     assert "passthrough (httpx)" in [arm.name for arm in arms]
@@ -62,7 +52,7 @@ def test_every_arm_sends_its_requests(table: Table, targets: tuple[Target, list[
 
 
 def test_a_proxy_costs_cpu_only_where_it_is_in_the_path(
-    table: Table, targets: tuple[Target, list[Target]]
+    table: Table, targets: tuple[Server, list[Server]]
 ) -> None:
     for arm in cpu_arms(targets[0], targets[1][:2]):
         proxy, app = (
@@ -77,7 +67,7 @@ def test_a_proxy_costs_cpu_only_where_it_is_in_the_path(
             assert proxy is None and table.get(arm.name, "proxy / app CPU") is None
 
 
-def test_throughput_through_one_and_two_workers(targets: tuple[Target, list[Target]]) -> None:
+def test_throughput_through_one_and_two_workers(targets: tuple[Server, list[Server]]) -> None:
     app, proxies = targets
     table = anyio.run(
         measure_instant_throughput,

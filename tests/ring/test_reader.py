@@ -84,8 +84,8 @@ def test_a_record_round_trips_with_every_field(tmp_path: Path) -> None:
     with writer, RingReader.open(writer.path) as reader:
         assert reader.shape == writer.shape
         assert (reader.hidden_size, reader.slot_count, reader.layers) == (16, 8, (1,))
-        assert (reader.engine, reader.instance, reader.epoch) == (4, 9, writer.epoch)
-        assert reader.writer_pid == os.getpid()
+        assert (reader.header.engine, reader.header.instance, reader.epoch) == (4, 9, writer.epoch)
+        assert reader.header.writer_pid == os.getpid()
         st = writer.path.stat()
         assert reader.identity == (st.st_dev, st.st_ino)
         assert reader.publish_count() == 1
@@ -533,7 +533,7 @@ def test_a_writer_killed_by_sigkill_is_not_live_and_its_records_stay_exact(
         (name,) = os.listdir(tmp_path)
         with RingReader.open(tmp_path / name) as reader:
             assert reader.is_live()
-            assert reader.writer_pid == process.pid
+            assert reader.header.writer_pid == process.pid
             process.send_signal(signal.SIGKILL)
             assert process.wait(timeout=30) == -signal.SIGKILL
             assert not reader.is_live()  # the kernel dropped the lock with the process

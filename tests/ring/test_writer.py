@@ -363,10 +363,13 @@ def test_simultaneous_creators_exactly_one_wins(
 
 FORKING_WRITER = """
 writer = make_writer(Path(sys.argv[1]))
+forked_r, forked_w = os.pipe()
 child = os.fork()  # like vLLM's compile workers: forked after the ring exists
 if child == 0:
+    os.write(forked_w, b"x")  # fork() has returned here: the at-fork hooks have run
     sys.stdin.read()  # lives until the test closes stdin
     os._exit(0)
+os.read(forked_r, 1)
 print(child, flush=True)
 sys.stdin.read()
 """

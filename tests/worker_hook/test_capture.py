@@ -623,7 +623,7 @@ def test_the_publishing_rank_creates_its_engines_ring(ring_env: Path, for_runner
     instance = instance_of(runner.vllm_config)
     assert capture.writer.path == ring_env / ring_name(instance, 3)
     with RingReader.open(capture.writer.path) as ring:
-        assert (ring.instance, ring.engine) == (instance, 3)
+        assert (ring.header.instance, ring.header.engine) == (instance, 3)
         assert ring.hidden_size == HIDDEN
         assert ring.slot_count == 8
         assert ring.layers == (FINAL,)  # HIDDEN_STATE_PROXY_LAYERS unset: the final layer only

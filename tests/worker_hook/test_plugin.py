@@ -531,7 +531,7 @@ def test_the_ring_exists_after_initialize_kv_cache_before_any_request(ring_env: 
         instance = instance_of(runner.vllm_config)
         assert capture.writer.path == ring_env / ring_name(instance, 3)
         with RingReader.open(capture.writer.path) as ring:
-            assert ring.engine == 3
+            assert ring.header.engine == 3
         # An idle step goes through the real capture without publishing anything.
         empty = SchedulerOutput.make_empty()
         assert runner.execute_model(empty) == ("output", empty, None)

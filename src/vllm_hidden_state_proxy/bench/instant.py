@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -31,6 +31,7 @@ from vllm_hidden_state_proxy.bench.client import CHAT_PATH, chat_body, new_clien
 from vllm_hidden_state_proxy.bench.interleave import round_robin
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
+from vllm_hidden_state_proxy.bench.servers import Server
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
 
 #: The instant upstream answers any model name.
@@ -40,19 +41,9 @@ CONCURRENCY = 16
 
 
 @dataclass(frozen=True)
-class Target:
-    """Where an arm sends: the bare app, or a proxy; and how to read that server's CPU."""
-
-    label: str
-    url: str
-    cpu: Callable[[], float]
-
-
-@dataclass(frozen=True)
 class InstantArm:
     name: str
-    description: str
-    target: Target
+    target: Server
     flagged: bool = False
     stream: bool = False
 
@@ -64,29 +55,29 @@ class InstantArm:
     def baseline(self) -> str:
         return "stream_direct" if self.stream else "direct"
 
+    @property
+    def description(self) -> str:
+        how = "streamed, " if self.stream else "one-token chat, "
+        if not self.via_proxy:
+            return how + "straight to the bare app"
+        return (
+            how
+            + f"through the {self.target.label} proxy, "
+            + ("flagged" if self.flagged else "unflagged")
+        )
 
-def cpu_arms(app: Target, proxies: Sequence[Target]) -> list[InstantArm]:
+
+def cpu_arms(app: Server, proxies: Sequence[Server]) -> list[InstantArm]:
     """direct and stream_direct; per proxy passthrough and flagged (suffixed with its label
     after the first); the stream arms through the first proxy."""
-    arms = [InstantArm("direct", "one-token chat straight to the bare app", app)]
+    arms = [InstantArm("direct", app)]
     for number, proxy in enumerate(proxies):
         suffix = "" if number == 0 else f" ({proxy.label})"
-        arms.append(
-            InstantArm(f"passthrough{suffix}", f"through the {proxy.label} proxy, unflagged", proxy)
-        )
-        arms.append(
-            InstantArm(f"flagged{suffix}", f"through the {proxy.label} proxy, flagged", proxy, True)
-        )
-    arms.append(InstantArm("stream_direct", "streamed, straight to the bare app", app, stream=True))
-    first = proxies[0]
-    arms.append(
-        InstantArm(
-            "stream_passthrough", "streamed through the proxy, unflagged", first, stream=True
-        )
-    )
-    arms.append(
-        InstantArm("stream_flagged", "streamed through the proxy, flagged", first, True, True)
-    )
+        arms.append(InstantArm(f"passthrough{suffix}", proxy))
+        arms.append(InstantArm(f"flagged{suffix}", proxy, flagged=True))
+    arms.append(InstantArm("stream_direct", app, stream=True))
+    arms.append(InstantArm("stream_passthrough", proxies[0], stream=True))
+    arms.append(InstantArm("stream_flagged", proxies[0], flagged=True, stream=True))
     return arms
 
 
@@ -99,8 +90,8 @@ class _Tally:
 
 
 async def measure_instant(
-    app: Target,
-    proxies: Sequence[Target],
+    app: Server,
+    proxies: Sequence[Server],
     requests: int,
     rounds: int,
     progress: Progress,
@@ -173,8 +164,8 @@ async def measure_instant(
 
 
 async def measure_instant_throughput(
-    app: Target,
-    proxies: Sequence[Target],
+    app: Server,
+    proxies: Sequence[Server],
     requests: int,
     rounds: int,
     progress: Progress,
@@ -188,11 +179,11 @@ async def measure_instant_throughput(
     indices = itertools.count()
     burst = max(concurrency, requests // rounds)
 
-    async def one(target: Target) -> None:
+    async def one(target: Server) -> None:
         timed = await timed_post(clients[target.label], CHAT_PATH, chat_body(MODEL, next(indices)))
         timed.require_ok(target.label, False)
 
-    async def run_burst(target: Target) -> float:
+    async def run_burst(target: Server) -> float:
         limiter = anyio.CapacityLimiter(concurrency)
 
         async def limited() -> None:

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import functools
 import importlib.metadata
 import os
 import platform
@@ -23,11 +22,7 @@ import httpx
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
-from vllm_hidden_state_proxy.bench.instant import (
-    Target,
-    measure_instant,
-    measure_instant_throughput,
-)
+from vllm_hidden_state_proxy.bench.instant import measure_instant, measure_instant_throughput
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
 from vllm_hidden_state_proxy.bench.layers_cost import LAYERS, measure_layers_cost
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
@@ -177,11 +172,7 @@ def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> 
         results.tables["instant"] = Table("The hop alone", note="skipped: --no-instant")
         return
     with instant_stack(options.output_dir, progress) as stack:
-        app = Target("app", stack.app_url, lambda: tree_cpu_seconds(stack.app_pid))
-        proxies = [
-            Target(proxy.label, proxy.url, functools.partial(tree_cpu_seconds, proxy.pid))
-            for proxy in stack.proxies
-        ]
+        app, proxies = stack.app, stack.proxies
         single = [proxy for proxy in proxies if "workers" not in proxy.label]  # one process
         results.tables["instant"] = run_async(
             measure_instant(app, single, options.instant_requests, options.rounds, progress)

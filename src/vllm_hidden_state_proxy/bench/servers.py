@@ -18,9 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     free_port,
@@ -43,20 +45,23 @@ STOP_GRACE = 60.0
 CLI = (sys.executable, "-m", "vllm_hidden_state_proxy.cli")
 
 
-@dataclass(frozen=True)
-class InstantProxy:
-    """One proxy in front of the instant upstream: a label, its URL, its process."""
+class Server(NamedTuple):
+    """A server the hop phase sends to: a label, its URL, its process."""
 
     label: str
     url: str
     pid: int
 
+    def cpu(self) -> float:
+        """CPU seconds of the server's process tree so far (all its workers)."""
+        return tree_cpu_seconds(self.pid)
+
 
 @dataclass(frozen=True)
 class InstantStack:
-    app_url: str
-    app_pid: int
-    proxies: tuple[InstantProxy, ...]
+    #: The instant upstream itself, labelled "app".
+    app: Server
+    proxies: tuple[Server, ...]
 
 
 #: Where the instant upstream also listens, on a Unix domain socket (in its ring directory).
@@ -198,7 +203,7 @@ def instant_stack(
                         progress,
                     )
                 )
-                started_proxies.append(InstantProxy(label, url, process.pid))
-            yield InstantStack(app_url, app.pid, tuple(started_proxies))
+                started_proxies.append(Server(label, url, process.pid))
+            yield InstantStack(Server("app", app_url, app.pid), tuple(started_proxies))
     finally:
         shutil.rmtree(ring_dir, ignore_errors=True)

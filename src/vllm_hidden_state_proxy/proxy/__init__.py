@@ -8,8 +8,9 @@ auth.py              the API key, if the proxy has one
 chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
   │                  ops_app.py: the others)
   ▼
-admission.py         read the body (asgi.py), inspect it (inspection.py): Ordinary | Flagged;
-  │                  resolve the layers asked for against the live rings (vector_lookup.py)
+admission.py         every POST endpoint: read the body (asgi.py), build the exchange or
+  │                  refuse; chat and completions: inspect (inspection.py): Ordinary |
+  │                  Flagged, resolve the layers against the live rings (vector_lookup.py)
   ├─ Ordinary ─────▶ relay.py: forward byte for byte (upstream.py, headers.py)
   ▼
 flagged_exchange.py  a fresh request key into vllm_xargs; send to vLLM (upstream.py)

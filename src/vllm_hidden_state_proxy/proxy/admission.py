@@ -1,40 +1,71 @@
-"""The first stop of a chat or completions request: read it, inspect it, refuse what the proxy
-refuses (413, 400, 503), and resolve what a flagged one asks for against the live rings."""
+"""The first stop of every POST endpoint: read the body (413), build the exchange that answers
+it or refuse it with the proxy's own error (400, 503), then run the exchange until it ends or
+the client leaves. Chat and completions also share the split into ordinary and flagged, and
+resolving what a flagged request asks for against the live rings."""
 
 from __future__ import annotations
 
-from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, receive_body, send_error
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable
+
+from vllm_hidden_state_proxy.proxy.asgi import (
+    Receive,
+    Scope,
+    Send,
+    receive_body,
+    run_until_disconnect,
+    send_error,
+)
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import (
-    Decision,
     Flagged,
     Ordinary,
     WantedVectors,
     inspect_body,
     resolve_layers,
 )
+from vllm_hidden_state_proxy.proxy.relay import forward
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
 
 
-async def read_decision(
-    state: ProxyState, scope: Scope, receive: Receive, send: Send
-) -> Decision | None:
-    """The request as :class:`Ordinary` or :class:`Flagged`; ``None`` if it is already answered
-    (413, 400) or abandoned."""
-    body = await receive_body(scope, receive, send, state.settings.max_body_bytes)
-    if body is None:
-        return None
-    try:
+class Endpoint(ABC):
+    """One POST endpoint: :meth:`exchange` says how a request body is answered."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+
+    @abstractmethod
+    def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
+        """The exchange that answers ``body``, not yet started; ``ProxyError`` to refuse it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await receive_body(scope, receive, send, self.state.settings.max_body_bytes)
+        if body is None:  # answered (413) or abandoned
+            return
+        try:
+            exchange = self.exchange(scope, send, body)
+        except ProxyError as error:
+            await send_error(send, error)
+            return
+        await run_until_disconnect(receive, exchange)
+
+
+class GenerationEndpoint(Endpoint):
+    """Chat and completions: an ordinary request is forwarded byte for byte, a flagged one is
+    answered by :meth:`flagged`."""
+
+    def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
         decision = inspect_body(body)
-    except ProxyError as error:
-        await send_error(send, error)
-        return None
-    if isinstance(decision, Ordinary):
-        state.metrics.requests["ordinary"] += 1
-    else:
-        state.metrics.flagged_received += 1
-    return decision
+        if isinstance(decision, Ordinary):
+            self.state.metrics.requests["ordinary"] += 1
+            return forward(self.state, scope, send, decision.body)
+        self.state.metrics.flagged_received += 1
+        return self.flagged(scope, send, decision)
+
+    @abstractmethod
+    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+        """The exchange that answers ``flagged``, not yet started; ``ProxyError`` to refuse it."""
 
 
 def resolve_wanted(state: ProxyState, flagged: Flagged) -> WantedVectors:

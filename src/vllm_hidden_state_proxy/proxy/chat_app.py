@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-from vllm_hidden_state_proxy.proxy.admission import read_decision, resolve_wanted
-from vllm_hidden_state_proxy.proxy.asgi import (
-    Receive,
-    Scope,
-    Send,
-    run_until_disconnect,
-    send_error,
-)
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from collections.abc import Awaitable
+
+from vllm_hidden_state_proxy.proxy.admission import GenerationEndpoint, resolve_wanted
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
 from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
-from vllm_hidden_state_proxy.proxy.inspection import Ordinary
-from vllm_hidden_state_proxy.proxy.relay import forward
-from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.inspection import Flagged
 
 
-class ChatApp:
-    def __init__(self, state: ProxyState) -> None:
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self.state
-        decision = await read_decision(state, scope, receive, send)
-        if decision is None:
-            return
-        if isinstance(decision, Ordinary):
-            await run_until_disconnect(receive, forward(state, scope, send, decision.body))
-            return
-        try:
-            wanted = resolve_wanted(state, decision)
-        except ProxyError as error:
-            await send_error(send, error)
-            return
-        exchange = flagged_exchange(state, scope, send, decision.document, wanted)
-        await run_until_disconnect(receive, exchange)
+class ChatApp(GenerationEndpoint):
+    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+        wanted = resolve_wanted(self.state, flagged)
+        return flagged_exchange(self.state, scope, send, flagged.document, wanted)

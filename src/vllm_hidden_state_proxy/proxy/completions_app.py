@@ -10,26 +10,24 @@ fails, the client gets that failure (the first in prompt order) and never a part
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
-from vllm_hidden_state_proxy.proxy.admission import read_decision, resolve_wanted
+from vllm_hidden_state_proxy.proxy.admission import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
     send_joined,
     send_unchanged,
 )
 from vllm_hidden_state_proxy.proxy.asgi import (
-    Receive,
     Scope,
     Send,
-    run_until_disconnect,
     send_error,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
-from vllm_hidden_state_proxy.proxy.inspection import FLAG, KV, Ordinary, WantedVectors
-from vllm_hidden_state_proxy.proxy.relay import forward
+from vllm_hidden_state_proxy.proxy.inspection import FLAG, KV, Flagged, WantedVectors
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
@@ -110,30 +108,14 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-class CompletionsApp:
-    def __init__(self, state: ProxyState) -> None:
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self.state
-        decision = await read_decision(state, scope, receive, send)
-        if decision is None:
-            return
-        if isinstance(decision, Ordinary):
-            await run_until_disconnect(receive, forward(state, scope, send, decision.body))
-            return
-        document = decision.document
-        try:
-            prompts = prompt_list(document)
-            wanted = resolve_wanted(state, decision)
-        except ProxyError as error:
-            await send_error(send, error)
-            return
+class CompletionsApp(GenerationEndpoint):
+    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+        document = flagged.document
+        prompts = prompt_list(document)
+        wanted = resolve_wanted(self.state, flagged)
         if prompts is None:
-            exchange = flagged_exchange(state, scope, send, document, wanted)
-        else:
-            exchange = _prompt_list_exchange(state, scope, send, document, wanted, prompts)
-        await run_until_disconnect(receive, exchange)
+            return flagged_exchange(self.state, scope, send, document, wanted)
+        return _prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
 
 
 async def _prompt_list_exchange(

@@ -12,19 +12,14 @@ import base64
 import math
 import sys
 from array import array
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
 
+from vllm_hidden_state_proxy.proxy.admission import Endpoint
 from vllm_hidden_state_proxy.proxy.answer_join import send_whole
-from vllm_hidden_state_proxy.proxy.asgi import (
-    Receive,
-    Scope,
-    Send,
-    receive_body,
-    run_until_disconnect,
-    send_error,
-)
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     EmbeddingsDefaults,
     EmbeddingsPlan,
@@ -93,9 +88,9 @@ def embeddings_response(
     }
 
 
-class EmbeddingsApp:
+class EmbeddingsApp(Endpoint):
     def __init__(self, state: ProxyState) -> None:
-        self.state = state
+        super().__init__(state)
         settings = state.settings
         self.defaults = EmbeddingsDefaults(
             template=settings.embedding_template,
@@ -104,23 +99,16 @@ class EmbeddingsApp:
             pooling=settings.embedding_pooling,
         )
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
         state = self.state
-        body = await receive_body(scope, receive, send, state.settings.max_body_bytes)
-        if body is None:
-            return
-        try:
-            plan = plan_embeddings(parse_object(body), self.defaults)
-            shapes = check_rings(state.rings, state.settings.ring_dir)
-            wanted = resolve_layers(plan.vectors, shapes, param="layer")
-            hidden_size = shapes[0].hidden_size
-            if plan.dimensions is not None and plan.dimensions != hidden_size:
-                raise dimensions_error(plan.dimensions, hidden_size)
-        except ProxyError as error:
-            await send_error(send, error)
-            return
+        plan = plan_embeddings(parse_object(body), self.defaults)
+        shapes = check_rings(state.rings, state.settings.ring_dir)
+        wanted = resolve_layers(plan.vectors, shapes, param="layer")
+        hidden_size = shapes[0].hidden_size
+        if plan.dimensions is not None and plan.dimensions != hidden_size:
+            raise dimensions_error(plan.dimensions, hidden_size)
         state.metrics.requests["embeddings"] += 1
-        await run_until_disconnect(receive, self._answer(scope, send, plan, wanted))
+        return self._answer(scope, send, plan, wanted)
 
     async def _answer(
         self, scope: Scope, send: Send, plan: EmbeddingsPlan, wanted: WantedVectors

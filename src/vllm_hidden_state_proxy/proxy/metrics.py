@@ -180,35 +180,37 @@ class _WaitHistogram:
         row[_WAIT_SUM_NS] += int(seconds * 1e9)
 
 
+class _RowCell:
+    """``metrics.upstream_errors += 1`` onto one cell of the process's table row."""
+
+    def __init__(self, cell: int) -> None:
+        self.cell = cell
+
+    def __get__(self, metrics: ProxyMetrics, owner: type[ProxyMetrics]) -> int:
+        value: int = metrics.row[self.cell]
+        return value
+
+    def __set__(self, metrics: ProxyMetrics, value: int) -> None:
+        metrics.row[self.cell] = value
+
+
 class ProxyMetrics:
     """This process's counters (a row of ``table``) and the rendering of all rows."""
 
     def __init__(self, table: MetricsTable | None = None) -> None:
         self.table = table or MetricsTable()
-        self._row = self.table.claim_row()
-        self.requests = _Counters(self._row, _REQUESTS, KINDS)
+        #: This process's row of the table, where every counter below lives.
+        self.row = self.table.claim_row()
+        self.requests = _Counters(self.row, _REQUESTS, KINDS)
         #: By reason: "overwritten" (the ring reused the slot before the response was complete:
         #: raise HIDDEN_STATE_PROXY_RING_SLOTS), "not_published", "engine_without_ring".
-        self.vector_misses = _Counters(self._row, _MISSES, MISS_REASONS)
-        self.vector_wait = _WaitHistogram(self._row)
+        self.vector_misses = _Counters(self.row, _MISSES, MISS_REASONS)
+        self.vector_wait = _WaitHistogram(self.row)
 
-    @property
-    def flagged_received(self) -> int:
-        value: int = self._row[_FLAGGED]
-        return value
-
-    @flagged_received.setter
-    def flagged_received(self, value: int) -> None:
-        self._row[_FLAGGED] = value
-
-    @property
-    def upstream_errors(self) -> int:
-        value: int = self._row[_UPSTREAM_ERRORS]
-        return value
-
-    @upstream_errors.setter
-    def upstream_errors(self, value: int) -> None:
-        self._row[_UPSTREAM_ERRORS] = value
+    #: Flagged requests read and inspected (before any refusal of what they ask for).
+    flagged_received = _RowCell(_FLAGGED)
+    #: vLLM unreachable, or its answer broke off.
+    upstream_errors = _RowCell(_UPSTREAM_ERRORS)
 
     def render(self, *, live_rings: int, engines_without_ring: int) -> bytes:
         totals = self.table.totals()

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 
+from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     NOTE_SUFFIX,
     RING_SUFFIX,
@@ -43,7 +43,7 @@ def _stat_sig(st: os.stat_result) -> _StatSig:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
 
 
-class RingDirectory:
+class RingDirectory(ClosesOnExit):
     """Every ``ring-*.bin`` and ``ring-*.failed`` in a directory."""
 
     #: Minimum seconds between two directory checks triggered by lookups.
@@ -126,9 +126,9 @@ class RingDirectory:
                     "opened ring file %s (engine %d, epoch %016x, writer pid %d, %d slots, "
                     "hidden_size %d, layers %s)",
                     reader.path,
-                    reader.engine,
+                    reader.header.engine,
                     reader.epoch,
-                    reader.writer_pid,
+                    reader.header.writer_pid,
                     reader.slot_count,
                     reader.hidden_size,
                     ",".join(map(str, reader.layers)),
@@ -199,9 +199,9 @@ class RingDirectory:
                     "as an active worker hook",
                     reader.path,
                     reader.epoch,
-                    reader.writer_pid,
+                    reader.header.writer_pid,
                 )
-        publishing = {(reader.instance, reader.engine) for reader in live}
+        publishing = {(reader.header.instance, reader.header.engine) for reader in live}
         failures = []
         for name in self._listing:
             if not name.endswith(NOTE_SUFFIX):
@@ -282,7 +282,7 @@ class RingDirectory:
             if self._closed:
                 return frozenset()
             self._probe()
-            return frozenset(reader.instance for reader in self._live)
+            return frozenset(reader.header.instance for reader in self._live)
 
     def publish_marks(self) -> PublishMarks:
         """The live rings' publish counters now: pass to :meth:`overwritten_since` later."""
@@ -328,14 +328,3 @@ class RingDirectory:
                 reader.close()
             self._readers.clear()
             self._forget_liveness()
-
-    def __enter__(self) -> RingDirectory:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

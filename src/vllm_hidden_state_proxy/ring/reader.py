@@ -26,10 +26,10 @@ import mmap
 import os
 import zlib
 from pathlib import Path
-from types import TracebackType
 
 import msgpack
 
+from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     Owners,
     Untrusted,
@@ -59,7 +59,7 @@ from vllm_hidden_state_proxy.ring.layout import (
 logger = logging.getLogger("vllm_hidden_state_proxy.ring")
 
 
-class RingReader:
+class RingReader(ClosesOnExit):
     """Read-only view of one ring file. Not thread-safe: the directory serialises its readers."""
 
     def __init__(
@@ -126,18 +126,6 @@ class RingReader:
     @property
     def epoch(self) -> int:
         return self.header.epoch
-
-    @property
-    def engine(self) -> int:
-        return self.header.engine
-
-    @property
-    def instance(self) -> int:
-        return self.header.instance
-
-    @property
-    def writer_pid(self) -> int:
-        return self.header.writer_pid
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -271,17 +259,6 @@ class RingReader:
                 mm.close()
         if fd is not None:
             os.close(fd)
-
-    def __enter__(self) -> RingReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _read_header(fd: int, file_size: int) -> RingHeader:

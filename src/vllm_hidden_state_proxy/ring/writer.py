@@ -24,9 +24,9 @@ import threading
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from vllm_hidden_state_proxy.protocol import POOLINGS, RING_DIR_ENV
+from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     InUse,
     create_directory,
@@ -68,7 +68,7 @@ class RingInUseError(Exception):
     """Another live writer holds the ring file this writer was to create."""
 
 
-class RingWriter:
+class RingWriter(ClosesOnExit):
     """Single-process writer of one ring file. ``publish`` never blocks on readers.
 
     Holds an exclusive ``flock`` on the file from :meth:`create` until :meth:`close` (or until
@@ -302,17 +302,6 @@ class RingWriter:
                 with contextlib.suppress(OSError):
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
-
-    def __enter__(self) -> RingWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _check_key(key: bytes) -> None:

@@ -121,7 +121,9 @@ def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_
         method = cls.__dict__.get(name)
         if method is None or getattr(method, _WRAPPED_ATTR, False):
             continue
-        setattr(cls, name, wrappers[name](method))
+        wrapped = wrappers[name](method)
+        setattr(wrapped, _WRAPPED_ATTR, True)
+        setattr(cls, name, wrapped)
 
 
 def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
@@ -148,6 +150,15 @@ def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
     return capture
 
 
+def _guarded(hook: Callable[..., None], *args: Any) -> None:
+    """``hook(*args)``, logging instead of raising: the capture's hooks catch their own
+    errors, and this is the last line before vLLM's engine loop, which an exception kills."""
+    try:
+        hook(*args)
+    except Exception:
+        logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+
+
 def _wrap_execute_model(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
     @functools.wraps(original)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -159,13 +170,9 @@ def _wrap_execute_model(original: Callable[..., Any], view: RunnerView) -> Calla
             capture = capture_for(self, view)
             if capture is None:
                 return output
-        try:
-            capture.after_execute_model(self, scheduler_output)
-        except Exception:  # after_execute_model catches its own errors; belt and braces
-            logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+        _guarded(capture.after_execute_model, self, scheduler_output)
         return output
 
-    setattr(execute_model, _WRAPPED_ATTR, True)
     return execute_model
 
 
@@ -174,15 +181,10 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = original(self, *args, **kwargs)
         capture = self.__dict__.get(_CAPTURE_ATTR)
-        if capture is None:
-            return output
-        try:
-            capture.after_sample_tokens(output)
-        except Exception:  # after_sample_tokens catches its own errors; belt and braces
-            logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+        if capture is not None:
+            _guarded(capture.after_sample_tokens, output)
         return output
 
-    setattr(sample_tokens, _WRAPPED_ATTR, True)
     return sample_tokens
 
 
@@ -193,7 +195,6 @@ def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
         prepare_layers(self)  # never raises
         return result
 
-    setattr(load_model, _WRAPPED_ATTR, True)
     return load_model
 
 
@@ -204,7 +205,6 @@ def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) ->
         capture_for(self, view)  # never raises
         return result
 
-    setattr(initialize_kv_cache, _WRAPPED_ATTR, True)
     return initialize_kv_cache
 
 
