@@ -158,8 +158,9 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
         sock.close()
 
 
-#: Seconds after which vLLM (uvicorn, 5 s keep-alive) has closed every idle connection.
-SETTLE = 6.0
+#: vLLM (uvicorn, 5 s keep-alive) closes every idle connection after 5 s; a loaded machine may
+#: take longer, so this only bounds the wait for the proxy's connections to be gone.
+IDLE_CLOSED_WITHIN = 60.0
 #: The proxy's default fan-out limit: the most connections one client request opens.
 FAN_OUT_LIMIT = 64
 
@@ -173,13 +174,16 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
     response = httpx.post(stack.proxy_url + "/v1/chat/completions", json=short, timeout=30)
     assert response.status_code == 200, short_text(response)
     wait_idle(stack)
-    time.sleep(SETTLE)
-    connections_before = connections_to(proxy, vllm_port)
+
+    def idle_connections_closed() -> float | None:
+        return wait_until(lambda: connections_to(proxy, vllm_port) == 0, IDLE_CLOSED_WITHIN)
+
+    assert idle_connections_closed() is not None, "idle connections to vLLM were never closed"
     rss_before = rss(proxy)
 
     rounds = 4
     peaks: list[int] = []
-    settled: list[int] = []
+    settled: list[float | None] = []
     rss_by_round: list[int] = []
     to_idle: dict[str, list[float]] = {kind: [] for kind in DISCONNECTS}
     work: dict[str, list[float]] = {kind: [] for kind in DISCONNECTS}
@@ -203,9 +207,8 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
                     f"completed, {tokens:g} of {FULL} tokens generated"
                 )
             peaks.append(connections_to(proxy, vllm_port))
-        # Idle connections kept for reuse (up to one per fan-out slot) are closed by now.
-        time.sleep(SETTLE)
-        settled.append(connections_to(proxy, vllm_port))
+        # Idle connections kept for reuse (up to one per fan-out slot) close with keep-alive.
+        settled.append(idle_connections_closed())
         rss_by_round.append(rss(proxy))
     # Still serving, with vectors.
     after = httpx.post(stack.proxy_url + "/v1/chat/completions", json=short, timeout=30)
@@ -225,12 +228,12 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
                 )
                 for kind in DISCONNECTS
             )
-            + f"\n  proxy connections to vLLM: {connections_before} idle before; right after "
-            f"each disconnect {peaks}; {SETTLE:g} s after each round {settled}"
+            + f"\n  proxy connections to vLLM right after each disconnect {peaks}; seconds "
+            f"until none was left after each round {settled}"
             f"\n  proxy RSS MiB: {rss_before / MIB:.1f} before, after each round "
             + ", ".join(f"{r / MIB:.1f}" for r in rss_by_round)
         )
-    assert max(settled) <= connections_before, f"connections outlive keep-alive: {settled}"
+    assert None not in settled, f"connections outlive keep-alive: {settled}"
     assert max(peaks) <= FAN_OUT_LIMIT + 2, peaks
     # The first round is the warm-up (a 2048-input fan-out raises the allocator's high water).
     growth = rss_by_round[-1] - rss_by_round[0]
@@ -400,7 +403,13 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
             frozen_at = time.monotonic()
             answer = read_http_response(sock, timeout=10)
             answered_at = time.monotonic()
-            held = connections_to(short_timeout_proxy.process, vllm_port)
+            # The proxy closes the connection as it answers; the socket goes on the loop's
+            # next turn, which may come after the 504 reached us: wait for that state.
+            let_go = wait_until(
+                lambda: connections_to(short_timeout_proxy.process, vllm_port) == 0,
+                5,
+                interval=0.02,
+            )
     finally:
         sock.close()  # without an answer: the proxy sees the client leave and lets go
     assert answer is not None, "no answer within 10 s of vLLM hanging"
@@ -414,11 +423,11 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
         print(
             f"\nread timeout {READ_TIMEOUT} s, vLLM frozen {frozen_at - start:.2f} s after the "
             f"request: 504 {answered_at - start:.2f} s after the request "
-            f"({answered_at - frozen_at:+.2f} s from the freeze); proxy connections to vLLM "
-            f"after the 504 {held}; vLLM idle {to_idle:.2f} s after resuming"
+            f"({answered_at - frozen_at:+.2f} s from the freeze); the proxy's connection to vLLM "
+            f"closed {let_go} s after the 504; vLLM idle {to_idle:.2f} s after resuming"
         )
     assert answered_at - frozen_at < 3, "the 504 was not prompt"
-    assert held == 0, "the proxy still holds its connection to the hung vLLM"
+    assert let_go is not None, "the proxy still holds its connection to the hung vLLM"
     assert finished(stack) == finished_before, "vLLM completed the request: not aborted"
 
 
