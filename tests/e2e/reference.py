@@ -86,13 +86,18 @@ def compare(actual: Sequence[float], expected: Sequence[float]) -> tuple[float, 
     return dot / (norm_a * norm_e), diff / norm_e
 
 
-#: Every comparison made in this session: reported at the end of the run (conftest).
-MEASURED: list[tuple[float, float]] = []
+#: Every comparison made in this session, by kind of vector (layer and pooling): reported at
+#: the end of the run (conftest).
+MEASURED: dict[str, list[tuple[float, float]]] = {}
+#: The kind of the vector most tests check: ``last_hidden_state``.
+FINAL_LAST = "layer -1, last"
 
 
-def assert_matches(actual: Sequence[float], expected: Sequence[float]) -> tuple[float, float]:
+def assert_matches(
+    actual: Sequence[float], expected: Sequence[float], kind: str = FINAL_LAST
+) -> tuple[float, float]:
     cosine, rel_l2 = compare(actual, expected)
-    MEASURED.append((cosine, rel_l2))
+    MEASURED.setdefault(kind, []).append((cosine, rel_l2))
     assert cosine >= MIN_COSINE and rel_l2 <= MAX_RELATIVE_L2, (
         f"vector differs from Transformers: cosine={cosine:.7f} rel_l2={rel_l2:.2e}"
     )

@@ -62,7 +62,11 @@ def check_layers(
     by_layer: dict[str, list[float]] = kv["last_hidden_states_by_layer"]
     assert list(by_layer) == [str(layer) for layer in layers]
     for label, vector in by_layer.items():
-        assert_matches(vector, reference.layer_vector(ids, int(label), pooling))
+        assert_matches(
+            vector,
+            reference.layer_vector(ids, int(label), pooling),
+            f"layer {label}, {pooling}",
+        )
     info = kv["last_hidden_state_info"]
     assert info["layers"] == layers and info["pooling"] == pooling
     assert info["num_prompt_tokens"] == len(ids)
@@ -206,7 +210,11 @@ def test_streaming_n3_and_base64_with_layers(
     assert len(found) == 1, "the vectors ride on the first choice chunk only"
     for label, encoded in found[0]["last_hidden_states_by_layer"].items():
         vector = np.frombuffer(base64.b64decode(encoded), dtype="<f4").tolist()
-        assert_matches(vector, reference.layer_vector(ids, int(label), "mean"))
+        assert_matches(
+            vector,
+            reference.layer_vector(ids, int(label), "mean"),
+            f"layer {label}, mean",
+        )
 
 
 def test_completions_prompt_list_gets_one_object_per_prompt(
@@ -230,7 +238,11 @@ def test_completions_prompt_list_gets_one_object_per_prompt(
     for prompt, by_layer in zip(prompts, objects, strict=True):
         ids = reference.tokenizer(prompt)["input_ids"]
         for label, vector in by_layer.items():
-            assert_matches(vector, reference.layer_vector(ids, int(label), "mean"))
+            assert_matches(
+                vector,
+                reference.layer_vector(ids, int(label), "mean"),
+                f"layer {label}, mean",
+            )
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
@@ -251,7 +263,11 @@ def test_embeddings_layer_and_pooling(
     assert response.status_code == 200, response.text
     messages = [{"role": "user", "content": DEFAULT_TEMPLATE.replace("{text}", text)}]
     ids = reference.chat_token_ids(messages, enable_thinking=False)
-    assert_matches(response.json()["data"][0]["embedding"], reference.layer_vector(ids, 1, pooling))
+    assert_matches(
+        response.json()["data"][0]["embedding"],
+        reference.layer_vector(ids, 1, pooling),
+        f"layer 1, {pooling}",
+    )
 
 
 @pytest.mark.parametrize(
@@ -319,4 +335,8 @@ def test_a_generated_answers_representation_is_one_flagged_follow_up_away(
         add_generation_prompt=False,
     )
     for label, vector in by_layer.items():
-        assert_matches(vector, reference.layer_vector(ids, int(label), "last"))
+        assert_matches(
+            vector,
+            reference.layer_vector(ids, int(label), "last"),
+            f"layer {label}, last",
+        )

@@ -84,4 +84,8 @@ def test_tp2_layers_and_pooling_match_transformers(
     by_layer = response.model_dump()["kv_transfer_params"]["last_hidden_states_by_layer"]
     ids = reference.chat_token_ids(messages, enable_thinking=False)
     for label, vector in by_layer.items():
-        assert_matches(vector, reference.layer_vector(ids, int(label), pooling))
+        assert_matches(
+            vector,
+            reference.layer_vector(ids, int(label), pooling),
+            f"layer {label}, {pooling}",
+        )
