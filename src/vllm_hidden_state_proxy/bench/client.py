@@ -56,6 +56,8 @@ class ChatStack:
     api_key: str | None = field(default=None, repr=False)
     #: Replaces the network (tests).
     transport: httpx.AsyncBaseTransport | None = None
+    #: The ``serve`` process, when the bench started the stack itself.
+    pid: int | None = None
 
     def client(self, route: Route, connections: int = 1) -> httpx.AsyncClient:
         return new_client(route.base_url, connections, route.api_key, self.transport)
