@@ -1,87 +1,118 @@
-"""What capturing layers costs all traffic (issue #14): two stacks on the tiny model, one
-started with ``--hidden-state-layers`` (every layer), one without, side by side. Unflagged and
-flagged (final layer, the default request) one-token chats with ``CONCURRENCY`` in flight take
-turns burst by burst; the ratio of the two stacks' rates is the median over rounds. The stack
-that is not measured is stopped (SIGSTOP) meanwhile: on 2 cores an idle vLLM beside the
-measured one moved the rates by tens of percent."""
+"""What capturing layers costs all traffic (issue #14): the tiny model served without and with
+``--hidden-state-layers`` (every layer), one server at a time, in the order without, with,
+without, with (a slow drift of the machine falls on both alike). Each server gets unflagged and
+flagged (final layer, the default request) one-token chats with ``CONCURRENCY`` in flight,
+burst by burst in turns: requests per second, and the CPU time of the server's processes (vLLM
+and the proxy) per request.
+
+Not two servers side by side: on 2 cores, two identical servers compared that way differed by
+up to 45% (with the one not measured stopped, too); one server at a time, the unflagged rate of
+one server repeats within a few percent.
+"""
 
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
-from vllm_hidden_state_proxy.bench.client import ChatStack, Flag, Route, chat_body
+from vllm_hidden_state_proxy.bench.client import ChatStack, Flag, chat_body
 from vllm_hidden_state_proxy.bench.interleave import round_robin
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
-from vllm_hidden_state_proxy.bench.servers import set_running
-from vllm_hidden_state_proxy.bench.stats import median_ratio
+from vllm_hidden_state_proxy.bench.stats import ratio
 from vllm_hidden_state_proxy.bench.throughput import burst
 
 CONCURRENCY = 16
 #: Every layer of the two-layer tiny model: the most a server can capture.
 LAYERS = "0,1,-1"
+#: The servers, in the order they run.
+VISITS = ("without", "with", "without", "with")
+KINDS: tuple[tuple[str, Flag], ...] = (("unflagged", None), ("flagged", "float"))
 
 
-async def measure_layers_cost(
-    plain: ChatStack, layered: ChatStack, requests: int, rounds: int, progress: Progress
-) -> Table:
-    kinds: tuple[tuple[str, Flag], ...] = (("unflagged", None), ("flagged", "float"))
-    # The stacks alternate burst by burst, so that every burst follows the other stack's.
-    routes = {
-        (stack_name, kind): stack.via_proxy(f"{kind} ({stack_name})", kind, flag)
-        for kind, flag in kinds
-        for stack_name, stack in (("plain", plain), ("layers", layered))
-    }
-    stacks = {"plain": plain, "layers": layered}
-    indices = itertools.count(3_000_000)
+@dataclass
+class Tally:
+    """One kind of traffic on one kind of server, over all its visits."""
 
-    def bodies(route: Route) -> Iterator[bytes]:
-        return (chat_body(plain.model, index, flag=route.flag) for index in indices)
+    requests: int = 0
+    seconds: float = 0.0
+    cpu: float | None = 0.0
+    rates: list[float] = field(default_factory=list)
 
+    def add(self, requests: int, seconds: float, cpu: float | None) -> None:
+        self.requests += requests
+        self.seconds += seconds
+        self.cpu = None if cpu is None or self.cpu is None else self.cpu + cpu
+        self.rates.append(requests / seconds)
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def cpu_ms(self) -> float | None:
+        return None if self.cpu is None else 1e3 * self.cpu / self.requests
+
+
+async def measure_visit(
+    stack: ChatStack,
+    tallies: dict[str, Tally],
+    requests: int,
+    rounds: int,
+    cpu: Callable[[], float] | None,
+    progress: Progress,
+) -> None:
+    """``requests`` per kind on one server, in ``rounds`` bursts each, kinds taking turns."""
+    indices = itertools.count(4_000_000)
     count = max(CONCURRENCY, requests // rounds)
-    clients = {key: stacks[key[0]].client(route, CONCURRENCY) for key, route in routes.items()}
-    rates: dict[tuple[str, str], list[float]] = {key: [] for key in routes}
-    task = progress.task(f"layers cost ({CONCURRENCY} in flight)", count * rounds * len(routes))
+    routes = {kind: stack.via_proxy(kind, kind, flag) for kind, flag in KINDS}
+    clients = {kind: stack.client(route, CONCURRENCY) for kind, route in routes.items()}
 
-    def measure_only(name: str) -> None:
-        set_running(stacks[name], True)
-        for other, stack in stacks.items():
-            if other != name:
-                set_running(stack, False)
+    def bodies(flag: Flag) -> Iterator[bytes]:
+        return (chat_body(stack.model, index, flag=flag) for index in indices)
 
+    task = progress.task(f"layers cost ({CONCURRENCY} in flight)", count * rounds * len(KINDS))
     try:
-        for key, route in routes.items():  # warm up
-            measure_only(key[0])
-            await burst(clients[key], route.name, bodies(route), CONCURRENCY, CONCURRENCY)
-        for _, key in round_robin(list(routes), rounds):
-            route = routes[key]
-            measure_only(key[0])
+        for kind, flag in KINDS:  # warm up
+            await burst(clients[kind], kind, bodies(flag), CONCURRENCY, CONCURRENCY)
+        for _, (kind, flag) in round_robin(KINDS, rounds):
+            before = cpu() if cpu else None
             seconds, _ = await burst(
-                clients[key], route.name, bodies(route), count, CONCURRENCY, route.flag is not None
+                clients[kind], kind, bodies(flag), count, CONCURRENCY, flag is not None
             )
-            rates[key].append(count / seconds)
+            spent = None if before is None or cpu is None else cpu() - before
+            tallies[kind].add(count, seconds, spent)
             task.advance(count)
         task.done()
     finally:
-        for stack in stacks.values():
-            set_running(stack, True)
         for client in clients.values():
             await client.aclose()
-    rows: list[Row] = [
-        {
-            "traffic": kind,
-            "req/s without layers": statistics.median(rates[("plain", kind)]),
-            "req/s with layers": statistics.median(rates[("layers", kind)]),
-            "with / without": median_ratio(rates[("layers", kind)], rates[("plain", kind)]),
-        }
-        for kind, _ in kinds
-    ]
+
+
+def layers_table(tallies: dict[tuple[str, str], Tally]) -> Table:
+    """``tallies`` by (server, kind), server "without" or "with"."""
+    rows: list[Row] = []
+    for kind, _ in KINDS:
+        without, with_ = tallies[("without", kind)], tallies[("with", kind)]
+        rows.append(
+            {
+                "traffic": kind,
+                "req/s without layers": without.rate,
+                "req/s with layers": with_.rate,
+                "with / without": ratio(with_.rate, without.rate),
+                "CPU ms/request without": without.cpu_ms,
+                "CPU ms/request with": with_.cpu_ms,
+                "spread of burst rates": " / ".join(
+                    f"{min(t.rates):.0f}-{max(t.rates):.0f}" for t in (without, with_)
+                ),
+            }
+        )
     return Table(
         f"What --hidden-state-layers {LAYERS} costs all traffic ({CONCURRENCY} in flight)",
         rows,
-        "Two stacks side by side, one capturing every layer, the other stopped (SIGSTOP) while one "
-        "is measured; bursts take turns round by round. "
-        "with / without: the median over rounds of the two stacks' rates in the same round.",
+        "One server at a time, without and with the layers, twice each in turn. Rates: all "
+        "requests over all seconds of that kind of server; CPU: the server's processes (vLLM "
+        "and the proxy) per request. The spread is of single bursts (without / with): flagged "
+        "bursts vary more, since how vLLM batches them varies.",
     )

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
@@ -24,7 +25,14 @@ from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
 from vllm_hidden_state_proxy.bench.instant import measure_instant, measure_instant_throughput
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
-from vllm_hidden_state_proxy.bench.layers_cost import LAYERS, measure_layers_cost
+from vllm_hidden_state_proxy.bench.layers_cost import (
+    KINDS,
+    LAYERS,
+    VISITS,
+    Tally,
+    layers_table,
+    measure_visit,
+)
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
@@ -188,26 +196,33 @@ def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> 
 def measure_layers(
     model_dir: Path, options: BenchOptions, results: Results, progress: Progress
 ) -> None:
-    """Two stacks side by side, with and without every layer captured (the lock is held)."""
+    """One server at a time, without and with every layer captured (the lock is held)."""
     if not options.layers_requests:
         results.tables["layers"] = Table("Layers cost", note="skipped: --no-layers")
         return
-    with (
-        chat_stack(
-            model_dir, options.output_dir, options.startup_timeout, progress, name="plain"
-        ) as plain,
-        chat_stack(
+    tallies = {(server, kind): Tally() for server in VISITS for kind, _ in KINDS}
+    for number, server in enumerate(VISITS):
+        serve_args = ("--hidden-state-layers", LAYERS) if server == "with" else ()
+        with chat_stack(
             model_dir,
             options.output_dir,
             options.startup_timeout,
             progress,
-            serve_args=("--hidden-state-layers", LAYERS),
-            name="layers",
-        ) as layered,
-    ):
-        results.tables["layers"] = run_async(
-            measure_layers_cost(plain, layered, options.layers_requests, options.rounds, progress)
-        )
+            serve_args=serve_args,
+            name=f"layers-{number}-{server}",
+        ) as stack:
+            cpu = None if stack.pid is None else functools.partial(tree_cpu_seconds, stack.pid)
+            run_async(
+                measure_visit(
+                    stack,
+                    {kind: tallies[(server, kind)] for kind, _ in KINDS},
+                    options.layers_requests // 2,
+                    options.rounds,
+                    cpu,
+                    progress,
+                )
+            )
+    results.tables["layers"] = layers_table(tallies)
 
 
 def run(options: BenchOptions, progress: Progress) -> Results:

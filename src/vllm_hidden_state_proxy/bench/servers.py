@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,8 +20,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
-
-import psutil
 
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
@@ -158,17 +155,6 @@ def chat_stack(
         progress,
     ) as process:
         yield dataclasses.replace(stack, pid=process.pid)
-
-
-def set_running(stack: ChatStack, running: bool) -> None:
-    """SIGCONT or SIGSTOP to every process of a stack the bench started: a stopped stack takes
-    no CPU from the one being measured, and resumes where it stopped."""
-    if stack.pid is None:
-        return
-    root = psutil.Process(stack.pid)
-    for process in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
 
 
 @contextlib.contextmanager
