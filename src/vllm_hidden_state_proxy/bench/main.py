@@ -216,8 +216,8 @@ def measure_layers(
                 measure_visit(
                     stack,
                     {kind: tallies[(server, kind)] for kind, _ in KINDS},
-                    options.layers_requests // 2,
-                    options.rounds,
+                    options.layers_requests,
+                    max(1, options.rounds // 2),
                     cpu,
                     progress,
                 )

@@ -69,7 +69,8 @@ class BenchOptions:
     embedding_batches: tuple[int, ...]
     #: Requests per instant-upstream arm; 0: no instant-upstream phase.
     instant_requests: int
-    #: Requests per arm of the layers-cost phase; 0: no such phase.
+    #: Requests per kind of traffic and server visit of the layers-cost phase, in half as many
+    #: bursts as ``rounds`` (long ones: bursts of 33 varied by -30%/+100% here); 0: no phase.
     layers_requests: int
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
@@ -149,6 +150,6 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         startup_timeout=args.startup_timeout,
         embedding_batches=batches,
         instant_requests=0 if args.no_instant else max(rounds, instant),
-        layers_requests=0 if args.no_layers else max(rounds, 2 * requests),
+        layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
         api_key=args.api_key,
     )
