@@ -10,9 +10,9 @@ import anyio
 
 from tests.bench.fakes import FakeServers
 from vllm_hidden_state_proxy.bench.layers_cost import (
-    CONCURRENCY,
     KINDS,
     VISITS,
+    WARMUP,
     Tally,
     layers_table,
     measure_visit,
@@ -38,7 +38,7 @@ def test_each_visit_sends_both_kinds_and_the_table_compares_the_servers() -> Non
         flagged = [d for _, _, d in fake.seen if "kv_transfer_params" in d]
         unflagged = [d for _, _, d in fake.seen if "kv_transfer_params" not in d]
         # per visit: a warm-up burst plus 2 rounds of 32 requests for each kind; two visits
-        assert len(flagged) == len(unflagged) == 2 * (CONCURRENCY + 2 * 32)
+        assert len(flagged) == len(unflagged) == 2 * (WARMUP + 2 * 32)
     for (_, _), tally in tallies.items():
         assert tally.requests == 2 * 2 * 32 and len(tally.rates) == 4
         assert tally.cpu_ms == 1e3 * 4 / tally.requests  # 1 s per burst

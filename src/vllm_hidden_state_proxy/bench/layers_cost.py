@@ -1,13 +1,14 @@
 """What capturing layers costs all traffic (issue #14): the tiny model served without and with
 ``--hidden-state-layers`` (every layer), one server at a time, in the order without, with,
 without, with (a slow drift of the machine falls on both alike). Each server gets unflagged and
-flagged (final layer, the default request) one-token chats with ``CONCURRENCY`` in flight,
-burst by burst in turns: requests per second, and the CPU time of the server's processes (vLLM
-and the proxy) per request.
+flagged (final layer, the default request) one-token chats, one at a time, burst by burst in
+turns: requests per second, and the CPU time of the server's processes (vLLM and the proxy) per
+request.
 
 Not two servers side by side: on 2 cores, two identical servers compared that way differed by
-up to 45% (with the one not measured stopped, too); one server at a time, the unflagged rate of
-one server repeats within a few percent.
+up to 45% (with the one not measured stopped, too). Not with many requests in flight: with 16,
+single bursts of one server ran at anything from 90 to 250 requests per second, as vLLM's
+batches happened to form; one at a time, the rate measures what every request costs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio
 from vllm_hidden_state_proxy.bench.throughput import burst
 
-CONCURRENCY = 16
+CONCURRENCY = 1
+#: Requests per kind before a visit's measurement (connections, first batches).
+WARMUP = 16
 #: Every layer of the two-layer tiny model: the most a server can capture.
 LAYERS = "0,1,-1"
 #: The servers, in the order they run.
@@ -72,10 +75,10 @@ async def measure_visit(
     def bodies(flag: Flag) -> Iterator[bytes]:
         return (chat_body(stack.model, index, flag=flag) for index in indices)
 
-    task = progress.task(f"layers cost ({CONCURRENCY} in flight)", count * rounds * len(KINDS))
+    task = progress.task("layers cost (one request at a time)", count * rounds * len(KINDS))
     try:
         for kind, flag in KINDS:  # warm up
-            await burst(clients[kind], kind, bodies(flag), CONCURRENCY, CONCURRENCY)
+            await burst(clients[kind], kind, bodies(flag), WARMUP, CONCURRENCY)
         for _, (kind, flag) in round_robin(KINDS, rounds):
             before = cpu() if cpu else None
             seconds, _ = await burst(
@@ -109,10 +112,9 @@ def layers_table(tallies: dict[tuple[str, str], Tally]) -> Table:
             }
         )
     return Table(
-        f"What --hidden-state-layers {LAYERS} costs all traffic ({CONCURRENCY} in flight)",
+        f"What --hidden-state-layers {LAYERS} costs all traffic (one request at a time)",
         rows,
         "One server at a time, without and with the layers, twice each in turn. Rates: all "
         "requests over all seconds of that kind of server; CPU: the server's processes (vLLM "
-        "and the proxy) per request. The spread is of single bursts (without / with): flagged "
-        "bursts vary more, since how vLLM batches them varies.",
+        "and the proxy) per request. The spread is of single bursts' rates (without / with).",
     )
