@@ -109,6 +109,14 @@ TARGETS = (
         3.0,
     ),
     Target("flagged: proxy CPU / bare app's", "instant", "flagged", "proxy / app CPU", "<=", 3.5),
+    Target(
+        "--hidden-state-layers: req/s with / without",
+        "layers",
+        "unflagged",
+        "with / without",
+        ">=",
+        0.97,
+    ),
 )
 
 
