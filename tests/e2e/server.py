@@ -87,10 +87,6 @@ def wait_answering(url: str, process: subprocess.Popen[bytes], log: Path) -> Non
 def stack_environment() -> dict[str, str]:
     env = offline_environment()
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["VLLM_NO_USAGE_STATS"] = "1"
-    env["DO_NOT_TRACK"] = "1"
     return env
 
 
