@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -123,28 +124,31 @@ def vllm_metrics(stack: RunningStack) -> str:
     return response.text
 
 
+@dataclass(frozen=True)
+class Progress:
+    """One look at vLLM's counters."""
+
+    #: Requests running or waiting.
+    in_flight: float
+    #: Requests completed (stop or length; aborted requests are not counted).
+    finished: float
+    #: Tokens generated so far (an aborted request stops adding to it).
+    generated: float
+
+
+def progress(stack: RunningStack) -> Progress:
+    text = vllm_metrics(stack)
+    return Progress(
+        in_flight=metric(text, "vllm:num_requests_running")
+        + metric(text, "vllm:num_requests_waiting"),
+        finished=metric(text, "vllm:request_success_total"),
+        generated=metric(text, "vllm:generation_tokens_total"),
+    )
+
+
 def in_flight(stack: RunningStack) -> float:
     """vLLM's running + waiting requests."""
-    text = vllm_metrics(stack)
-    return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
-
-
-def finished(stack: RunningStack) -> float:
-    """Requests vLLM completed (stop or length; aborted requests are not counted)."""
-    return metric(vllm_metrics(stack), "vllm:request_success_total")
-
-
-def generated(stack: RunningStack) -> float:
-    """Tokens vLLM has generated so far (an aborted request stops adding to it)."""
-    return metric(vllm_metrics(stack), "vllm:generation_tokens_total")
-
-
-def working_on_it(stack: RunningStack, finished_before: float) -> bool:
-    """vLLM has requests running or waiting, or has completed some since ``finished_before``
-    (one-token requests come and go between two looks)."""
-    text = vllm_metrics(stack)
-    busy = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
-    return busy >= 1 or metric(text, "vllm:request_success_total") > finished_before
+    return progress(stack).in_flight
 
 
 def ring_publishes(stack: RunningStack) -> int:

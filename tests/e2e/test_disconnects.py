@@ -39,23 +39,20 @@ from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import RunningStack
 from tests.e2e.stack_probe import (
     MIB,
+    Progress,
     connections_to,
-    finished,
-    generated,
-    in_flight,
     port_of,
+    progress,
     proxy_process,
     raw_post,
     read_http_response,
     read_until,
-    readable,
     ring_publishes,
     rss,
     send_queue_bytes,
     vllm_frozen,
     wait_idle,
     wait_until,
-    working_on_it,
 )
 from vllm_hidden_state_proxy.processes import free_port
 
@@ -119,12 +116,36 @@ DISCONNECTS = ("flagged", "ordinary", "flagged_stream", "ordinary_stream", "embe
 FAN_OUT_INPUTS = 2048
 
 
-def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> None:
-    """Send one request of ``kind`` and hang up while vLLM works on it.
+class MissedWindow(Exception):
+    """vLLM was first seen working on the request late in it (or after it): hanging up then
+    proves nothing about the proxy, so the attempt is made again."""
+
+
+#: Attempts at catching vLLM early in an ordinary generation (see ``seen_early``).
+ATTEMPTS = 5
+
+
+def seen_early(stack: RunningStack, before: Progress) -> bool:
+    """vLLM works on the request sent after ``before`` and is less than half-way through it.
+
+    vLLM's /metrics can take seconds to answer while it generates, so the look may arrive
+    late: one that shows the request done, or more than half of it, raises ``MissedWindow``.
+    Half of a 7-13 s generation leaves seconds for the hang-up to reach vLLM.
+    """
+    now = progress(stack)
+    if now.finished > before.finished or now.generated - before.generated >= FULL / 2:
+        raise MissedWindow(f"first seen at {now.generated - before.generated:g} of {FULL} tokens")
+    return now.in_flight >= 1
+
+
+def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> Progress:
+    """Send one request of ``kind`` and hang up while vLLM works on it; returns vLLM's
+    counters from just before the request that was hung up on.
 
     "Works on it" is a state, not a time: a stream's first events have arrived; a flagged
     request's (or an embeddings input's) record was published, at its prefill, before its
-    long generation; an ordinary request shows in vLLM's running/waiting gauges.
+    long generation; an ordinary request was ``seen_early`` in vLLM's gauges (again, after
+    vLLM is idle, if the look came too late).
     """
     text = f"Disconnect {kind} round {round_}: tell a very long story."
     if kind == "embeddings_fan_out":
@@ -134,28 +155,37 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
         stream = kind.endswith("stream")
         path = "/v1/chat/completions"
         body = long_body(model, text, flagged=kind.startswith("flagged"), stream=stream)
-    finished_before, published_before = finished(stack), ring_publishes(stack)
+    missed: list[str] = []
+    for _ in range(ATTEMPTS):
+        before, published_before = progress(stack), ring_publishes(stack)
 
-    def started() -> bool:
-        if kind.startswith("ordinary"):
-            return working_on_it(stack, finished_before)
-        return ring_publishes(stack) > published_before
+        def started() -> bool:
+            if kind.startswith("ordinary"):
+                return seen_early(stack, before)  # noqa: B023 - called within this iteration
+            return ring_publishes(stack) > published_before  # noqa: B023 - likewise
 
-    sock = raw_post(stack.proxy_url, path, json.dumps(body).encode())
-    try:
-        if kind.endswith("stream"):
-            head = read_until(sock, b"data: ", count=3)
-            assert head.startswith(b"HTTP/1.1 200"), head[:200]
-            return
-        if wait_until(started, STARTED_WITHIN, interval=0.05) is None:
-            sock.settimeout(1)
-            try:
-                answer = sock.recv(1000)
-            except TimeoutError:
-                answer = b"(nothing)"
-            raise AssertionError(f"{kind}: vLLM had nothing in flight; the proxy sent {answer!r}")
-    finally:
-        sock.close()
+        sock = raw_post(stack.proxy_url, path, json.dumps(body).encode())
+        try:
+            if kind.endswith("stream"):
+                head = read_until(sock, b"data: ", count=3)
+                assert head.startswith(b"HTTP/1.1 200"), head[:200]
+                return before
+            if wait_until(started, STARTED_WITHIN, interval=0.05) is None:
+                sock.settimeout(1)
+                try:
+                    answer = sock.recv(1000)
+                except TimeoutError:
+                    answer = b"(nothing)"
+                raise AssertionError(
+                    f"{kind}: vLLM had nothing in flight; the proxy sent {answer!r}"
+                )
+            return before
+        except MissedWindow as late:
+            missed.append(str(late))
+        finally:
+            sock.close()
+        wait_idle(stack, ABORT_WITHIN)
+    raise AssertionError(f"{kind}: vLLM was never seen early in a generation: {missed}")
 
 
 #: vLLM (uvicorn, 5 s keep-alive) closes every idle connection after 5 s; a loaded machine may
@@ -189,10 +219,10 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
     work: dict[str, list[float]] = {kind: [] for kind in DISCONNECTS}
     for round_ in range(rounds):
         for kind in DISCONNECTS:
-            finished_then, generated_then = finished(stack), generated(stack)
-            disconnect_once(stack, model_name, kind, round_)
+            then = disconnect_once(stack, model_name, kind, round_)
             to_idle[kind].append(wait_idle(stack, ABORT_WITHIN))
-            completed = finished(stack) - finished_then
+            now = progress(stack)
+            completed = now.finished - then.finished
             if kind == "embeddings_fan_out":
                 # The inputs in flight were aborted, the rest never sent.
                 work[kind].append(completed)
@@ -200,7 +230,7 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
             else:
                 # vLLM counts the tokens of a request it aborts only as far as its API server
                 # had relayed them: a rough measure of how far the generation got.
-                tokens = generated(stack) - generated_then
+                tokens = now.generated - then.generated
                 work[kind].append(tokens)
                 assert completed == 0 and tokens < FULL, (
                     f"{kind}: vLLM was not cut off mid-generation: {completed:g} requests "
@@ -390,28 +420,36 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
     warm = chat_body(model_name, "warm", flagged=False, stream=False, tokens=2, **SLOW)
     assert httpx.post(stack.vllm_url + "/v1/chat/completions", json=warm, timeout=60).is_success
     wait_idle(stack)
-    finished_before = finished(stack)
     vllm_port = port_of(stack.vllm_url)
     body = long_body(model_name, "A long tale.", flagged=flagged, stream=False)
-    start = time.monotonic()
-    sock = raw_post(short_timeout_proxy.url, "/v1/chat/completions", json.dumps(body).encode())
-    try:
-        # Freeze vLLM as soon as it works on the request (or the proxy has answered already).
-        started = wait_until(lambda: readable(sock) or in_flight(stack) >= 1, 20, interval=0.02)
-        assert started is not None, "the long generation never started"
-        with vllm_frozen(stack):
-            frozen_at = time.monotonic()
-            answer = read_http_response(sock, timeout=10)
-            answered_at = time.monotonic()
-            # The proxy closes the connection as it answers; the socket goes on the loop's
-            # next turn, which may come after the 504 reached us: wait for that state.
-            let_go = wait_until(
-                lambda: connections_to(short_timeout_proxy.process, vllm_port) == 0,
-                5,
-                interval=0.02,
-            )
-    finally:
-        sock.close()  # without an answer: the proxy sees the client leave and lets go
+    missed: list[str] = []
+    for _ in range(ATTEMPTS):
+        before = progress(stack)
+        start = time.monotonic()
+        sock = raw_post(short_timeout_proxy.url, "/v1/chat/completions", json.dumps(body).encode())
+        try:
+            # Freeze vLLM as soon as it is seen early in the request.
+            started = wait_until(lambda: seen_early(stack, before), 20, interval=0.02)  # noqa: B023
+            assert started is not None, "the long generation never started"
+            with vllm_frozen(stack):
+                frozen_at = time.monotonic()
+                answer = read_http_response(sock, timeout=10)
+                answered_at = time.monotonic()
+                # The proxy closes the connection as it answers; the socket goes on the loop's
+                # next turn, which may come after the 504 reached us: wait for that state.
+                let_go = wait_until(
+                    lambda: connections_to(short_timeout_proxy.process, vllm_port) == 0,
+                    5,
+                    interval=0.02,
+                )
+            break
+        except MissedWindow as late:
+            missed.append(str(late))
+        finally:
+            sock.close()  # without an answer: the proxy sees the client leave and lets go
+        wait_idle(stack, ABORT_WITHIN)
+    else:
+        raise AssertionError(f"vLLM was never seen early in a generation: {missed}")
     assert answer is not None, "no answer within 10 s of vLLM hanging"
     status, content = answer
     assert status == 504, content[:500]
@@ -428,7 +466,7 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
         )
     assert answered_at - frozen_at < 3, "the 504 was not prompt"
     assert let_go is not None, "the proxy still holds its connection to the hung vLLM"
-    assert finished(stack) == finished_before, "vLLM completed the request: not aborted"
+    assert progress(stack).finished == before.finished, "vLLM completed the request: not aborted"
 
 
 def test_read_timeout_lets_short_requests_and_producing_streams_through(
