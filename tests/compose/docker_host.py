@@ -185,16 +185,21 @@ def _install_compose_plugin() -> None:
 
 
 def _start_dockerd(timeout: float = 120) -> None:
-    """Start ``dockerd`` in its own session, as a service would (it stays up after the tests, like
-    the one systemd starts); wait until it answers."""
+    """Start ``dockerd`` as a daemon, as a service would: ``setsid --fork`` leaves it in its own
+    session and not the test's child (it stays up after the tests, like the one systemd starts,
+    and no ``Popen`` of a process that outlives the session is left behind to warn); wait until
+    it answers."""
     with open(DOCKERD_LOG, "ab") as log:
-        subprocess.Popen(
-            ["dockerd"],
+        forked = subprocess.run(
+            ["setsid", "--fork", "dockerd"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            check=False,
+            timeout=30,
         )
+    if forked.returncode != 0:
+        raise HostError(f"setsid --fork dockerd exited {forked.returncode}; see {DOCKERD_LOG}")
     deadline = time.monotonic() + timeout
     while not _engine_answers():
         if time.monotonic() > deadline:
