@@ -47,6 +47,7 @@ from tests.e2e.stack_probe import (
     raw_post,
     read_http_response,
     read_until,
+    readable,
     ring_publishes,
     rss,
     send_queue_bytes,
@@ -428,8 +429,13 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
         start = time.monotonic()
         sock = raw_post(short_timeout_proxy.url, "/v1/chat/completions", json.dumps(body).encode())
         try:
-            # Freeze vLLM as soon as it is seen early in the request.
-            started = wait_until(lambda: seen_early(stack, before), 20, interval=0.02)  # noqa: B023
+            # Freeze vLLM as soon as it is seen early in the request, or once the proxy has
+            # answered (its read timeout may fire before a look at vLLM's gauges comes back).
+            started = wait_until(
+                lambda: seen_early(stack, before) or readable(sock),  # noqa: B023
+                20,
+                interval=0.02,
+            )
             assert started is not None, "the long generation never started"
             with vllm_frozen(stack):
                 frozen_at = time.monotonic()
