@@ -7,6 +7,7 @@ connections to vLLM, and vLLM's running, waiting and completed requests and gene
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import select
 import signal
@@ -14,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -55,18 +57,22 @@ def vllm_processes(stack: RunningStack) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
-def vllm_frozen(stack: RunningStack) -> Iterator[None]:
-    """vLLM stops (SIGSTOP, every process of it) until the block ends (SIGCONT): a hung vLLM
-    that holds its connections open and answers nothing."""
-    processes = vllm_processes(stack)
+def stopped(pids: list[int]) -> Iterator[None]:
+    """The processes stand still (SIGSTOP) until the block ends (SIGCONT)."""
     try:
-        for process in processes:
-            process.send_signal(signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         yield
     finally:
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGCONT)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def vllm_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
+    """vLLM stops (every process of it) until the block ends: a hung vLLM that holds its
+    connections open and answers nothing."""
+    return stopped([process.pid for process in vllm_processes(stack)])
 
 
 def rss(process: psutil.Process) -> int:
@@ -90,9 +96,11 @@ def connections_to(process: psutil.Process, port: int) -> int:
     )
 
 
-def send_queue_bytes(port: int) -> int:
-    """Bytes waiting in the kernel send queues of the TCP sockets bound to local ``port``
-    (``/proc/net/tcp``): what a server has written that its clients have not read yet."""
+def queue_bytes(port: int, *, received: bool = False) -> int:
+    """Bytes in the kernel queues of the TCP sockets bound to local ``port``
+    (``/proc/net/tcp``): by default the send queues (what a server has written that its clients
+    have not read yet); with ``received``, the receive queues (what clients sent that the
+    server has not read)."""
     total = 0
     with open("/proc/net/tcp") as table:
         next(table)
@@ -100,7 +108,7 @@ def send_queue_bytes(port: int) -> int:
             fields = line.split()
             local_port = int(fields[1].rsplit(":", 1)[1], 16)
             if local_port == port:
-                total += int(fields[4].split(":")[0], 16)
+                total += int(fields[4].split(":")[1 if received else 0], 16)
     return total
 
 
@@ -151,11 +159,11 @@ def in_flight(stack: RunningStack) -> float:
     return progress(stack).in_flight
 
 
-def ring_publishes(stack: RunningStack) -> int:
-    """Records the stack's rings have published so far (a flagged prefill adds one)."""
+def ring_publishes(ring_dir: Path) -> int:
+    """Records the rings in ``ring_dir`` have published so far (a flagged prefill adds one)."""
     from vllm_hidden_state_proxy.ring import RingDirectory
 
-    with RingDirectory(stack.ring_dir) as rings:
+    with RingDirectory(ring_dir) as rings:
         return sum(rings.publish_marks().values())
 
 

@@ -44,13 +44,13 @@ from tests.e2e.stack_probe import (
     port_of,
     progress,
     proxy_process,
+    queue_bytes,
     raw_post,
     read_http_response,
     read_until,
     readable,
     ring_publishes,
     rss,
-    send_queue_bytes,
     vllm_frozen,
     wait_idle,
     wait_until,
@@ -158,12 +158,12 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
         body = long_body(model, text, flagged=kind.startswith("flagged"), stream=stream)
     missed: list[str] = []
     for _ in range(ATTEMPTS):
-        before, published_before = progress(stack), ring_publishes(stack)
+        before, published_before = progress(stack), ring_publishes(stack.ring_dir)
 
         def started() -> bool:
             if kind.startswith("ordinary"):
                 return seen_early(stack, before)  # noqa: B023 - called within this iteration
-            return ring_publishes(stack) > published_before  # noqa: B023 - likewise
+            return ring_publishes(stack.ring_dir) > published_before  # noqa: B023 - likewise
 
         sock = raw_post(stack.proxy_url, path, json.dumps(body).encode())
         try:
@@ -567,7 +567,7 @@ def test_slow_stream_readers_do_not_stall_other_clients(
         # clients fill, the proxy stops reading those streams from vLLM, vLLM's sockets fill.
         wait_idle(stack, timeout=90)
         time.sleep(1.0)
-        backlog = (send_queue_bytes(proxy_port), send_queue_bytes(vllm_port))
+        backlog = (queue_bytes(proxy_port), queue_bytes(vllm_port))
         loaded = probe_latencies(stack, model_name, rounds=10)
         stop_trickle.set()
         reader.join(timeout=10)

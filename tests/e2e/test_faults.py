@@ -33,7 +33,14 @@ from tests.e2e.server import (
     stack_environment,
     wait_healthy,
 )
-from tests.e2e.stack_probe import metric, port_of, wait_until
+from tests.e2e.stack_probe import (
+    metric,
+    port_of,
+    queue_bytes,
+    ring_publishes,
+    stopped,
+    wait_until,
+)
 from vllm_hidden_state_proxy.processes import (
     free_port,
     one_vllm_at_a_time,
@@ -41,7 +48,7 @@ from vllm_hidden_state_proxy.processes import (
     vllm_command,
 )
 from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
-from vllm_hidden_state_proxy.ring import RingDirectory, RingReader
+from vllm_hidden_state_proxy.ring import RingReader
 from vllm_hidden_state_proxy.serve import vllm_environment
 
 pytestmark = pytest.mark.own_server
@@ -180,60 +187,27 @@ def in_flight(url: str, kind: str) -> tuple[str, int | str, float]:
         return kind, "connection-error", time.monotonic()
 
 
-def publishes(ring_dir: Path) -> int:
-    """Records the rings in ``ring_dir`` have published so far."""
-    with RingDirectory(ring_dir) as rings:
-        return sum(rings.publish_marks().values())
-
-
-def receive_queue_bytes(port: int) -> int:
-    """Bytes that clients sent to the TCP sockets bound to local ``port`` and the server has not
-    read (``/proc/net/tcp``'s rx_queue)."""
-    total = 0
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                total += int(fields[4].split(":")[1], 16)
-    return total
-
-
-@contextlib.contextmanager
-def stopped(pids: list[int]) -> Iterator[None]:
-    """The processes stand still (SIGSTOP) until the block ends (SIGCONT)."""
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
 def wrapped_request(
     url: str,
     vllm_url: str,
     vllm: subprocess.Popen[bytes],
     proxy: subprocess.Popen[bytes],
     ring_dir: Path,
-) -> int:
+) -> None:
     """A flagged request whose record is overwritten before the proxy reads it, by states:
     vLLM stands still until the request has reached its socket; then the proxy stands still
     while vLLM publishes its record and two more (sent to vLLM directly, with request keys of
-    their own) into the one slot. The proxy, let go, answers 504 "overwritten". Returns 1."""
+    their own) into the one slot. The proxy, let go, answers 504 "overwritten"."""
     vllm_pids = [vllm.pid, *descendants(vllm.pid)]
     proxy_pids = [proxy.pid, *descendants(proxy.pid)]
     # Long enough that the request's headers alone cannot fill vLLM's receive queue to it.
     body = chat_body("wrapped " + "word " * 100)
-    before = publishes(ring_dir)
+    before = ring_publishes(ring_dir)
     with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as frozen:
         with stopped(vllm_pids):
             answer = pool.submit(httpx.post, url + CHAT, json=body, timeout=120)
-            sent = wait_until(
-                lambda: receive_queue_bytes(port_of(vllm_url)) >= len(json.dumps(body)), 60
-            )
+            size, port = len(json.dumps(body)), port_of(vllm_url)
+            sent = wait_until(lambda: queue_bytes(port, received=True) >= size, 60)
             assert sent is not None, "the proxy never sent the request to vLLM"
             frozen.enter_context(stopped(proxy_pids))  # before vLLM runs again
         headers = {"authorization": f"Bearer {VLLM_KEY}"}
@@ -245,15 +219,14 @@ def wrapped_request(
             del direct["kv_transfer_params"]
             reply = httpx.post(vllm_url + CHAT, json=direct, headers=headers, timeout=60)
             assert reply.status_code == 200, reply.text
-        published = wait_until(lambda: publishes(ring_dir) >= before + 3, 60)
+        published = wait_until(lambda: ring_publishes(ring_dir) >= before + 3, 60)
         assert published is not None, (
-            f"vLLM published {publishes(ring_dir) - before} records, not 3"
+            f"vLLM published {ring_publishes(ring_dir) - before} records, not 3"
         )
         frozen.close()  # the proxy runs again and looks its record up
         response = answer.result(timeout=120)
     assert response.status_code == 504, response.text
     assert "overwritten" in response.json()["error"]["message"]
-    return 1
 
 
 def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
@@ -345,7 +318,8 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                     else:
                         check_vector(reference, response, text)  # its own vector, never another's
                 # Whether those wrapped depends on how vLLM batched them; this one surely does.
-                overwritten += wrapped_request(url, vllm_url, vllm, proxy, ring_dir)
+                wrapped_request(url, vllm_url, vllm, proxy, ring_dir)
+                overwritten += 1
                 metrics = httpx.get(url + "/metrics", timeout=30).text
                 misses = metric(metrics, "hidden_state_proxy_vector_misses_total", "overwritten")
                 assert misses == overwritten, (misses, overwritten)
