@@ -126,8 +126,9 @@ def metric(text: str, name: str, label: str = "") -> float:
 
 
 def vllm_metrics(stack: RunningStack) -> str:
-    """vLLM's own /metrics (asked directly, not through the proxy)."""
-    response = httpx.get(stack.vllm_url + "/metrics", timeout=10)
+    """vLLM's own /metrics (asked directly, not through the proxy). Its API server answers
+    late while it pushes megabytes of streams on a loaded machine: a generous timeout."""
+    response = httpx.get(stack.vllm_url + "/metrics", timeout=60)
     response.raise_for_status()
     return response.text
 
