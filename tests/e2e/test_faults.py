@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.e2e.reference import Reference, assert_matches
@@ -59,34 +59,19 @@ VLLM_KEY = "vllm-own-key"
 PROMPT_FAULT_SECONDS = 30
 
 
-def descendants(pid: int) -> list[int]:
-    """All descendant pids of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid``'s process and every process below it."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
 
 
 def kill_engine(vllm_pid: int) -> int:
     """SIGKILL vLLM's engine-core process (the model lives there and in its workers)."""
-    for pid in descendants(vllm_pid):
-        with contextlib.suppress(OSError):
-            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes() or "EngineCore" in (
-                Path(f"/proc/{pid}/comm").read_text()
-            ):
-                os.kill(pid, signal.SIGKILL)
-                return pid
+    for process in process_tree(vllm_pid)[1:]:
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
+                process.kill()
+                return int(process.pid)
     raise AssertionError(f"no EngineCore process under vLLM pid {vllm_pid}")
 
 
@@ -198,8 +183,8 @@ def wrapped_request(
     vLLM stands still until the request has reached its socket; then the proxy stands still
     while vLLM publishes its record and two more (sent to vLLM directly, with request keys of
     their own) into the one slot. The proxy, let go, answers 504 "overwritten"."""
-    vllm_pids = [vllm.pid, *descendants(vllm.pid)]
-    proxy_pids = [proxy.pid, *descendants(proxy.pid)]
+    vllm_pids = [process.pid for process in process_tree(vllm.pid)]
+    proxy_pids = [process.pid for process in process_tree(proxy.pid)]
     # Long enough that the request's headers alone cannot fill vLLM's receive queue to it.
     body = chat_body("wrapped " + "word " * 100)
     before = ring_publishes(ring_dir)
@@ -341,9 +326,9 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
 def test_serve_exits_non_zero_when_its_vllm_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     with run_serve(tiny_model_dir, tmp_path) as stack:
         vllm_pid = next(
-            pid
-            for pid in descendants(stack.process.pid)
-            if b"vllm.entrypoints.openai.api_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            process.pid
+            for process in process_tree(stack.process.pid)
+            if "vllm.entrypoints.openai.api_server" in process.cmdline()
         )
         kill_engine(vllm_pid)
         status = stack.process.wait(timeout=120)
