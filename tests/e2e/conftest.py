@@ -28,6 +28,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_rpc_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """vLLM's ZMQ sockets (about ten per start, which vLLM leaves behind, even when stopped
+    cleanly) go under pytest's temporary directory, which pytest prunes, not straight into
+    /tmp, where CI machines would collect thousands."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-chat-model")

@@ -65,11 +65,44 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def kill_engine(vllm_pid: int) -> int:
-    """SIGKILL vLLM's engine-core process (the model lives there and in its workers)."""
-    for process in process_tree(vllm_pid)[1:]:
+#: Shared memory a killed vLLM leaves behind: Python's ``SharedMemory`` segments (MiBs each)
+#: and multiprocessing semaphores, found by the names vLLM's processes map them under. A
+#: semaphore mapped only by its creator shows a temporary name and stays (32 bytes). The proxy
+#: sweeps its own rings.
+ORPHANED_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+@pytest.fixture
+def orphaned_shm() -> Iterator[set[Path]]:
+    """The /dev/shm files of the vLLMs a test kills or stops, unlinked once the test is over
+    (its vLLMs have stopped by then): a killed engine cannot unlink them, and CI machines run
+    these tests again and again."""
+    paths: set[Path] = set()
+    yield paths
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def shared_memory_of(processes: list[psutil.Process]) -> set[Path]:
+    """The /dev/shm files ``processes`` map whose names say they may be orphaned."""
+    paths = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            for mapping in process.memory_maps():
+                path = Path(mapping.path)
+                if path.parent == Path("/dev/shm") and path.name.startswith(ORPHANED_SHM_PREFIXES):
+                    paths.add(path)
+    return paths
+
+
+def kill_engine(vllm_pid: int, orphaned_shm: set[Path]) -> int:
+    """SIGKILL vLLM's engine-core process (the model lives there and in its workers); the
+    shared memory vLLM's processes map goes into ``orphaned_shm``."""
+    vllm = process_tree(vllm_pid)
+    for process in vllm[1:]:
         with contextlib.suppress(psutil.Error):
             if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
+                orphaned_shm |= shared_memory_of(vllm)
                 process.kill()
                 return int(process.pid)
     raise AssertionError(f"no EngineCore process under vLLM pid {vllm_pid}")
@@ -77,8 +110,15 @@ def kill_engine(vllm_pid: int) -> int:
 
 @contextlib.contextmanager
 def vllm_process(
-    model_dir: Path, ring_dir: Path, port: int, log: Path, env: dict[str, str] | None = None
+    model_dir: Path,
+    ring_dir: Path,
+    port: int,
+    log: Path,
+    orphaned_shm: set[Path],
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
+    """vLLM until the block ends; the shared memory it maps then goes into ``orphaned_shm``
+    (a vLLM that does not stop within its grace is killed)."""
     args = [*TEST_VLLM_ARGS, "--api-key", VLLM_KEY]
     environment = {**stack_environment(), **vllm_environment(str(ring_dir)), **(env or {})}
     with open(log, "ab") as out:
@@ -92,6 +132,8 @@ def vllm_process(
     try:
         yield process
     finally:
+        with contextlib.suppress(psutil.Error):
+            orphaned_shm |= shared_memory_of(process_tree(process.pid))
         stop_process_group(process, "vLLM", grace=30)
 
 
@@ -215,7 +257,7 @@ def wrapped_request(
 
 
 def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
-    tiny_model_dir: Path, reference: Reference, tmp_path: Path
+    tiny_model_dir: Path, reference: Reference, tmp_path: Path, orphaned_shm: set[Path]
 ) -> None:
     ring_dir = Path("/dev/shm") / f"hsp-faults-{os.getpid()}"
     vllm_port, proxy_port = free_port(), free_port()
@@ -230,7 +272,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 proxy,
             ),
         ):
-            with vllm_process(tiny_model_dir, ring_dir, vllm_port, vllm_log) as vllm:
+            with vllm_process(tiny_model_dir, ring_dir, vllm_port, vllm_log, orphaned_shm) as vllm:
                 wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
                 check_vector(
                     reference,
@@ -256,7 +298,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                     futures = [pool.submit(in_flight, url, kind) for kind in kinds]
                     time.sleep(1.0)
                     killed_at = time.monotonic()
-                    kill_engine(vllm.pid)
+                    kill_engine(vllm.pid, orphaned_shm)
                     outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]
                 for kind, status, ended in outcomes:
                     assert ended - killed_at < PROMPT_FAULT_SECONDS, (kind, status)
@@ -275,6 +317,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 ring_dir,
                 vllm_port,
                 vllm_log,
+                orphaned_shm,
                 {"HIDDEN_STATE_PROXY_RING_SLOTS": "1"},
             ) as vllm:
                 wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
@@ -323,14 +366,16 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
         shutil.rmtree(ring_dir, ignore_errors=True)
 
 
-def test_serve_exits_non_zero_when_its_vllm_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_serve_exits_non_zero_when_its_vllm_dies(
+    tiny_model_dir: Path, tmp_path: Path, orphaned_shm: set[Path]
+) -> None:
     with run_serve(tiny_model_dir, tmp_path) as stack:
         vllm_pid = next(
             process.pid
             for process in process_tree(stack.process.pid)
             if "vllm.entrypoints.openai.api_server" in process.cmdline()
         )
-        kill_engine(vllm_pid)
+        kill_engine(vllm_pid, orphaned_shm)
         status = stack.process.wait(timeout=120)
     assert status != 0
     log = stack.log_path.read_text(errors="replace")
