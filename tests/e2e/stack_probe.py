@@ -44,6 +44,12 @@ def _is_proxy_command(command: list[str]) -> bool:
     return False
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """``pid``'s process and every process below it."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def vllm_processes(stack: RunningStack) -> list[psutil.Process]:
     """vLLM's API server (the child of ``serve`` running vLLM's OpenAI server) and everything
     below it (engine core, workers)."""
@@ -53,7 +59,7 @@ def vllm_processes(stack: RunningStack) -> list[psutil.Process]:
         if "vllm.entrypoints.openai.api_server" in child.cmdline()
     ]
     assert len(servers) == 1, f"expected one vLLM API server below serve, found {servers}"
-    return [servers[0], *servers[0].children(recursive=True)]
+    return process_tree(servers[0].pid)
 
 
 @contextlib.contextmanager

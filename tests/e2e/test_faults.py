@@ -36,9 +36,11 @@ from tests.e2e.server import (
 from tests.e2e.stack_probe import (
     metric,
     port_of,
+    process_tree,
     queue_bytes,
     ring_publishes,
     stopped,
+    vllm_processes,
     wait_until,
 )
 from vllm_hidden_state_proxy.processes import (
@@ -57,12 +59,6 @@ CHAT = "/v1/chat/completions"
 VLLM_KEY = "vllm-own-key"
 #: How long a fault may take to reach the client (it must not hang).
 PROMPT_FAULT_SECONDS = 30
-
-
-def process_tree(pid: int) -> list[psutil.Process]:
-    """``pid``'s process and every process below it."""
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
 
 
 #: Shared memory a killed vLLM leaves behind: Python's ``SharedMemory`` segments (MiBs each)
@@ -95,17 +91,17 @@ def shared_memory_of(processes: list[psutil.Process]) -> set[Path]:
     return paths
 
 
-def kill_engine(vllm_pid: int, orphaned_shm: set[Path]) -> int:
-    """SIGKILL vLLM's engine-core process (the model lives there and in its workers); the
-    shared memory vLLM's processes map goes into ``orphaned_shm``."""
-    vllm = process_tree(vllm_pid)
+def kill_engine(vllm: list[psutil.Process], orphaned_shm: set[Path]) -> int:
+    """SIGKILL the engine-core process among ``vllm`` (a vLLM API server and everything below
+    it; the model lives in the engine and its workers); the shared memory they map goes into
+    ``orphaned_shm``."""
     for process in vllm[1:]:
         with contextlib.suppress(psutil.Error):
             if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
                 orphaned_shm |= shared_memory_of(vllm)
                 process.kill()
                 return int(process.pid)
-    raise AssertionError(f"no EngineCore process under vLLM pid {vllm_pid}")
+    raise AssertionError(f"no EngineCore process under vLLM pid {vllm[0].pid}")
 
 
 @contextlib.contextmanager
@@ -298,7 +294,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                     futures = [pool.submit(in_flight, url, kind) for kind in kinds]
                     time.sleep(1.0)
                     killed_at = time.monotonic()
-                    kill_engine(vllm.pid, orphaned_shm)
+                    kill_engine(process_tree(vllm.pid), orphaned_shm)
                     outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]
                 for kind, status, ended in outcomes:
                     assert ended - killed_at < PROMPT_FAULT_SECONDS, (kind, status)
@@ -370,12 +366,7 @@ def test_serve_exits_non_zero_when_its_vllm_dies(
     tiny_model_dir: Path, tmp_path: Path, orphaned_shm: set[Path]
 ) -> None:
     with run_serve(tiny_model_dir, tmp_path) as stack:
-        vllm_pid = next(
-            process.pid
-            for process in process_tree(stack.process.pid)
-            if "vllm.entrypoints.openai.api_server" in process.cmdline()
-        )
-        kill_engine(vllm_pid, orphaned_shm)
+        kill_engine(vllm_processes(stack), orphaned_shm)
         status = stack.process.wait(timeout=120)
     assert status != 0
     log = stack.log_path.read_text(errors="replace")
