@@ -16,7 +16,11 @@ import pytest
 from tests.deploy.commands import chart_commands, compose_commands
 from tests.deploy.deploy_helpers import VALUES_FILES, copy_docker_context
 
-BASE_IMPORTS = "import starlette, uvicorn, httpx, msgpack, orjson, vllm_hidden_state_proxy"
+#: The base dependencies, and the package itself (whose proxy modules import them all).
+BASE_IMPORTS = (
+    "import starlette, uvicorn, httpx, aiohttp, msgpack, orjson, numpy, vllm_hidden_state_proxy"
+    "; import vllm_hidden_state_proxy.proxy.server"
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +84,7 @@ def test_no_torch_in_the_proxy_environment(proxy_venv: Path) -> None:
         assert "ModuleNotFoundError" in result.stderr
     # The base dependencies are there, and the package itself imports.
     result = subprocess.run(
-        [
-            python,
-            "-c",
-            "import starlette, uvicorn, httpx, msgpack, orjson, vllm_hidden_state_proxy",
-        ],
+        [python, "-c", BASE_IMPORTS],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,6 +8,7 @@ import struct
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -35,6 +36,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
     INFOS,
     VECTOR,
     VECTORS,
+    dump_json,
     encode_vector,
     prompt_list_fields,
     send_joined,
@@ -45,7 +47,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import VectorRequest, WantedVectors, resolve_layers
-from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.ring import Record, RingWriter
 
 pytestmark = pytest.mark.anyio
 
@@ -63,6 +65,11 @@ def wanted(
     return resolve_layers(request, [ring_shape(LAYERED)])
 
 
+def as_sent(fields: dict[str, Any]) -> Any:
+    """The fields as a client reads them: the JSON the proxy writes, parsed."""
+    return orjson.loads(dump_json(fields))
+
+
 def decoded(value: str) -> list[float]:
     raw = base64.b64decode(value)
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
@@ -76,14 +83,25 @@ def decoded(value: str) -> list[float]:
 def test_encode_vector_as_floats_or_base64() -> None:
     values = [1.5, -2.25, 0.0, 3e-3]
     raw = vector_bytes(values)
-    assert encode_vector(raw, "float") == pytest.approx(values)
+    floats = encode_vector(raw, "float")
+    assert isinstance(floats, np.ndarray) and floats.dtype == np.float32
+    assert floats.tobytes() == raw  # the ring's float32s as they are
+    assert orjson.loads(dump_json({"v": floats})) == {"v": values}
     encoded = encode_vector(raw, "base64")
     assert isinstance(encoded, str) and base64.b64decode(encoded) == raw  # little-endian f32
 
 
+def test_floats_read_back_bit_for_bit_as_float32_in_fewer_bytes() -> None:
+    raw = np.random.default_rng(0).standard_normal(4096).astype("<f4").tobytes()
+    text = dump_json({"v": encode_vector(raw, "float")})
+    assert np.array(orjson.loads(text)["v"], dtype="<f4").tobytes() == raw
+    as_float64 = orjson.dumps({"v": Record.floats_of(raw)})  # each float32 widened, then written
+    assert len(text) < 0.7 * len(as_float64)
+
+
 def test_no_layers_asked_gives_the_final_layer_in_the_singular_field() -> None:
     record = record_for(KEY, (FINAL,))
-    assert single_prompt_fields(record, wanted()) == {VECTOR: vector_for(KEY)}
+    assert as_sent(single_prompt_fields(record, wanted())) == {VECTOR: vector_for(KEY)}
 
 
 @pytest.mark.parametrize(
@@ -102,7 +120,7 @@ def test_chosen_layers_are_keyed_as_written_in_the_request(
     resolved = wanted(asked, pooling="mean")
     assert resolved.layers == absolute
     record = record_for(KEY, resolved.distinct_layers, "mean")
-    fields = single_prompt_fields(record, resolved)
+    fields = as_sent(single_prompt_fields(record, resolved))
     by_layer = {
         str(label): vector_for(KEY, layer, "mean")
         for label, layer in zip(asked, absolute, strict=True)
@@ -117,7 +135,7 @@ def test_chosen_layers_are_keyed_as_written_in_the_request(
 
 def test_base64_applies_to_every_vector() -> None:
     resolved = wanted((0, -1), fmt="base64")
-    fields = single_prompt_fields(record_for(KEY, (0, FINAL)), resolved)
+    fields = as_sent(single_prompt_fields(record_for(KEY, (0, FINAL)), resolved))
     assert decoded(fields[VECTOR]) == vector_for(KEY)
     assert {label: decoded(value) for label, value in fields[BY_LAYER].items()} == {
         "0": vector_for(KEY, 0),
@@ -148,11 +166,13 @@ def test_the_info_says_where_the_vectors_are_from() -> None:
 
 def test_a_prompt_list_gets_the_plural_fields_in_prompt_order() -> None:
     keys = [bytes([i]) * 16 for i in range(1, 4)]
-    plain = prompt_list_fields([record_for(k) for k in keys], wanted(info=True))
+    plain = as_sent(prompt_list_fields([record_for(k) for k in keys], wanted(info=True)))
     assert plain[VECTORS] == [vector_for(k) for k in keys]
     assert [i["position"] for i in plain[INFOS]] == [4, 4, 4]
     assert BY_LAYER not in plain and VECTOR not in plain
-    layered = prompt_list_fields([record_for(k, (0, FINAL)) for k in keys], wanted((0, -1)))
+    layered = as_sent(
+        prompt_list_fields([record_for(k, (0, FINAL)) for k in keys], wanted((0, -1)))
+    )
     assert layered[VECTORS] == [vector_for(k) for k in keys]
     assert layered[BY_LAYER] == [{"0": vector_for(k, 0), "-1": vector_for(k)} for k in keys]
     without_final = prompt_list_fields([record_for(k, (2,)) for k in keys], wanted((2,)))

@@ -9,6 +9,7 @@ import struct
 
 import anyio
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -82,7 +83,8 @@ async def test_inputs_in_order_normalised_with_usage(ring_dir: str, writer: Ring
     for text, item in zip(texts, body["data"], strict=True):
         assert item["object"] == "embedding"
         expected = unit(vector_for(vllm.key_for(f'"{text}"')))  # quoted by the template
-        assert item["embedding"] == pytest.approx(expected, rel=1e-12)
+        # float32 values (a float32 ulp is 1.2e-7 relative), each written as its shortest decimal
+        assert item["embedding"] == pytest.approx(expected, rel=2.5e-7)
 
 
 async def test_base64_and_unnormalised(ring_dir: str, writer: RingWriter) -> None:
@@ -225,12 +227,16 @@ async def test_the_flag_is_not_needed_and_an_invalid_body_is_400(ring_dir: str) 
 
 def test_embedding_of() -> None:
     raw = vector_bytes([3.0, 4.0])
-    assert embedding_of(raw, False, "float") == [3.0, 4.0]
-    assert embedding_of(raw, True, "float") == pytest.approx([0.6, 0.8])
+    floats, normed_floats = embedding_of(raw, False, "float"), embedding_of(raw, True, "float")
+    assert isinstance(floats, np.ndarray) and isinstance(normed_floats, np.ndarray)
+    assert floats.dtype == normed_floats.dtype == np.float32
+    assert floats.tolist() == [3.0, 4.0]
+    assert normed_floats.tolist() == pytest.approx([0.6, 0.8])
     assert base64.b64decode(embedding_of(raw, False, "base64")) == raw  # type: ignore[arg-type]
     normed = base64.b64decode(embedding_of(raw, True, "base64"))  # type: ignore[arg-type]
     assert struct.unpack("<2f", normed) == pytest.approx((0.6, 0.8))
-    assert embedding_of(vector_bytes([0.0, 0.0]), True, "float") == [0.0, 0.0]  # no 0/0
+    zeros = embedding_of(vector_bytes([0.0, 0.0]), True, "float")
+    assert isinstance(zeros, np.ndarray) and zeros.tolist() == [0.0, 0.0]  # no 0/0
 
 
 def test_input_error_names_the_input() -> None:

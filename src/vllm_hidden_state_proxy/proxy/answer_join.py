@@ -3,9 +3,10 @@
 Fields of a flagged answer (``kv_transfer_params``; others that vLLM returns are kept):
 
 - ``last_hidden_state``: the final layer's vector, whenever the final layer was asked for or
-  no layers were given; a JSON list of floats (format ``"float"``) or base64 of little-endian
-  float32 (``"base64"``, like OpenAI embeddings' ``encoding_format``; the ring already stores
-  that byte layout, so no float list is built on this path).
+  no layers were given; a JSON list of floats (format ``"float"``: each float32 written as the
+  shortest decimal that reads back as the same float32, by orjson straight from the ring's
+  bytes viewed as a numpy array) or base64 of little-endian float32 (``"base64"``, like OpenAI
+  embeddings' ``encoding_format``; the ring already stores that byte layout).
 - ``last_hidden_states_by_layer``: with ``last_hidden_state_layers``, each requested layer,
   written as in the request (``"4"``, ``"-1"``), to its vector.
 - ``last_hidden_state_info`` (on request): where and what the vectors are.
@@ -20,6 +21,8 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 
 from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Send, send_response
@@ -38,10 +41,29 @@ INFOS = "last_hidden_state_infos"
 _REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
 
 
-def encode_vector(vector: bytes, fmt: str) -> list[float] | str:
+#: A vector as float32 values in native byte order, which :func:`dump_json` writes as a list.
+Floats = npt.NDArray[np.float32]
+
+
+def float32_view(vector: bytes) -> Floats:
+    """Little-endian float32 bytes as a float32 array (a view, no copy, on little-endian hosts)."""
+    return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
+
+
+def encode_vector(vector: bytes, fmt: str) -> Floats | str:
     if fmt == "base64":
         return base64.b64encode(vector).decode("ascii")
-    return Record.floats_of(vector)
+    return float32_view(vector)
+
+
+def dump_json(document: Any) -> bytes:
+    """``document`` as JSON, its :data:`Floats` as lists of float32's shortest decimals.
+
+    Shorter than the float64 decimals of the same values (~45% fewer bytes) and faster to
+    write; a reader that parses them as float32 gets the ring's values bit for bit.
+    Raises ``orjson.JSONEncodeError`` (e.g. nested deeper than orjson writes).
+    """
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
@@ -112,7 +134,7 @@ async def send_joined(
 ) -> None:
     """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``."""
     try:
-        body = orjson.dumps(with_kv_fields(completion, fields))
+        body = dump_json(with_kv_fields(completion, fields))
     except orjson.JSONEncodeError as exc:  # e.g. nested deeper than orjson writes
         raise ProxyError(502, f"vLLM's answer cannot be re-encoded with the vector: {exc}") from exc
     await send_whole(send, 200, headers, body, b"application/json")

@@ -9,16 +9,14 @@ A client disconnect cancels what is still in flight.
 from __future__ import annotations
 
 import base64
-import math
-import sys
-from array import array
 from collections.abc import Awaitable
 from typing import Any
 
+import numpy as np
 import orjson
 
 from vllm_hidden_state_proxy.proxy.admission import Endpoint
-from vllm_hidden_state_proxy.proxy.answer_join import send_whole
+from vllm_hidden_state_proxy.proxy.answer_join import Floats, dump_json, float32_view, send_whole
 from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     EmbeddingsDefaults,
@@ -32,26 +30,21 @@ from vllm_hidden_state_proxy.proxy.flagged_exchange import JoinableAnswer, VllmA
 from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, parse_object, resolve_layers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
-from vllm_hidden_state_proxy.ring import Record
 
 
-def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> list[float] | str:
-    """A vector (LE float32 bytes), scaled to unit L2 norm on request, as floats or base64."""
+def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> Floats | str:
+    """A vector (LE float32 bytes), scaled to unit L2 norm on request (in float64, then rounded
+    to float32), as float32 values or base64 of their little-endian bytes."""
     if not normalize:
         if encoding_format == "base64":
             return base64.b64encode(vector).decode("ascii")
-        return Record.floats_of(vector)
-    values = Record.floats_of(vector)
-    norm = math.hypot(*values)
-    if norm > 0:
-        scale = 1.0 / norm
-        values = [v * scale for v in values]
+        return float32_view(vector)
+    values = float32_view(vector).astype(np.float64)
+    norm = float(np.linalg.norm(values))
+    scaled = (values / norm if norm > 0 else values).astype(np.float32)
     if encoding_format != "base64":
-        return values
-    packed = array("f", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii")
+        return scaled
+    return base64.b64encode(scaled.astype("<f4").tobytes()).decode("ascii")
 
 
 def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
@@ -118,5 +111,5 @@ class EmbeddingsApp(Endpoint):
         if isinstance(answers, Failed):
             await send_error(send, input_error(answers.index, plan.field, answers.failure))
             return
-        payload = orjson.dumps(embeddings_response(plan, wanted, answers))
+        payload = dump_json(embeddings_response(plan, wanted, answers))
         await send_whole(send, 200, answers[0].headers, payload, b"application/json")

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_join import with_kv_fields
+from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import Send
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
@@ -107,7 +107,7 @@ def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str
     of nesting but writes 254 (vLLM's chunks are a few levels deep).
     """
     try:
-        data = orjson.dumps(chunk)
+        data = dump_json(chunk)
     except orjson.JSONEncodeError as exc:
         raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
     return bytes(buffer[: event.start]) + b"data: " + data + buffer[event.end :]
