@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,69 @@ def test_stop_process_group_terminates_then_kills() -> None:
     assert said == ["stubborn did not stop in 0 s; killing it"]
     stop_process_group(None, "nothing")  # nothing started: nothing to do
     stop_process_group(polite, "again")  # already stopped: no error
+
+
+#: A process that starts a child in its own process group (``-c`` code, then the leader's pid and
+#: the other arguments), then sleeps until its stdin closes.
+LEADER = (
+    "import os, subprocess, sys; "
+    "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid()), *sys.argv[2:]]); "
+    "print('ready', flush=True); sys.stdin.read()"
+)
+#: Like Python's resource tracker: cleans up once its parent has gone, which takes a while.
+CLEANS_UP_AFTER_ITS_PARENT = (
+    "import os, pathlib, sys, time\n"
+    "while os.getppid() == int(sys.argv[1]): time.sleep(0.02)\n"
+    "time.sleep(0.5)\n"
+    "pathlib.Path(sys.argv[2]).write_text('cleaned up')\n"
+)
+NEVER_LEAVES = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+)
+
+
+def start_leader(*child: str) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", LEADER, *child],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+    return process
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_rest_of_the_group_may_finish_its_cleanup(tmp_path: Path) -> None:
+    marker = tmp_path / "cleaned"
+    leader = start_leader(CLEANS_UP_AFTER_ITS_PARENT, str(marker))
+    try:
+        stop_process_group(leader, "leader", grace=60)
+        assert leader.returncode == -signal.SIGTERM
+        assert marker.read_text() == "cleaned up"  # not killed halfway
+        assert not group_alive(leader.pid)
+    finally:
+        close_pipes(leader)
+
+
+def test_what_is_left_of_the_group_is_killed_after_its_grace() -> None:
+    leader = start_leader(NEVER_LEAVES)
+    try:
+        stop_process_group(leader, "leader", grace=60, group_grace=0.2)
+        assert leader.returncode == -signal.SIGTERM
+        deadline = time.monotonic() + 60  # killed; init reaps it in its own time
+        while group_alive(leader.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(leader.pid)
+    finally:
+        close_pipes(leader)
 
 
 def test_one_vllm_at_a_time_waits_for_the_holder(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 
 from vllm_hidden_state_proxy.processes import (
+    GROUP_EXIT_GRACE,
     VLLM_LOOPBACK,
     http_status,
     stop_process_group,
@@ -204,7 +205,7 @@ class _Children:
 def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:
     """The exit status if ``serve`` must end now (a signal came, or a child exited), else None."""
     if stop.received is not None:
-        longest = PROXY_STOP_GRACE + VLLM_STOP_GRACE
+        longest = PROXY_STOP_GRACE + VLLM_STOP_GRACE + 2 * GROUP_EXIT_GRACE
         _say(f"{stop.received}: stopping the proxy and vLLM (can take up to {longest:.0f} s)")
         return 0
     gone = children.exited()
