@@ -61,44 +61,13 @@ VLLM_KEY = "vllm-own-key"
 PROMPT_FAULT_SECONDS = 30
 
 
-#: Shared memory a killed vLLM leaves behind: Python's ``SharedMemory`` segments (MiBs each)
-#: and multiprocessing semaphores, found by the names vLLM's processes map them under. A
-#: semaphore mapped only by its creator shows a temporary name and stays (32 bytes). The proxy
-#: sweeps its own rings.
-ORPHANED_SHM_PREFIXES = ("psm_", "sem.mp-")
-
-
-@pytest.fixture
-def orphaned_shm() -> Iterator[set[Path]]:
-    """The /dev/shm files of the vLLMs a test kills or stops, unlinked once the test is over
-    (its vLLMs have stopped by then): a killed engine cannot unlink them, and CI machines run
-    these tests again and again."""
-    paths: set[Path] = set()
-    yield paths
-    for path in paths:
-        path.unlink(missing_ok=True)
-
-
-def shared_memory_of(processes: list[psutil.Process]) -> set[Path]:
-    """The /dev/shm files ``processes`` map whose names say they may be orphaned."""
-    paths = set()
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            for mapping in process.memory_maps():
-                path = Path(mapping.path)
-                if path.parent == Path("/dev/shm") and path.name.startswith(ORPHANED_SHM_PREFIXES):
-                    paths.add(path)
-    return paths
-
-
-def kill_engine(vllm: list[psutil.Process], orphaned_shm: set[Path]) -> int:
+def kill_engine(vllm: list[psutil.Process]) -> int:
     """SIGKILL the engine-core process among ``vllm`` (a vLLM API server and everything below
-    it; the model lives in the engine and its workers); the shared memory they map goes into
-    ``orphaned_shm``."""
+    it; the model lives in the engine and its workers). Python's resource tracker in vLLM's
+    process group unlinks the engine's shared memory once vLLM has stopped."""
     for process in vllm[1:]:
         with contextlib.suppress(psutil.Error):
             if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
-                orphaned_shm |= shared_memory_of(vllm)
                 process.kill()
                 return int(process.pid)
     raise AssertionError(f"no EngineCore process under vLLM pid {vllm[0].pid}")
@@ -110,11 +79,9 @@ def vllm_process(
     ring_dir: Path,
     port: int,
     log: Path,
-    orphaned_shm: set[Path],
     env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """vLLM until the block ends; the shared memory it maps then goes into ``orphaned_shm``
-    (a vLLM that does not stop within its grace is killed)."""
+    """vLLM until the block ends (a vLLM that does not stop within its grace is killed)."""
     args = [*TEST_VLLM_ARGS, "--api-key", VLLM_KEY]
     environment = {**stack_environment(), **vllm_environment(str(ring_dir)), **(env or {})}
     with open(log, "ab") as out:
@@ -128,8 +95,6 @@ def vllm_process(
     try:
         yield process
     finally:
-        with contextlib.suppress(psutil.Error):
-            orphaned_shm |= shared_memory_of(process_tree(process.pid))
         stop_process_group(process, "vLLM", grace=30)
 
 
@@ -253,7 +218,7 @@ def wrapped_request(
 
 
 def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
-    tiny_model_dir: Path, reference: Reference, tmp_path: Path, orphaned_shm: set[Path]
+    tiny_model_dir: Path, reference: Reference, tmp_path: Path
 ) -> None:
     ring_dir = Path("/dev/shm") / f"hsp-faults-{os.getpid()}"
     vllm_port, proxy_port = free_port(), free_port()
@@ -268,7 +233,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 proxy,
             ),
         ):
-            with vllm_process(tiny_model_dir, ring_dir, vllm_port, vllm_log, orphaned_shm) as vllm:
+            with vllm_process(tiny_model_dir, ring_dir, vllm_port, vllm_log) as vllm:
                 wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
                 check_vector(
                     reference,
@@ -294,7 +259,7 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                     futures = [pool.submit(in_flight, url, kind) for kind in kinds]
                     time.sleep(1.0)
                     killed_at = time.monotonic()
-                    kill_engine(process_tree(vllm.pid), orphaned_shm)
+                    kill_engine(process_tree(vllm.pid))
                     outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]
                 for kind, status, ended in outcomes:
                     assert ended - killed_at < PROMPT_FAULT_SECONDS, (kind, status)
@@ -313,7 +278,6 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 ring_dir,
                 vllm_port,
                 vllm_log,
-                orphaned_shm,
                 {"HIDDEN_STATE_PROXY_RING_SLOTS": "1"},
             ) as vllm:
                 wait_healthy(url + "/health", vllm, STARTUP_TIMEOUT, vllm_log)
@@ -362,11 +326,9 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
         shutil.rmtree(ring_dir, ignore_errors=True)
 
 
-def test_serve_exits_non_zero_when_its_vllm_dies(
-    tiny_model_dir: Path, tmp_path: Path, orphaned_shm: set[Path]
-) -> None:
+def test_serve_exits_non_zero_when_its_vllm_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     with run_serve(tiny_model_dir, tmp_path) as stack:
-        kill_engine(vllm_processes(stack), orphaned_shm)
+        kill_engine(vllm_processes(stack))
         status = stack.process.wait(timeout=120)
     assert status != 0
     log = stack.log_path.read_text(errors="replace")

@@ -394,13 +394,9 @@ class Record:
         return self.vectors[index * size : (index + 1) * size]
 
     def floats(self, layer: int) -> list[float]:
-        return self.floats_of(self.vector(layer))
-
-    @staticmethod
-    def floats_of(vector: bytes) -> list[float]:
-        """Little-endian float32 bytes as Python floats."""
+        """One layer's vector as Python floats."""
         values = array("f")
-        values.frombytes(vector)
+        values.frombytes(self.vector(layer))
         if sys.byteorder == "big":
             values.byteswap()
         return values.tolist()
