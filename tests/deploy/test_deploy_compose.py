@@ -219,17 +219,21 @@ def test_gpu_pair_and_cpu_pair(compose: dict[str, Any]) -> None:
     assert services["vllm"]["image"].endswith("-gpu")
 
 
-def test_embedding_template_only_when_set() -> None:
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE", "q: {text}"),
+        ("HIDDEN_STATE_PROXY_API_KEY", "client-key"),
+        ("HIDDEN_STATE_PROXY_UPSTREAM_API_KEY", "vllm-key"),
+    ],
+)
+def test_proxy_settings_only_when_set(name: str, value: str) -> None:
+    """The proxy's pass-through settings reach the proxy (and only it) when set, else nothing."""
     for _, proxy in PAIRS:
-        assert (
-            "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
-            not in compose_commands(service=proxy)["proxy"][1]
-        )
-        commands = compose_commands(
-            {"HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE": "q: {text}"}, service=proxy
-        )
-        assert commands["proxy"][1]["HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"] == "q: {text}"
-        assert "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE" not in commands["vllm"][1]
+        assert name not in compose_commands(service=proxy)["proxy"][1]
+        commands = compose_commands({name: value}, service=proxy)
+        assert commands["proxy"][1][name] == value
+        assert name not in commands["vllm"][1]
 
 
 def test_proxy_hardening(compose: dict[str, Any]) -> None:

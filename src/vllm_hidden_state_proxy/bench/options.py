@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
     add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
     add("--no-instant", action="store_true", help="skip the instant-upstream phase")
-    add("--no-layers", action="store_true", help="skip the phase that starts two vLLM servers")
+    add("--no-layers", action="store_true", help="skip the phase that starts four vLLM servers")
     add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 

@@ -1,5 +1,5 @@
 """The proxy's settings: one table, from which the CLI, ``serve``'s child command line and the
-README's option table are all built.
+option table of docs/api.md are all built.
 
 Each field of :class:`ProxySettings` is one fact: its name, type, default, and, for the ones a
 user can set, the command-line flag, the environment variable that supplies its default, and
