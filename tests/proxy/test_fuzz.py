@@ -76,6 +76,7 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,
+    ended_before_a_choice,
     replace_event,
 )
 
@@ -718,9 +719,10 @@ async def serving(vllm: FakeVLLM, ring: FakeRing) -> AsyncIterator[httpx.AsyncCl
 
 def expected_stream(upstream: bytes, key: bytes) -> tuple[int, bytes | None]:
     """(status, body) the proxy should answer for a flagged stream of ``upstream``'s bytes."""
-    found = FirstChoiceScanner().scan(upstream)
-    if not isinstance(found, ChoiceEvent):
-        return 200, upstream
+    scanner = FirstChoiceScanner()
+    found = scanner.scan(upstream)
+    if not isinstance(found, ChoiceEvent):  # never a 200: vLLM's in-stream error, or a 502
+        return ended_before_a_choice(scanner.error)
     fields = {"last_hidden_state": vector_for(key)}
     try:
         return 200, replace_event(upstream, found, with_kv_fields(found.chunk, fields))
@@ -768,7 +770,8 @@ async def test_flagged_stream_from_a_misbehaving_upstream(upstream: bytes, cuts:
     assert response.status_code == status, response.content[:300]
     if body is not None:
         assert response.content == body
-        assert response.headers["content-type"].startswith("text/event-stream")
+        kind = "text/event-stream" if status == 200 else "application/json"
+        assert response.headers["content-type"].startswith(kind)
     else:
         error_of(response)
 

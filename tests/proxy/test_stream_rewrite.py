@@ -26,9 +26,9 @@ from tests.proxy.fakes import (
     settings_for,
     vector_for,
 )
+from vllm_hidden_state_proxy.proxy import stream_rewrite
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.stream_rewrite import (
-    MAX_STREAM_PREFIX,
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,
@@ -98,10 +98,13 @@ def test_events_without_a_choice_list_are_skipped(event: bytes) -> None:
     assert isinstance(found, ChoiceEvent) and found.chunk["id"] == "c"
 
 
-def test_done_before_any_choice_ends_the_scan() -> None:
-    error = b'data: {"error": {"message": "boom", "code": 400}}\n\n'
-    found, _ = scan_in_pieces(error + b"data:[DONE] \n\n" + ROLE + b"\n\n", 3)
-    assert isinstance(found, StreamEnded)
+def test_done_before_any_choice_ends_the_scan_with_the_first_error() -> None:
+    error = b'{"error": {"message": "boom", "code": 400}}'
+    later = b'data: {"error": {"message": "later"}}\n\n'
+    stream = b"data: " + error + b"\n\n" + later + b"data:[DONE] \n\n" + ROLE + b"\n\n"
+    found, _ = scan_in_pieces(stream, 3)
+    assert found == StreamEnded(error)
+    assert FirstChoiceScanner().scan(b"data: [DONE]\n\n") == StreamEnded(None)
 
 
 def test_an_incomplete_event_needs_more_bytes() -> None:
@@ -277,14 +280,65 @@ async def test_a_missing_vector_is_504_before_any_stream_byte() -> None:
     assert error_of(response)["type"] == "gateway_timeout"
 
 
-async def test_an_error_only_stream_passes_through_without_a_lookup() -> None:
-    events = [b'data: {"error": {"message": "bad", "code": 400}}\n\n', b"data: [DONE]\n\n"]
+VLLM_ERROR = b'{"error": {"message": "bad", "type": "BadRequestError", "param": null, "code": 400}}'
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["with DONE", "body ends"])
+async def test_an_error_only_stream_is_vllms_error_with_its_status_not_a_200(done: bool) -> None:
+    """vLLM failed before its first output: its in-stream error, as a JSON error response."""
+    events = [b"data: " + VLLM_ERROR + b"\n\n", *([b"data: [DONE]\n\n"] if done else [])]
     ring = FakeRing()
     vllm = FakeVLLM(streaming_handler(None, events))
     async with proxy_client(settings_for("/unused"), vllm, ring) as proxy:
         response = await proxy.client.post(CHAT, json=flagged_stream())
-    assert (response.status_code, response.content) == (200, b"".join(events))
+    assert (response.status_code, response.content) == (400, VLLM_ERROR)
+    assert response.headers["content-type"] == "application/json"
     assert ring.lookups == 0
+
+
+@pytest.mark.parametrize(
+    ("events", "status", "message"),
+    [
+        ([b"data: [DONE]\n\n"], 502, "ended before its first choice"),
+        ([STREAM_USAGE], 502, "ended before its first choice"),
+        (
+            [b'data: {"error": {"message": "odd", "type": "t", "param": null, "code": "x"}}\n\n'],
+            502,
+            "odd",
+        ),
+        (
+            [b'data: {"error": {"message": "dead", "type": "t", "param": null, "code": 500}}\n\n'],
+            500,
+            "dead",
+        ),
+    ],
+)
+async def test_a_stream_ending_before_a_choice_is_never_a_200(
+    events: list[bytes], status: int, message: str
+) -> None:
+    vllm = FakeVLLM(streaming_handler(None, events))
+    async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
+        response = await proxy.client.post(CHAT, json=flagged_stream())
+    assert response.status_code == status
+    assert message in error_of(response)["message"]
+
+
+async def test_a_first_choice_of_megabytes_gets_its_vector(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """Echo, logprobs or token ids of a long prompt ride on the first choice: megabytes."""
+    big = chunk(0, {"role": "assistant", "content": "x" * (3 << 20)})
+    pieces = [big[start : start + 65536] for start in range(0, len(big), 65536)]
+    vllm = FakeVLLM(streaming_handler(writer, [*pieces, *EVENTS[1:]]))
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, json=flagged_stream())
+    assert response.status_code == 200
+    first, rest = first_event(response.content)
+    assert first.pop("kv_transfer_params") == {
+        "last_hidden_state": vector_for(forwarded_key(vllm.requests[0]))
+    }
+    assert b"data: " + orjson.dumps(first) + b"\n\n" == big
+    assert rest == b"".join(EVENTS[1:])
 
 
 async def test_a_stream_breaking_before_its_first_choice_is_502() -> None:
@@ -302,7 +356,11 @@ async def test_a_stream_breaking_before_its_first_choice_is_502() -> None:
     assert "connection reset" in error_of(response)["message"]
 
 
-async def test_a_stream_without_a_choice_in_its_first_megabyte_is_502() -> None:
+async def test_a_stream_without_a_choice_in_its_first_bytes_is_502(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    limit = 1 << 20
+    monkeypatch.setattr(stream_rewrite, "MAX_STREAM_PREFIX", limit)
     ring = FakeRing()
     comments = b": " + b"x" * 1000 + b"\n\n"
 
@@ -310,7 +368,7 @@ async def test_a_stream_without_a_choice_in_its_first_megabyte_is_502() -> None:
         publish_for(ring, request)
 
         async def produce() -> AsyncIterator[bytes]:
-            for _ in range(MAX_STREAM_PREFIX // len(comments) + 2):
+            for _ in range(limit // len(comments) + 2):
                 yield comments
             yield EVENTS[0]
 
@@ -319,7 +377,7 @@ async def test_a_stream_without_a_choice_in_its_first_megabyte_is_502() -> None:
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
         response = await proxy.client.post(CHAT, json=flagged_stream())
     assert response.status_code == 502
-    assert f"first {MAX_STREAM_PREFIX} bytes" in error_of(response)["message"]
+    assert f"first {limit} bytes" in error_of(response)["message"]
 
 
 async def test_a_stream_whose_record_lacks_a_layer_is_502_before_any_byte(

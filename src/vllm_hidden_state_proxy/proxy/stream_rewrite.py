@@ -7,6 +7,10 @@ until its first chunk whose ``choices`` list is non-empty, joins the vectors int
 that one is found, then the stream is a plain byte copy. Headers and that first chunk are sent
 once the vectors are in hand (they were published at prefill, before vLLM produced the chunk),
 so a missing vector is a proper error response before any byte of the stream.
+
+A flagged stream that ends before any choice (vLLM failed before its first output, and streamed
+only an error event) gets no 200: vLLM's error event becomes a JSON error response with its
+code as the status, and a stream without one a 502.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ import httpx
 import orjson
 
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
-from vllm_hidden_state_proxy.proxy.asgi import Send
+from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.relay import relay_body
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
-#: Most bytes of a stream buffered while looking for its first choice (vLLM's is ~300).
-MAX_STREAM_PREFIX = 1024 * 1024
+#: Most bytes of a stream buffered while looking for its first choice. vLLM's first choice is
+#: ~300 bytes, but it carries the whole prompt's echo, logprobs or token ids when asked for.
+MAX_STREAM_PREFIX = 64 * 1024 * 1024
+#: The longest separator, less one: a separator can straddle two reads by this many bytes.
+_OVERLAP = 3
 #: The streamed body changes length where the vectors are joined in.
 _STREAM_DROP = frozenset({b"content-length"})
 
@@ -46,14 +53,18 @@ class ChoiceEvent:
 
 @dataclass(frozen=True)
 class StreamEnded:
-    """``data: [DONE]`` came before any choice (an error-only stream): nothing to rewrite."""
+    """``data: [DONE]`` came before any choice: ``error`` is the data of vLLM's in-stream error
+    event before it (the first), if it sent one."""
+
+    error: bytes | None = None
 
 
-def _event_end(buffer: bytes | bytearray, start: int) -> tuple[int, int] | None:
-    """(end of the event, start of the next one) for the event at ``start``, if complete."""
+def _event_end(buffer: bytes | bytearray, start: int, search_from: int) -> tuple[int, int] | None:
+    """(end of the event, start of the next one) for the event at ``start``, if complete; no
+    separator begins between ``start`` and ``search_from`` (already searched)."""
     best: tuple[int, int] | None = None
     for separator in _SEPARATORS:
-        at = buffer.find(separator, start)
+        at = buffer.find(separator, max(start, search_from))
         if at != -1 and (best is None or at < best[0]):
             best = (at, at + len(separator))
     return best
@@ -66,27 +77,30 @@ def _event_data(event: bytes) -> bytes | None:
     return b"\n".join(data) if data else None
 
 
-def _choice_chunk(data: bytes) -> dict[str, Any] | None:
+def _json_object(data: bytes) -> dict[str, Any] | None:
     try:
         chunk = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    if isinstance(chunk, dict) and isinstance(chunk.get("choices"), list) and chunk["choices"]:
-        return chunk
-    return None
+    return chunk if isinstance(chunk, dict) else None
 
 
 class FirstChoiceScanner:
-    """Scans complete events of a growing buffer, resuming where the last scan stopped."""
+    """Scans complete events of a growing buffer, resuming where the last scan stopped (each
+    byte is searched once, however the stream is cut)."""
 
     def __init__(self) -> None:
         self._next = 0
+        self._searched = 0
+        #: The data of the first in-stream error event (``{"error": ...}``) seen so far.
+        self.error: bytes | None = None
 
     def scan(self, buffer: bytes | bytearray) -> ChoiceEvent | StreamEnded | None:
         """The first choice event, ``StreamEnded``, or ``None`` (need more bytes)."""
         while True:
-            bounds = _event_end(buffer, self._next)
+            bounds = _event_end(buffer, self._next, self._searched)
             if bounds is None:
+                self._searched = max(self._next, len(buffer) - _OVERLAP)
                 return None
             end, following = bounds
             start, self._next = self._next, following
@@ -94,10 +108,28 @@ class FirstChoiceScanner:
             if data is None:
                 continue
             if data.strip() == b"[DONE]":
-                return StreamEnded()
-            chunk = _choice_chunk(data)
-            if chunk is not None:
+                return StreamEnded(self.error)
+            chunk = _json_object(data)
+            if chunk is None:
+                continue
+            choices = chunk.get("choices")
+            if isinstance(choices, list) and choices:
                 return ChoiceEvent(start, end, chunk)
+            if self.error is None and "error" in chunk:
+                self.error = data
+
+
+def ended_before_a_choice(error: bytes | None) -> tuple[int, bytes]:
+    """(status, JSON body) for a flagged stream that ended before its first choice: vLLM's
+    in-stream error as it sent it, with its ``code`` as the status; the proxy's own 502 (with
+    vLLM's error inside) when that code is not an HTTP error status, or when vLLM sent none."""
+    details = None if error is None else (_json_object(error) or {}).get("error")
+    code = details.get("code") if isinstance(details, dict) else None
+    if error is not None and isinstance(code, int) and 400 <= code <= 599:
+        return code, error
+    said = "" if error is None else f" vLLM's error: {error.decode(errors='replace')}"
+    message = f"vLLM's stream ended before its first choice, which the hidden state rides on.{said}"
+    return 502, ProxyError(502, message).body()
 
 
 def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str, Any]) -> bytes:
@@ -131,13 +163,12 @@ async def relay_with_vectors(
     chunks = response.aiter_raw()
     buffer = bytearray()
     scanner = FirstChoiceScanner()
-    found: ChoiceEvent | None = None
+    found: ChoiceEvent | StreamEnded | None = None
     try:
         async for chunk in chunks:
             buffer += chunk
-            scanned = scanner.scan(buffer)
-            if scanned is not None:
-                found = scanned if isinstance(scanned, ChoiceEvent) else None
+            found = scanner.scan(buffer)
+            if found is not None:
                 break
             if len(buffer) > MAX_STREAM_PREFIX:
                 raise ProxyError(
@@ -146,9 +177,11 @@ async def relay_with_vectors(
     except httpx.HTTPError as exc:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, exc) from exc
-    head = bytes(buffer)
-    if found is not None:
-        head = replace_event(buffer, found, with_kv_fields(found.chunk, await fields()))
+    if not isinstance(found, ChoiceEvent):  # [DONE], or the end of the body, before a choice
+        status, body = ended_before_a_choice(scanner.error)
+        await send_response(send, status, body, b"application/json")
+        return
+    head = replace_event(buffer, found, with_kv_fields(found.chunk, await fields()))
     await send(
         {
             "type": "http.response.start",
