@@ -667,6 +667,7 @@ def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
         ("slots", ValueError, "slot_count must be in"),
         ("in use", RingInUseError, "is held by a live writer"),
         ("context parallel", UnsupportedRunner, "prefill_context_parallel_size=2"),
+        ("mode", ValueError, f"{RING_DIR_MODE_ENV}='rw-r' is not an octal mode"),
     ],
 )
 def test_a_ring_that_cannot_start_leaves_a_note(
@@ -681,6 +682,8 @@ def test_a_ring_that_cannot_start_leaves_a_note(
     held = None
     if setup == "slots":
         monkeypatch.setenv(RING_SLOTS_ENV, "0")
+    elif setup == "mode":  # the note is still written (with the default, private modes)
+        monkeypatch.setenv(RING_DIR_MODE_ENV, "rw-r")
     elif setup == "in use":  # the same instance and engine already publish there
         held = RingWriter.create(
             ring_env,

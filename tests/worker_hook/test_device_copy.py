@@ -9,8 +9,10 @@ it copies and its buffer reuse.
 
 from __future__ import annotations
 
+import gc
 import logging
 import struct
+import weakref
 from typing import Any
 
 import pytest
@@ -133,6 +135,15 @@ def test_the_steps_output_publishes_before_vllms_get_output_runs(
     assert output.get_output() == "model-runner-output"  # e.g. on vLLM's output thread
     assert seen_by_vllm == [True]
     assert_last_record(reader.lookup(key(1)), row=2, prompt_len=3)
+    # The replacement took itself off: no cycle keeps the output (and its tensors) alive.
+    assert "get_output" not in vars(output)
+    gc.disable()
+    try:
+        freed = weakref.ref(output)
+        del output
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 def test_get_output_waits_only_for_its_own_and_earlier_steps(

@@ -240,6 +240,18 @@ def test_a_runner_whose_aux_outputs_are_taken_is_refused() -> None:
     assert model.aux_layers is None  # the drafter's layers stay as they are
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp", "ngram"])
+def test_speculative_decoding_is_refused(method: str) -> None:
+    """EAGLE-1 and MTP leave the aux outputs off, but vLLM would feed them to the drafter."""
+    model = Eagle3Model()
+    runner = runner_with(model)
+    runner.vllm_config.speculative_config = SimpleNamespace(method=method)
+    message = refusal(runner)
+    assert f"cannot be combined with speculative decoding (method {method!r})" in message
+    assert model.aux_layers is None
+    assert runner.use_aux_hidden_state_outputs is False
+
+
 # -- prepare_layers (run by the load_model wrapper) ----------------------------------------------
 
 

@@ -170,7 +170,10 @@ _NOTES: list[FailureNote] = []
 def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
     """Tell proxies that this engine has no ring, and why (best effort: never raises)."""
     try:
-        dir_mode, file_mode = _ring_modes()
+        try:
+            dir_mode, file_mode = _ring_modes()
+        except ValueError:  # a malformed mode: the note (private) says so, the ring could not
+            dir_mode, file_mode = _DEFAULT_MODES
         _NOTES.append(
             FailureNote.write(
                 ring_dir_from_env(),
@@ -224,11 +227,19 @@ def _create_ring(
     return writer, captured
 
 
+#: (directory, file) modes of the ring without ``RING_DIR_MODE_ENV``: this user's alone.
+_DEFAULT_MODES = (0o700, 0o600)
+
+
 def _ring_modes() -> tuple[int, int]:
+    """Raises ``ValueError`` naming the variable if its value is not an octal mode."""
     raw = os.environ.get(RING_DIR_MODE_ENV)
     if not raw:
-        return 0o700, 0o600
-    dir_mode = int(raw, 8) & 0o770
+        return _DEFAULT_MODES
+    try:
+        dir_mode = int(raw, 8) & 0o770
+    except ValueError:
+        raise ValueError(f"{RING_DIR_MODE_ENV}={raw!r} is not an octal mode such as 0750") from None
     file_mode = (dir_mode & 0o660) | 0o600
     # Never group-writable files: the proxy refuses them.
     return dir_mode, file_mode & ~0o022
@@ -420,10 +431,15 @@ class StepCapture:
 
 
 def _publishing_first(get_output: Any, publications: PublicationQueue, through: int) -> Any:
-    """vLLM's ``get_output``, preceded by publishing the copies numbered up to ``through``."""
+    """vLLM's ``get_output``, preceded by publishing the copies numbered up to ``through``.
+
+    It replaces the method on vLLM's output object, and takes itself off again when called:
+    the output would otherwise hold a cycle (itself -> this -> its bound method -> itself) that
+    only the cycle collector frees, with the output's tensors."""
 
     def get_output_after_publishing() -> Any:
         try:
+            vars(get_output.__self__).pop("get_output", None)
             publications.publish_through(through)
         except Exception:  # the queue contains its own errors; never fail vLLM's output
             logger.exception("vllm-hidden-state-proxy: unexpected error publishing hidden states")

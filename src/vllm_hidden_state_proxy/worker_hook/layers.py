@@ -91,6 +91,16 @@ def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
             "speculative decoding already uses the model's auxiliary hidden-state outputs "
             f"(EAGLE-3 or similar); {LAYERS_ENV} cannot be combined with it yet"
         )
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None:
+        # EAGLE, MTP and their kin feed the drafter the target's hidden states, and both of
+        # vLLM's runners take the auxiliary outputs for those when they are switched on: a
+        # drafter fed k intermediate layers crashes the engine (or, with one, drafts from it).
+        raise LayerConfigError(
+            f"{LAYERS_ENV} cannot be combined with speculative decoding (method "
+            f"{getattr(speculative, 'method', None)!r}) yet: the drafter would be fed the "
+            "captured layers instead of the final hidden states"
+        )
     pipeline = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
     if pipeline > 1:
         raise LayerConfigError(
