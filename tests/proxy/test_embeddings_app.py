@@ -17,9 +17,12 @@ from tests.proxy.fakes import (
     FINAL,
     HIDDEN_SIZE,
     LAYERED,
+    MODEL,
+    FakeRing,
     FakeVLLM,
     Hook,
     error_of,
+    forwarded_key,
     proxy_client,
     publish_for,
     sent_document,
@@ -31,7 +34,7 @@ from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUES
 from vllm_hidden_state_proxy.proxy.embeddings_app import embedding_of, input_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.flagged_exchange import VllmAnswer
-from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.ring import Record, RingWriter
 
 pytestmark = pytest.mark.anyio
 
@@ -171,6 +174,32 @@ async def test_a_failing_input_fails_the_request_naming_its_index(
     assert error_of(messages)["message"] == "messages: too long"
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("normalize", [True, False])
+async def test_a_non_finite_hidden_state_is_502_not_an_embedding(
+    bad: float, normalize: bool
+) -> None:
+    """An fp16 overflow: JSON would write it as null, and the unit vector would be all NaN."""
+    ring = FakeRing()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = forwarded_key(request)
+        text = str(sent_document(request)["messages"])
+        values = [1.0] * HIDDEN_SIZE
+        values[-1] = bad if "second" in text else 1.0
+        ring.publish(Record(key, MODEL, 4, 5, "last", (FINAL,), HIDDEN_SIZE, vector_bytes(values)))
+        return httpx.Response(200, json={"id": "c", "model": "m", "choices": []})
+
+    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
+        body = {"input": ["first", "second"], "normalize": normalize}
+        response = await proxy.client.post(EMBEDDINGS, json=body)
+        assert (await proxy.client.post(EMBEDDINGS, json={"input": ["first"]})).status_code == 200
+    assert response.status_code == 502
+    error = error_of(response)
+    assert error["message"].startswith("input[1]: the model's hidden state holds NaN or infinity")
+    assert error["param"] == "input"
+
+
 async def test_dimensions_must_equal_the_hidden_size(ring_dir: str, writer: RingWriter) -> None:
     vllm = FakeVLLM(ChatAndCompletionsVLLM(writer))
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
@@ -255,3 +284,16 @@ def test_input_error_names_the_input() -> None:
     assert (named.message, named.param) == ("messages: nested", "x")
     odd = input_error(0, "input", VllmAnswer(400, [], b'["not", "an", "object"]'))
     assert odd.message == 'input[0]: ["not", "an", "object"]'
+
+
+def test_input_error_keeps_vllms_type_and_param() -> None:
+    body = {"error": {"message": "The model `x` does not exist.", "type": "NotFoundError"}}
+    body["error"]["param"] = "model"
+    error = input_error(2, "input", VllmAnswer(404, [], orjson.dumps(body)))
+    assert (error.status, error.param, error.kind) == (404, "model", "NotFoundError")
+    assert orjson.loads(error.body())["error"] == {
+        "message": "input[2]: The model `x` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }

@@ -47,19 +47,41 @@ def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> Floats
     return base64.b64encode(scaled.astype("<f4").tobytes()).decode("ascii")
 
 
+def _where(index: int, field: str) -> str:
+    return f"{field}[{index}]" if field == "input" else field
+
+
 def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
-    """The failure of one input, as the request's error, naming the input."""
-    where = f"{field}[{index}]" if field == "input" else field
+    """The failure of one input, as the request's error, naming the input. vLLM's own error
+    keeps its ``type`` and ``param`` (a wrong ``model`` names ``model``)."""
+    where = _where(index, field)
     if isinstance(failure, ProxyError):
-        return ProxyError(failure.status, f"{where}: {failure.message}", failure.param or field)
+        return ProxyError(
+            failure.status, f"{where}: {failure.message}", failure.param or field, failure.kind
+        )
     message = failure.content.decode("utf-8", "replace")
+    param, kind = field, None
     try:
         error = orjson.loads(failure.content).get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            message = error["message"]
     except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return ProxyError(failure.status, f"{where}: {message}", field)
+        error = None
+    if isinstance(error, dict):
+        if isinstance(error.get("message"), str):
+            message = error["message"]
+        if isinstance(error.get("param"), str):
+            param = error["param"]
+        if isinstance(error.get("type"), str):
+            kind = error["type"]
+    return ProxyError(failure.status, f"{where}: {message}", param, kind)
+
+
+def not_finite(index: int, field: str) -> ProxyError:
+    return ProxyError(
+        502,
+        f"{_where(index, field)}: the model's hidden state holds NaN or infinity (an overflow, "
+        "e.g. in float16), so it is no embedding.",
+        field,
+    )
 
 
 def embeddings_response(
@@ -70,6 +92,8 @@ def embeddings_response(
     prompt_tokens = 0
     for index, answer in enumerate(answers):
         vector = answer.record.vector(layer)
+        if not np.isfinite(float32_view(vector)).all():
+            raise not_finite(index, plan.field)
         embedding = embedding_of(vector, plan.normalize, plan.encoding_format)
         data.append({"object": "embedding", "index": index, "embedding": embedding})
         prompt_tokens += answer.record.num_prompt_tokens
@@ -111,5 +135,9 @@ class EmbeddingsApp(Endpoint):
         if isinstance(answers, Failed):
             await send_error(send, input_error(answers.index, plan.field, answers.failure))
             return
-        payload = dump_json(embeddings_response(plan, wanted, answers))
+        try:
+            payload = dump_json(embeddings_response(plan, wanted, answers))
+        except ProxyError as error:
+            await send_error(send, error)
+            return
         await send_whole(send, 200, answers[0].headers, payload, b"application/json")

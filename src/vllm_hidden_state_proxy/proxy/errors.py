@@ -39,11 +39,15 @@ _TYPES = {
 class ProxyError(Exception):
     """A request the proxy answers itself, with an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(status, message, param)
         self.status = status
         self.message = message
         self.param = param
+        #: The error ``type``; by default the status's (vLLM's own, for an error it sent).
+        self.kind = kind or _TYPES.get(status, "proxy_error")
 
     def __str__(self) -> str:
         return f"{self.status}: {self.message}"
@@ -53,7 +57,7 @@ class ProxyError(Exception):
             {
                 "error": {
                     "message": self.message,
-                    "type": _TYPES.get(self.status, "proxy_error"),
+                    "type": self.kind,
                     "param": self.param,
                     "code": self.status,
                 }
