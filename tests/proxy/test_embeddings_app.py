@@ -297,3 +297,16 @@ def test_input_error_keeps_vllms_type_and_param() -> None:
         "param": "model",
         "code": 404,
     }
+
+
+@pytest.mark.parametrize("vllms", ["input_tokens", "max_completion_tokens", "prompt", None])
+def test_vllms_param_for_the_built_request_names_the_input(vllms: str | None) -> None:
+    """vLLM names the fields of the request the proxy built (a prompt too long is
+    ``input_tokens``); the client sent ``input``."""
+    body = {"error": {"message": "too long", "type": "BadRequestError", "param": vllms}}
+    error = input_error(1, "input", VllmAnswer(400, [], orjson.dumps(body)))
+    assert (error.param, error.kind, error.message) == (
+        "input",
+        "BadRequestError",
+        "input[1]: too long",
+    )

@@ -51,9 +51,19 @@ def _where(index: int, field: str) -> str:
     return f"{field}[{index}]" if field == "input" else field
 
 
+#: The fields of an embeddings request that reach vLLM as the client wrote them: vLLM's error
+#: naming one of these names the client's field. Its other ``param`` names (``input_tokens`` for
+#: a prompt too long, ``max_completion_tokens``...) belong to the request the proxy built, whose
+#: prompt is the client's input.
+_FORWARDED_FIELDS = frozenset(
+    {"model", "messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+)
+
+
 def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
     """The failure of one input, as the request's error, naming the input. vLLM's own error
-    keeps its ``type`` and ``param`` (a wrong ``model`` names ``model``)."""
+    keeps its ``type``, and its ``param`` where that is a field the client sent (a wrong
+    ``model`` names ``model``; a prompt too long names the input)."""
     where = _where(index, field)
     if isinstance(failure, ProxyError):
         return ProxyError(
@@ -68,7 +78,7 @@ def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> Pro
     if isinstance(error, dict):
         if isinstance(error.get("message"), str):
             message = error["message"]
-        if isinstance(error.get("param"), str):
+        if error.get("param") in _FORWARDED_FIELDS:
             param = error["param"]
         if isinstance(error.get("type"), str):
             kind = error["type"]
