@@ -70,6 +70,12 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+if mode == "refuses":  # the worker hook refused the server's settings, as vLLM's engine would
+    from vllm_hidden_state_proxy.ring import FailureNote
+    note = FailureNote.write(
+        os.environ["HIDDEN_STATE_PROXY_RING_DIR"], instance=7, engine=0, refused_settings=True,
+        message="LayerConfigError: Idefics3ForConditionalGeneration does not support auxiliary",
+    )
 (pid_dir / f".{role}").write_text(str(os.getpid()))
 (pid_dir / f".{role}").rename(pid_dir / role)  # atomic: the test never reads half a pid
 if mode == "silent":  # runs, never listens
@@ -306,6 +312,33 @@ def test_a_proxy_that_answers_but_is_not_ready_is_reported_and_kept(start: Start
     vllm, proxy = server.ready()
     assert "the proxy is up after" in server.output and "but not ready (503)" in server.output
     assert alive(vllm) and alive(proxy)
+
+
+def test_a_hook_that_refused_the_servers_settings_fails_the_startup(start: Starter) -> None:
+    """Layers the model cannot return: vLLM serves (the hook never fails it), serve does not."""
+    server: Serve = start(vllm="refuses")
+    vllm = server.pid("vllm")
+    assert server.wait() == 1, server.output
+    assert "vLLM cannot serve what it was started with: engine 0" in server.output
+    assert "Idefics3ForConditionalGeneration does not support auxiliary" in server.output
+    assert not (server.pid_dir / "proxy").exists()  # the proxy was never started
+    assert "ready:" not in server.output
+    assert not alive(vllm)
+
+
+def test_refused_settings_are_only_those_of_its_own_vllm(tmp_path: Path) -> None:
+    """A ring directory may be shared: another server's refusal is not this one's."""
+    from vllm_hidden_state_proxy.ring import FailureNote
+
+    refused = FailureNote.write(tmp_path, instance=1, engine=0, message="m", refused_settings=True)
+    off = FailureNote.write(tmp_path, instance=1, engine=1, message="hook off")
+    try:
+        mine = serve.refused_settings(str(tmp_path), os.getpgid(0))
+        assert [(f.engine, f.message) for f in mine] == [(0, "m")]
+        assert serve.refused_settings(str(tmp_path), os.getpgid(0) + 1_000_000) == []
+    finally:
+        refused.close()
+        off.close()
 
 
 def test_sigkill_of_serve_takes_the_children_down(start: Starter, tmp_path: Path) -> None:

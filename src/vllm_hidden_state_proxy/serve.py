@@ -41,6 +41,7 @@ from vllm_hidden_state_proxy.processes import (
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_DIR_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+from vllm_hidden_state_proxy.ring import EngineFailure, RingDirectory
 
 PLUGIN_NAME = "hidden_state_hook"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
@@ -255,6 +256,22 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", "replace")[:500]
 
 
+def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
+    """The engines of *this* vLLM (its process group; the directory may be shared) whose hook
+    refused the server's settings, e.g. layers its model cannot return."""
+    with RingDirectory(ring_dir) as rings:
+        failures = rings.failed_engines()
+    mine = []
+    for failure in failures:
+        try:
+            group = os.getpgid(failure.pid)
+        except OSError:
+            continue
+        if failure.refused_settings and group == vllm_group:
+            mine.append(failure)
+    return mine
+
+
 def _supervise(children: _Children, stop: _StopRequest) -> int:
     while True:
         status = _must_end(children, stop, "")
@@ -273,11 +290,18 @@ def _run(
     command = vllm_command(args.model, args.vllm_port, vllm_args)
     _say(f"starting vLLM on {VLLM_LOOPBACK}:{args.vllm_port} (ring directory {ring_dir})")
     _say("$ " + " ".join(command))
-    children.vllm = _spawn(command, env=vllm_environment(ring_dir, args.hidden_state_layers))
+    vllm = children.vllm = _spawn(command, env=vllm_environment(ring_dir, args.hidden_state_layers))
     upstream = f"http://{VLLM_LOOPBACK}:{args.vllm_port}"
     status = _wait_healthy(upstream + "/health", "vLLM", args.startup_timeout, children, stop)
     if status is not None:
         return status
+    # vLLM serves even when its hook refused what it was asked to capture (the hook never fails
+    # vLLM); serve does not: the operator asked for it, so this is a startup failure.
+    refused = refused_settings(ring_dir, vllm.pid)
+    if refused:
+        for failure in refused:
+            _say(f"vLLM cannot serve what it was started with: {failure.describe()}")
+        return 1
     proxy_url = _local_url(args.host, args.port)
     _say(f"starting the proxy on {args.host}:{args.port}")
     settings = proxy_settings_for(args, upstream, ring_dir)

@@ -111,6 +111,28 @@ async def test_health_is_200_when_no_engine_of_a_publishing_vllm_lacks_its_ring(
     assert response.status_code == 200
 
 
+REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not support", True)
+
+
+async def test_health_is_503_when_the_hook_refused_the_servers_settings() -> None:
+    """Layers the model cannot return: what the server was started for is not served at all."""
+    ring = FakeRing(present=False, failures=(REFUSED,))
+    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
+        response = await proxy.client.get("/health")
+    assert response.status_code == 503
+    message = error_of(response)["message"]
+    assert message.startswith("vLLM at http://vllm.test:8000 is healthy, but engine 0")
+    assert "GPT2LMHeadModel does not support" in message
+
+
+async def test_a_refusal_beside_publishing_rings_is_another_servers() -> None:
+    """A shared ring directory: the refusing engine belongs to a vLLM that publishes nothing,
+    while this proxy's (some) vLLM publishes: that is the other server's failure."""
+    ring = FakeRing(instance=2, failures=(REFUSED,))
+    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
+        assert (await proxy.client.get("/health")).status_code == 200
+
+
 async def test_health_with_real_rings_and_notes(ring_dir: str, writer: RingWriter) -> None:
     other = FailureNote.write(ring_dir, instance=2, engine=0, message="other vLLM")
     try:

@@ -30,6 +30,7 @@ def test_a_note_names_its_engine_and_is_live_while_its_writer_is(tmp_path: Path)
         "engine": 3,
         "pid": os.getpid(),
         "message": "no space",
+        "refused_settings": False,
     }
     failure = read_live_note(note.path, None)
     assert failure == EngineFailure(INSTANCE, 3, os.getpid(), "no space")
@@ -46,6 +47,34 @@ def test_a_note_names_its_engine_and_is_live_while_its_writer_is(tmp_path: Path)
     note.close()  # idempotent
     assert not note.path.exists()
     assert os.listdir(tmp_path / "rings") == []
+
+
+def test_a_note_says_whether_the_hook_refused_the_servers_settings(tmp_path: Path) -> None:
+    note = FailureNote.write(
+        tmp_path, instance=1, engine=0, message="LayerConfigError: m", refused_settings=True
+    )
+    try:
+        failure = read_live_note(note.path, None)
+        assert failure == EngineFailure(1, 0, os.getpid(), "LayerConfigError: m", True)
+    finally:
+        note.close()
+
+
+@pytest.mark.parametrize(("written", "read"), [({}, False), ({"refused_settings": 1}, None)])
+def test_a_note_without_the_flag_is_not_a_refusal_and_a_malformed_flag_no_note(
+    tmp_path: Path, written: dict[str, object], read: bool | None
+) -> None:
+    """Notes of hooks that predate the flag read as "not refused"; a flag that is not a boolean
+    makes the note malformed (ignored, like any other)."""
+    note = FailureNote.write(tmp_path, instance=1, engine=0, message="m")
+    try:
+        document = {"instance": 1, "engine": 0, "pid": os.getpid(), "message": "m", **written}
+        os.truncate(note.path, 0)
+        note.path.write_bytes(json.dumps(document).encode())
+        failure = read_live_note(note.path, None)
+        assert (failure if failure is None else failure.refused_settings) == read
+    finally:
+        note.close()
 
 
 def test_a_long_message_is_cut(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from tests.worker_hook.fakes import (
     step,
     xargs,
 )
-from vllm_hidden_state_proxy.protocol import RING_DIR_MODE_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV, RING_DIR_MODE_ENV, RING_SLOTS_ENV
 from vllm_hidden_state_proxy.ring import RingDirectory, RingInUseError, RingReader, RingWriter
 from vllm_hidden_state_proxy.ring.files import note_name, ring_name
 from vllm_hidden_state_proxy.ring.notes import read_live_note
@@ -44,7 +44,7 @@ from vllm_hidden_state_proxy.worker_hook import capture as capture_module
 from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows, SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
-from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
+from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers, LayerConfigError
 from vllm_hidden_state_proxy.worker_hook.runners import UnsupportedRunner, V1RunnerView
 
 
@@ -654,6 +654,7 @@ def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
     note = live_note(ring_env, runner.vllm_config)
     assert note.engine == 2
     assert note.message == "UnsupportedRunner: the V1 input batch has no num_prompt_tokens"
+    assert not note.refused_settings  # the hook is merely off: ordinary serving goes on
     with RingDirectory(ring_env) as directory:
         [failure] = directory.failed_engines()
         assert failure == note
@@ -702,9 +703,23 @@ def test_a_ring_that_cannot_start_leaves_a_note(
         assert note.engine == 1
         assert note.message.startswith(error.__name__ + ": ")
         assert cause in note.message
+        assert not note.refused_settings
     finally:
         if held is not None:
             held.close()
+
+
+def test_layers_the_model_cannot_return_leave_a_refusal(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator's own settings cannot be served: the note says so (serve stops on it)."""
+    monkeypatch.setenv(LAYERS_ENV, "0,99")
+    config = engine_config(0)
+    with pytest.raises(LayerConfigError, match="out of range"):
+        for_runner(FakeV1Runner(vllm_config=config))
+    note = live_note(ring_env, config)
+    assert note.refused_settings
+    assert note.message.startswith("LayerConfigError: HIDDEN_STATE_PROXY_LAYERS='0,99'")
 
 
 def test_when_not_even_a_note_can_be_written_the_error_still_propagates(

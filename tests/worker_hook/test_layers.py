@@ -208,6 +208,8 @@ def test_a_model_without_the_interface_is_refused_by_its_class_name() -> None:
         ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM", True),
         ("vllm.model_executor.models.gpt2", "GPT2LMHeadModel", False),
         ("vllm.model_executor.models.opt", "OPTForCausalLM", False),
+        # The e2e image fixture's class (tests/e2e/tiny_vlm.py): final layer only.
+        ("vllm.model_executor.models.idefics3", "Idefics3ForConditionalGeneration", False),
     ],
 )
 def test_vllms_own_model_classes(module: str, name: str, supported: bool) -> None:

@@ -25,25 +25,35 @@ async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Resp
         )
 
 
-def partial_failure(state: ProxyState) -> str | None:
-    """Why the proxy is not ready although vLLM is: some engine of a vLLM whose other engines
-    publish has no ring, so a share of flagged requests would fail (routing decides which).
-    A vLLM whose hook is off everywhere is not this: every flagged request gets a clear 503,
-    and ordinary traffic should keep flowing."""
+def not_ready_reason(state: ProxyState) -> str | None:
+    """Why the proxy is not ready although vLLM is, or ``None``:
+
+    - some engine of a vLLM whose other engines publish has no ring, so a share of flagged
+      requests would fail (routing decides which);
+    - no ring is live and a live engine's hook refused the server's own settings (layers its
+      model cannot return, say): what the operator asked for is not served at all.
+
+    A vLLM whose hook is merely off everywhere is neither: every flagged request gets a clear
+    503, and ordinary traffic should keep flowing.
+    """
     rings = state.rings
     failures = rings.failed_engines()
     if not failures:
         return None
     publishing = rings.publishing_instances()
-    partial = [failure for failure in failures if failure.instance in publishing]
-    if not partial:
+    why = [
+        failure
+        for failure in failures
+        if failure.instance in publishing or (failure.refused_settings and not publishing)
+    ]
+    if not why:
         return None
-    return "; ".join(failure.describe() for failure in partial)
+    return "; ".join(failure.describe() for failure in why)
 
 
 class HealthApp:
-    """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout`` and no engine
-    of a publishing vLLM lacks its ring."""
+    """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout`` and
+    :func:`not_ready_reason` finds nothing."""
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -59,7 +69,7 @@ class HealthApp:
             problem = f"{exc!r}"
         else:
             if response.status_code == 200:
-                missing = partial_failure(self.state)
+                missing = not_ready_reason(self.state)
                 if missing is None:
                     await send_response(send, 200, b"", b"text/plain; charset=utf-8")
                     return

@@ -7,6 +7,10 @@ note is *live* while that engine's process is. A proxy that sees a live note kno
 requests routed to that engine cannot get vectors, names the engine and the cause in its answer
 at once (instead of waiting out the vector timeout), and reports it in ``/metrics`` and, when
 other engines of the same vLLM do publish, in ``/health``.
+
+A note that says ``refused_settings`` is the hook refusing what the operator configured (layers
+the model cannot return, say), not a hook that is merely off: ``serve`` stops at startup on such
+a note of its own vLLM, and a proxy with no live ring is not ready while one lives.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class EngineFailure:
     engine: int
     pid: int
     message: str
+    #: The hook refused the server's own settings (``serve`` exits, ``/health`` is 503).
+    refused_settings: bool = False
 
     def describe(self) -> str:
         return (
@@ -65,6 +71,7 @@ class FailureNote:
         instance: int,
         engine: int,
         message: str,
+        refused_settings: bool = False,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
     ) -> FailureNote:
@@ -72,7 +79,13 @@ class FailureNote:
         create_directory(d, dir_mode)
         final = d / note_name(instance, engine)
         body = json.dumps(
-            {"instance": instance, "engine": engine, "pid": os.getpid(), "message": message[:4000]}
+            {
+                "instance": instance,
+                "engine": engine,
+                "pid": os.getpid(),
+                "message": message[:4000],
+                "refused_settings": refused_settings,
+            }
         ).encode("utf-8")
         fd, tmp_name = new_locked_temp(d, final.stem, file_mode)
         try:
@@ -119,8 +132,13 @@ def read_live_note(path: Path, owner_uids: Owners) -> EngineFailure | None:
         return None
     instance, engine = document.get("instance"), document.get("engine")
     pid, message = document.get("pid"), document.get("message")
+    refused = document.get("refused_settings", False)
     if not (
-        type(instance) is int and type(engine) is int and type(pid) is int and type(message) is str
+        type(instance) is int
+        and type(engine) is int
+        and type(pid) is int
+        and type(message) is str
+        and type(refused) is bool
     ):
         return None
-    return EngineFailure(instance, engine, pid, message)
+    return EngineFailure(instance, engine, pid, message, refused)

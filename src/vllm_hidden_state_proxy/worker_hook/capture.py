@@ -180,6 +180,7 @@ def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
                 instance=identity.instance,
                 engine=identity.engine,
                 message=f"{type(error).__name__}: {error}",
+                refused_settings=isinstance(error, LayerConfigError),
                 dir_mode=dir_mode,
                 file_mode=file_mode,
             )
