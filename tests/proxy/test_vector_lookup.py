@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import anyio
@@ -43,6 +44,7 @@ from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     FailureNote,
     Found,
+    RingDirectory,
     RingFormatError,
     RingWriter,
 )
@@ -294,6 +296,27 @@ def test_check_rings_without_a_ring_but_with_failures_names_the_engines() -> Non
     with pytest.raises(ProxyError) as caught:
         check_rings(FakeRing(present=False, failures=(FAILURE,)), "/rings")
     assert "engine 1" in refused(503, caught)
+
+
+def test_check_rings_refuses_rings_of_two_models(tmp_path: Path) -> None:
+    """Two servers of different models share the directory (both started before either saw
+    the other's ring, or a hook older than that check): no request can be resolved."""
+    writers = [
+        RingWriter.create(tmp_path, hidden_size=size, model="m", slot_count=2, instance=instance)
+        for instance, size in ((1, 64), (2, 96))
+    ]
+    try:
+        with RingDirectory(tmp_path) as rings, pytest.raises(ProxyError) as caught:
+            check_rings(rings, str(tmp_path))
+    finally:
+        for writer in writers:
+            writer.close()
+    message = refused(503, caught)
+    assert f"ring directory {tmp_path} holds the rings of vLLM servers of different models" in (
+        message
+    )
+    assert "(hidden size 64, 1 decoder layer; hidden size 96, 1 decoder layer)" in message
+    assert "its own ring directory" in message
 
 
 def test_check_rings_when_the_last_ring_died_between_two_questions() -> None:

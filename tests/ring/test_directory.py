@@ -32,8 +32,10 @@ from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     FailureNote,
     RingDirectory,
+    RingDirectoryConflict,
     RingReader,
     RingWriter,
+    check_shareable,
 )
 from vllm_hidden_state_proxy.ring.files import note_name, ring_name
 
@@ -81,6 +83,29 @@ def test_two_engines_of_two_instances_get_distinct_rings_and_all_are_found(
         for number in range(4):
             assert_is_record_of(rings.lookup(key_for(number)), number)
         assert rings.lookup(key_for(4)) is None
+
+
+def test_servers_of_one_model_may_share_a_directory_servers_of_two_may_not(
+    tmp_path: Path, writers: list[RingWriter]
+) -> None:
+    writers.append(make_writer(tmp_path, instance=0xAAAA, num_hidden_layers=2, layers=(0, 2)))
+    with RingDirectory(tmp_path) as rings:
+        assert rings.live_instance_shapes() == ((0xAAAA, writers[0].shape),)
+    # Another server of the same model (other layers captured: the proxy offers the common
+    # ones), and more engines of the first server itself, whatever their shape.
+    check_shareable(tmp_path, instance=0xBBBB, hidden_size=HIDDEN, num_hidden_layers=2)
+    check_shareable(tmp_path, instance=0xAAAA, hidden_size=HIDDEN * 2, num_hidden_layers=5)
+    for size, layers in ((HIDDEN * 2, 2), (HIDDEN, 3)):
+        with pytest.raises(RingDirectoryConflict) as caught:
+            check_shareable(tmp_path, instance=0xBBBB, hidden_size=size, num_hidden_layers=layers)
+        message = str(caught.value)
+        assert f"shared with another vLLM server (instance {0xAAAA:016x})" in message
+        assert f"hidden size {HIDDEN} and 2 layers, where this one's has {size} and {layers}" in (
+            message
+        )
+        assert "its own ring directory (HIDDEN_STATE_PROXY_RING_DIR; serve --ring-dir)" in message
+    writers.pop().close()  # a gone writer's ring is no conflict
+    check_shareable(tmp_path, instance=0xBBBB, hidden_size=HIDDEN * 2, num_hidden_layers=2)
 
 
 def test_eight_rings_a_key_is_found_in_whichever_holds_it(

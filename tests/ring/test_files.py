@@ -453,3 +453,14 @@ def test_racing_installers_exactly_one_wins(
         directory.mkdir()
         assert sorted(race_to_install(directory, 4)) == ["lost", "lost", "lost", "won"]
         assert os.listdir(directory) == ["final"]
+
+
+def test_directory_locked_excludes_another_holder(tmp_path: Path) -> None:
+    """Two hooks sharing a directory check and add their rings one at a time."""
+    other = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with files.directory_locked(tmp_path):
+            assert not files.flock_nb(other, fcntl.LOCK_EX)
+        assert files.flock_nb(other, fcntl.LOCK_EX)  # released when the block ends
+    finally:
+        os.close(other)

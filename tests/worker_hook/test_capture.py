@@ -37,7 +37,13 @@ from tests.worker_hook.fakes import (
     xargs,
 )
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV, RING_DIR_MODE_ENV, RING_SLOTS_ENV
-from vllm_hidden_state_proxy.ring import RingDirectory, RingInUseError, RingReader, RingWriter
+from vllm_hidden_state_proxy.ring import (
+    RingDirectory,
+    RingDirectoryConflict,
+    RingInUseError,
+    RingReader,
+    RingWriter,
+)
 from vllm_hidden_state_proxy.ring.files import note_name, ring_name
 from vllm_hidden_state_proxy.ring.notes import read_live_note
 from vllm_hidden_state_proxy.worker_hook import capture as capture_module
@@ -707,6 +713,26 @@ def test_a_ring_that_cannot_start_leaves_a_note(
     finally:
         if held is not None:
             held.close()
+
+
+def test_a_directory_shared_with_a_server_of_another_model_is_refused(
+    ring_env: Path, for_runner: Any
+) -> None:
+    """Another vLLM server publishes vectors of another size there: its proxy and ours could not
+    tell whose rings are whose, so this engine refuses (serve stops on the note)."""
+    other = RingWriter.create(
+        ring_env, hidden_size=HIDDEN * 2, model="other-model", slot_count=2, instance=0xBEEF
+    )
+    try:
+        config = engine_config(0)
+        with pytest.raises(RingDirectoryConflict, match="shared with another vLLM server"):
+            for_runner(FakeV1Runner(vllm_config=config))
+        assert [path.name for path in ring_env.glob("*.bin")] == [other.path.name]
+        note = live_note(ring_env, config)
+        assert note.refused_settings
+        assert f"instance {0xBEEF:016x}" in note.message
+    finally:
+        other.close()
 
 
 def test_layers_the_model_cannot_return_leave_a_refusal(

@@ -12,6 +12,7 @@ Errors coming from vLLM are never rewritten; these are only for decisions the pr
      │        (upstream.py) vLLM unreachable, or broke off the exchange
      ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
      │        engines_without_ring(failures)     the engines whose hook could not start
+     │        rings_of_other_models(shapes)      servers of different models share the directory
      └── 504  vector_timeout(seconds)            vLLM answered, the vector never arrived
               vector_overwritten(slots)          its ring slot was reused before it was read
 """
@@ -22,8 +23,8 @@ from collections.abc import Sequence
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import RING_SLOTS_ENV
-from vllm_hidden_state_proxy.ring import EngineFailure
+from vllm_hidden_state_proxy.protocol import RING_DIR_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.ring import EngineFailure, RingShape
 
 #: Error ``type`` per HTTP status for the statuses the proxy produces.
 _TYPES = {
@@ -90,6 +91,19 @@ def engines_without_ring(failures: Sequence[EngineFailure]) -> ProxyError:
         503,
         f"The hidden state was not published: this request may have been served by an engine "
         f"without a ring. {described}. Fix the cause and restart vLLM (vLLM's log has details).",
+    )
+
+
+def rings_of_other_models(shapes: Sequence[RingShape], ring_dir: str) -> ProxyError:
+    models = sorted({(shape.hidden_size, shape.num_hidden_layers) for shape in shapes})
+    described = "; ".join(
+        f"hidden size {size}, {n} decoder layer{'' if n == 1 else 's'}" for size, n in models
+    )
+    return ProxyError(
+        503,
+        f"The ring directory {ring_dir} holds the rings of vLLM servers of different models "
+        f"({described}): this proxy cannot tell which are its vLLM's. Give each vLLM server "
+        f"its own ring directory ({RING_DIR_ENV}; serve --ring-dir).",
     )
 
 

@@ -24,6 +24,7 @@ from vllm_hidden_state_proxy.proxy.errors import (
     engines_without_ring,
     hook_error,
     no_ring,
+    rings_of_other_models,
     vector_overwritten,
     vector_timeout,
 )
@@ -178,9 +179,18 @@ class EarlyCapture:
 
 
 def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
-    """The live rings' shapes, before a flagged request is sent; 503 if there are none."""
+    """The live rings' shapes, before a flagged request is sent; 503 if there are none, or if
+    they are of different models (servers of two models sharing the directory: the worker
+    hook refuses the second, unless both started before either saw the other's ring)."""
     shapes = rings.live_shapes() if rings.has_ring() else ()
     if not shapes:
         failures = rings.failed_engines()
         raise engines_without_ring(failures) if failures else no_ring(ring_dir)
+    first = shapes[0]
+    for shape in shapes[1:]:
+        if (shape.hidden_size, shape.num_hidden_layers) != (
+            first.hidden_size,
+            first.num_hidden_layers,
+        ):
+            raise rings_of_other_models(shapes, ring_dir)
     return shapes

@@ -14,7 +14,12 @@ copied is the requested record.
 - :mod:`.directory`: every ring and note of a directory (the proxy).
 """
 
-from vllm_hidden_state_proxy.ring.directory import PublishMarks, RingDirectory
+from vllm_hidden_state_proxy.ring.directory import (
+    PublishMarks,
+    RingDirectory,
+    RingDirectoryConflict,
+    check_shareable,
+)
 from vllm_hidden_state_proxy.ring.files import Owners
 from vllm_hidden_state_proxy.ring.layout import (
     LAYOUT_VERSION,
@@ -39,10 +44,12 @@ __all__ = [
     "PublishMarks",
     "Record",
     "RingDirectory",
+    "RingDirectoryConflict",
     "RingFormatError",
     "RingInUseError",
     "RingReader",
     "RingShape",
     "RingWriter",
+    "check_shareable",
     "slot_size_for",
 ]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from vllm_hidden_state_proxy.protocol import RING_DIR_ENV
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     NOTE_SUFFIX,
@@ -41,6 +42,35 @@ PublishMarks = Mapping[tuple[int, int], int]
 
 def _stat_sig(st: os.stat_result) -> _StatSig:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
+
+
+class RingDirectoryConflict(Exception):
+    """Another vLLM server publishes in this directory rings of another shape (the message says
+    why that cannot work and what to change)."""
+
+
+def check_shareable(
+    directory: Path, *, instance: int, hidden_size: int, num_hidden_layers: int
+) -> None:
+    """Raise :class:`RingDirectoryConflict` if a live ring of another vLLM server (instance) in
+    ``directory`` holds vectors of another hidden size or layer count.
+
+    Servers of one model can share a directory: each proxy finds its own request keys in any
+    ring, and asks for layers every ring captures. Rings of different models cannot: a proxy
+    would not know which one's ``-1`` or hidden size its requests get. Call it with
+    :func:`.files.directory_locked` held, before creating the ring.
+    """
+    with RingDirectory(directory) as rings:
+        others = [(i, shape) for i, shape in rings.live_instance_shapes() if i != instance]
+    for other, shape in others:
+        if (shape.hidden_size, shape.num_hidden_layers) != (hidden_size, num_hidden_layers):
+            raise RingDirectoryConflict(
+                f"the ring directory {directory} is shared with another vLLM server (instance "
+                f"{other:016x}) whose model has hidden size {shape.hidden_size} and "
+                f"{shape.num_hidden_layers} layers, where this one's has {hidden_size} and "
+                f"{num_hidden_layers}: a proxy could not tell whose rings are whose. Give each "
+                f"vLLM server its own ring directory ({RING_DIR_ENV}; serve --ring-dir)"
+            )
 
 
 class RingDirectory(ClosesOnExit):
@@ -266,6 +296,14 @@ class RingDirectory(ClosesOnExit):
                 return ()
             self._probe()
             return tuple(reader.shape for reader in self._live)
+
+    def live_instance_shapes(self) -> tuple[tuple[int, RingShape], ...]:
+        """(vLLM instance, shape) of every live ring."""
+        with self._lock:
+            if self._closed:
+                return ()
+            self._probe()
+            return tuple((reader.header.instance, reader.shape) for reader in self._live)
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         """Engines that hold a live failure note and no live ring (their hook did not start)."""

@@ -32,7 +32,7 @@ import re
 import stat
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -151,6 +151,19 @@ def create_directory(directory: Path, mode: int) -> None:
         pass
     else:
         os.chmod(directory, mode)  # makedirs' mode is filtered through the umask
+
+
+@contextlib.contextmanager
+def directory_locked(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``directory`` itself while the block runs: the hooks of vLLM
+    servers that share a directory look at each other's rings and add their own one at a time.
+    """
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def new_locked_temp(directory: Path, label: str, mode: int) -> tuple[int, str]:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import (
@@ -67,7 +68,13 @@ from vllm_hidden_state_proxy.protocol import (
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
-from vllm_hidden_state_proxy.ring import FailureNote, RingWriter
+from vllm_hidden_state_proxy.ring import (
+    FailureNote,
+    RingDirectoryConflict,
+    RingWriter,
+    check_shareable,
+)
+from vllm_hidden_state_proxy.ring.files import create_directory, directory_locked
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import (
     EngineIdentity,
@@ -180,7 +187,7 @@ def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
                 instance=identity.instance,
                 engine=identity.engine,
                 message=f"{type(error).__name__}: {error}",
-                refused_settings=isinstance(error, LayerConfigError),
+                refused_settings=isinstance(error, (LayerConfigError, RingDirectoryConflict)),
                 dir_mode=dir_mode,
                 file_mode=file_mode,
             )
@@ -202,18 +209,27 @@ def _create_ring(
     dir_mode, file_mode = _ring_modes()
     slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
     hidden_size = int(vllm_config.model_config.get_hidden_size())
-    writer = RingWriter.create(
-        ring_dir_from_env(),
-        instance=identity.instance,
-        engine=identity.engine,
-        hidden_size=hidden_size,
-        num_hidden_layers=captured.num_hidden_layers,
-        layers=captured.layers,
-        model=model_name,
-        slot_count=slots,
-        dir_mode=dir_mode,
-        file_mode=file_mode,
-    )
+    ring_dir = Path(ring_dir_from_env())
+    create_directory(ring_dir, dir_mode)
+    with directory_locked(ring_dir):  # another server's hook may be adding its ring right now
+        check_shareable(
+            ring_dir,
+            instance=identity.instance,
+            hidden_size=hidden_size,
+            num_hidden_layers=captured.num_hidden_layers,
+        )
+        writer = RingWriter.create(
+            ring_dir,
+            instance=identity.instance,
+            engine=identity.engine,
+            hidden_size=hidden_size,
+            num_hidden_layers=captured.num_hidden_layers,
+            layers=captured.layers,
+            model=model_name,
+            slot_count=slots,
+            dir_mode=dir_mode,
+            file_mode=file_mode,
+        )
     logger.info(
         "vllm-hidden-state-proxy: worker hook active (%s runner), engine %d of instance %016x, "
         "publishing %d-d vectors of layers %s to %s (%d slots)",
