@@ -119,3 +119,30 @@ def test_serve_gets_the_arguments_and_vllms_options(monkeypatch: pytest.MonkeyPa
     ((args, vllm_args),) = calls
     assert (args.model, args.ring_dir) == ("m", "/shared")
     assert vllm_args == ["--dtype", "float32"]
+
+
+def test_docs_api_md_lists_serves_own_options_with_their_defaults() -> None:
+    """The proxy's options come from its table (checked against the docs in test_settings);
+    serve's own few are written in cli.py and in the docs' table below the proxy's."""
+    from pathlib import Path
+
+    from vllm_hidden_state_proxy.proxy.settings import options
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    table = docs.split("`serve` takes every proxy option below", 1)[1].split("\n\n")[1]
+    rows = {
+        cells[1].strip().strip("`"): cells[2].strip()
+        for cells in (line.split("|") for line in table.splitlines()[2:])
+    }
+    parser = cli.build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    proxy_flags = {spec.flag for f, spec in options() if f.name not in cli.SERVE_DECIDES}
+    own = {
+        action.option_strings[0]: action.default
+        for action in commands.choices["serve"]._actions
+        if action.option_strings and action.option_strings[0] not in {*proxy_flags, "-h"}
+    }
+    assert set(rows) == set(own), "docs/api.md's serve table and cli.py differ"
+    for flag, default in own.items():
+        if default is not None:
+            assert rows[flag].startswith(f"{default:g}"), (flag, rows[flag], default)

@@ -15,6 +15,8 @@ from vllm_hidden_state_proxy.protocol import LAYERS_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 DEFAULT_VLLM_PORT = 8001
+#: Proxy settings that ``serve`` decides itself: vLLM's address, and its own ``--ring-dir``.
+SERVE_DECIDES = ("upstream_url", "ring_dir")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the exit status is non-zero; Ctrl-C stops both.",
     )
     serve.add_argument("model", help="model name or path, as for `vllm serve`")
-    proxy_settings.add_arguments(serve, skip=("upstream_url", "ring_dir"))
+    proxy_settings.add_arguments(serve, skip=SERVE_DECIDES)
     serve.add_argument(
         "--vllm-port",
         type=int,

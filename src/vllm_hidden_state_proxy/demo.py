@@ -92,7 +92,8 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    assert server.stdout is not None
+    if server.stdout is None:  # cannot happen with stdout=PIPE; narrows the type
+        raise RuntimeError("serve was started without a pipe for its output")
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed after the relay thread ends
     quiet = threading.Event()
     relay = threading.Thread(target=_relay, args=(server.stdout, log_file, quiet), daemon=True)

@@ -70,6 +70,8 @@ EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
 #: JSON, and the shared-memory file of their metrics.
 WORKER_SETTINGS_ENV = "HIDDEN_STATE_PROXY_WORKER_SETTINGS"
 WORKER_METRICS_ENV = "HIDDEN_STATE_PROXY_WORKER_METRICS"
+#: Where the built-in tiny model is built and cached (``make demo``, the tests, the bench).
+TINY_MODEL_DIR_ENV = "HIDDEN_STATE_PROXY_TINY_MODEL_DIR"
 
 
 def ring_dir_from_env() -> str:

@@ -13,11 +13,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_hidden_state_proxy.protocol import TINY_MODEL_DIR_ENV
+
 #: Bump when anything below changes, so cached copies are rebuilt.
 TINY_MODEL_REVISION = "3"
 _MARKER = "hidden_state_proxy_tiny_model.json"
 
-#: Default location of the built model (override with HIDDEN_STATE_PROXY_TINY_MODEL_DIR).
+#: Default location of the built model (override with ``TINY_MODEL_DIR_ENV``).
 DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "vllm-hidden-state-proxy" / "tiny-chat-model"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -60,7 +62,7 @@ What is the capital of France? Paris. What is two plus two? Four. Is the sky blu
 
 
 def tiny_model_dir() -> Path:
-    return Path(os.environ.get("HIDDEN_STATE_PROXY_TINY_MODEL_DIR") or DEFAULT_TINY_MODEL_DIR)
+    return Path(os.environ.get(TINY_MODEL_DIR_ENV) or DEFAULT_TINY_MODEL_DIR)
 
 
 def is_built(path: Path, marker_name: str, revision: str) -> bool:

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from vllm_hidden_state_proxy.protocol import RING_DIR_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 CHART_DIR = REPO / "deploy" / "helm" / "vllm-hidden-state"
@@ -368,7 +370,6 @@ def chart_commands(
 # --------------------------------------------------------------------------------------------------
 # Running them locally
 
-RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 _URL_ENV = ("PROXY_URL",)
 
 

@@ -56,6 +56,7 @@ from tests.e2e.stack_probe import (
     wait_until,
 )
 from vllm_hidden_state_proxy.processes import free_port
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 FLAG = {"return_last_hidden_state": True}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -193,7 +194,7 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
 #: take longer, so this only bounds the wait for the proxy's connections to be gone.
 IDLE_CLOSED_WITHIN = 60.0
 #: The proxy's default fan-out limit: the most connections one client request opens.
-FAN_OUT_LIMIT = 64
+FAN_OUT_LIMIT = ProxySettings.fan_out_limit
 
 
 def test_client_disconnects_abort_upstream_and_leak_nothing(

@@ -138,6 +138,16 @@ def wait_status(url: str, status: int, timeout: float) -> float:
     raise AssertionError(f"{url} did not answer {status} within {timeout} s")
 
 
+#: Choices of each long request of the kill test (vLLM runs each as a request of its own).
+IN_FLIGHT_CHOICES = 32
+
+
+def vllm_requests(vllm_url: str) -> float:
+    """Requests running or waiting in vLLM (its /metrics, open even with --api-key)."""
+    text = httpx.get(vllm_url + "/metrics", timeout=60).text
+    return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+
+
 def in_flight(url: str, kind: str) -> tuple[str, int | str, float]:
     """A long request; returns (kind, status or how the stream ended, when it ended)."""
     # 32 choices with logprobs make 900 tokens last several seconds on the tiny model (alone,
@@ -146,7 +156,7 @@ def in_flight(url: str, kind: str) -> tuple[str, int | str, float]:
         f"in flight {kind}",
         max_completion_tokens=900,
         ignore_eos=True,
-        n=32,
+        n=IN_FLIGHT_CHOICES,
         logprobs=True,
         top_logprobs=5,
     )
@@ -257,7 +267,11 @@ def test_vllm_killed_restarted_proxy_restarted_and_a_ring_that_wraps(
                 with concurrent.futures.ThreadPoolExecutor(4) as pool:
                     kinds = ["flagged", "ordinary", "stream", "flagged"]
                     futures = [pool.submit(in_flight, url, kind) for kind in kinds]
-                    time.sleep(1.0)
+                    # Every choice of all four requests is in vLLM (each is n=32 requests in
+                    # its engine), so the kill surely lands mid-generation for all of them.
+                    everything = IN_FLIGHT_CHOICES * len(kinds)
+                    arrived = wait_until(lambda: vllm_requests(vllm_url) >= everything, 120)
+                    assert arrived is not None, f"{vllm_requests(vllm_url):g} of {everything}"
                     killed_at = time.monotonic()
                     kill_engine(process_tree(vllm.pid))
                     outcomes = [f.result(timeout=PROMPT_FAULT_SECONDS + 60) for f in futures]

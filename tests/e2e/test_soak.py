@@ -303,7 +303,6 @@ def test_soak_mixed_load_no_loss_no_misattribution_flat_memory(
     rss_samples: list[tuple[int, float]] = [(0, rss(proxy) / MIB)]
 
     warm_up_time = asyncio.run(run_calls(stack.proxy_url, calls[:WARM_UP], tally))
-    time.sleep(1.0)
     rss_after_warm_up = rss(proxy)
     rss_samples.append((WARM_UP, rss_after_warm_up / MIB))
 
@@ -313,7 +312,6 @@ def test_soak_mixed_load_no_loss_no_misattribution_flat_memory(
     for offset in range(0, len(rest), step):
         run_time += asyncio.run(run_calls(stack.proxy_url, rest[offset : offset + step], tally))
         rss_samples.append((WARM_UP + min(offset + step, len(rest)), rss(proxy) / MIB))
-    time.sleep(1.0)
     rss_at_end = rss(proxy)
     rss_samples.append((REQUESTS, rss_at_end / MIB))
 

@@ -33,9 +33,10 @@ from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
 from vllm_hidden_state_proxy.bench.throughput import burst
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 #: The proxy's default ``--fan-out-limit``: the direct arm keeps at most as many chats in flight.
-FAN_OUT_LIMIT = 64
+FAN_OUT_LIMIT = ProxySettings.fan_out_limit
 #: One per item of an embeddings answer (``"object":"embedding"`` has a comma, not a colon).
 EMBEDDING_MARKER = b'"embedding":'
 TITLE = "Embeddings: /v1/embeddings through the proxy, one request of N inputs at a time"

@@ -13,12 +13,13 @@ admission.py         every POST endpoint: read the body (asgi.py), build the exc
   │                  Flagged, resolve the layers against the live rings (vector_lookup.py)
   ├─ Ordinary ─────▶ relay.py: forward byte for byte (upstream.py, headers.py)
   ▼
-flagged_exchange.py  a fresh request key into vllm_xargs; send to vLLM (upstream.py)
+flagged_exchange.py  a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
+  │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
   ├─ JSON ─────────▶ vector_lookup.py: the record from the rings ──▶ answer_join.py
   └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
                      there (vector_lookup.py, answer_join.py), relay the rest
 fan_out.py           several flagged requests for one client request (prompt lists,
-                     embeddings inputs)
+                     embeddings inputs; embeddings_plan.py turns the inputs into them)
 errors.py            every error the proxy answers itself, and the factories naming the fix
 settings.py          the options table; state.py, metrics.py: per-app state
 """

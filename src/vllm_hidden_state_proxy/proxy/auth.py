@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 from vllm_hidden_state_proxy.proxy.asgi import (
     ASGIApp,
     Receive,
@@ -36,7 +37,7 @@ class ApiKeyGuard:
 
     def __init__(self, app: ASGIApp, *, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
-        self._key = api_key.encode("utf-8")
+        self._api_key = api_key.encode("utf-8")
         self._open_paths = frozenset({"/health"} if protect_metrics else {"/health", "/metrics"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,11 +46,11 @@ class ApiKeyGuard:
             return
         token = bearer_token(scope)
         # compare_digest takes time independent of where the first difference is.
-        if token is None or not hmac.compare_digest(token, self._key):
+        if token is None or not hmac.compare_digest(token, self._api_key):
             error = ProxyError(
                 401,
                 "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-                "proxy was started with (--api-key / HIDDEN_STATE_PROXY_API_KEY).",
+                f"proxy was started with (--api-key / {API_KEY_ENV}).",
             )
             await send_response(
                 send, 401, error.body(), b"application/json", [(b"www-authenticate", b"Bearer")]

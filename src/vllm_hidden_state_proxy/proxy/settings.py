@@ -7,8 +7,10 @@ its help text (:func:`option`). :func:`add_arguments` turns the table into ``arg
 options, :func:`from_arguments` back into settings, :func:`command_line` and
 :func:`secret_environment` into the ``hidden-state-proxy proxy`` child that ``serve`` starts
 (secrets travel in the environment, never in the visible command line), and
-:func:`options_table` into Markdown (a test keeps ``docs/api.md`` equal to it). The environment
-is read here, when arguments are parsed, and nowhere else in the proxy.
+:func:`options_table` into Markdown (a test keeps ``docs/api.md`` equal to it). The user's
+environment variables are read here, when arguments are parsed, and nowhere else in the proxy;
+the worker processes of ``--workers N`` get the parsed settings from their server, as JSON in
+``WORKER_SETTINGS_ENV`` (:func:`ProxySettings.to_json`, read back in ``server.py``).
 """
 
 from __future__ import annotations
