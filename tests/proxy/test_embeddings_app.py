@@ -200,6 +200,26 @@ async def test_a_non_finite_hidden_state_is_502_not_an_embedding(
     assert error["param"] == "input"
 
 
+async def test_a_default_layer_the_server_does_not_capture_is_503_naming_the_option(
+    ring_dir: str, layered_writer: RingWriter
+) -> None:
+    """--embedding-layer names a layer vLLM was not started to capture: the operator's mistake,
+    so not a 400 blaming the client's (absent) 'layer'."""
+    vllm = FakeVLLM(ChatAndCompletionsVLLM(layered_writer))
+    async with proxy_client(settings_for(ring_dir, embedding_layer=1), vllm) as proxy:
+        default = await proxy.client.post(EMBEDDINGS, json={"input": "a"})
+        given = await proxy.client.post(EMBEDDINGS, json={"input": "a", "layer": 1})
+        chosen = await proxy.client.post(EMBEDDINGS, json={"input": "a", "layer": 0})
+    assert default.status_code == 503
+    error = error_of(default)
+    assert error["param"] is None
+    assert error["message"].startswith("This server's default embedding layer (--embedding-layer)")
+    assert f"captures layers {', '.join(map(str, LAYERED))}" in error["message"]
+    assert (given.status_code, error_of(given)["param"]) == (400, "layer")
+    assert chosen.status_code == 200
+    assert len(vllm.requests) == 1  # only the request with a captured layer reached vLLM
+
+
 async def test_dimensions_must_equal_the_hidden_size(ring_dir: str, writer: RingWriter) -> None:
     vllm = FakeVLLM(ChatAndCompletionsVLLM(writer))
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:

@@ -85,6 +85,16 @@ def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> Pro
     return ProxyError(failure.status, f"{where}: {message}", param, kind)
 
 
+def default_layer_not_captured(refusal: ProxyError) -> ProxyError:
+    """The server's ``--embedding-layer`` is not captured by its vLLM: the operator's mistake,
+    not the client's."""
+    return ProxyError(
+        503,
+        f"This server's default embedding layer (--embedding-layer) is not captured by its vLLM: "
+        f"{refusal.message} Or send 'layer' with one of those.",
+    )
+
+
 def not_finite(index: int, field: str) -> ProxyError:
     return ProxyError(
         502,
@@ -130,7 +140,12 @@ class EmbeddingsApp(Endpoint):
         state = self.state
         plan = plan_embeddings(parse_object(body), self.defaults)
         shapes = check_rings(state.rings, state.settings.ring_dir)
-        wanted = resolve_layers(plan.vectors, shapes, param="layer")
+        try:
+            wanted = resolve_layers(plan.vectors, shapes, param="layer")
+        except ProxyError as error:
+            if plan.layer_given:
+                raise
+            raise default_layer_not_captured(error) from None
         hidden_size = shapes[0].hidden_size
         if plan.dimensions is not None and plan.dimensions != hidden_size:
             raise dimensions_error(plan.dimensions, hidden_size)

@@ -51,6 +51,8 @@ class EmbeddingsPlan:
     vectors: VectorRequest
     #: The request field the inputs came from ("input" or "messages"), for error messages.
     field: str
+    #: False when the layer is the server's default (``--embedding-layer``), not the request's.
+    layer_given: bool = True
 
 
 def _is_int(value: Any) -> bool:
@@ -134,6 +136,7 @@ class EmbeddingsDefaults:
 
 
 def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRequest:
+    """The layer and pooling asked for, or the server's defaults."""
     layer = document.get("layer")
     if layer is None:
         layer = defaults.layer
@@ -151,6 +154,7 @@ def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> E
     template, max_inputs = defaults.template, defaults.max_inputs
     encoding_format = check_format(document.get("encoding_format") or "float", "encoding_format")
     vectors = _vectors(document, defaults)
+    layer_given = document.get("layer") is not None
     normalize = _optional_bool(document, "normalize", True)
     dimensions = document.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions <= 0):
@@ -179,7 +183,9 @@ def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> E
                 "'instruction' applies to text inputs, not 'messages'.", "instruction"
             )
         calls = [_chat_call(model, messages, _messages_options(document))]
-        return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, vectors, "messages")
+        return EmbeddingsPlan(
+            calls, encoding_format, normalize, dimensions, vectors, "messages", layer_given
+        )
 
     texts, token_prompts = _inputs(document["input"])
     count = len(texts) + len(token_prompts)
@@ -197,13 +203,15 @@ def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> E
         if model is not None:
             body["model"] = model
         calls.append((COMPLETIONS_PATH, body))
-    return EmbeddingsPlan(calls, encoding_format, normalize, dimensions, vectors, "input")
+    return EmbeddingsPlan(
+        calls, encoding_format, normalize, dimensions, vectors, "input", layer_given
+    )
 
 
 def dimensions_error(dimensions: int, hidden_size: int) -> ProxyError:
     return bad_request(
-        f"'dimensions' {dimensions} is not supported: the embedding is the model's last hidden "
-        f"state, {hidden_size} values. Hidden states are not Matryoshka-trained, so a truncated "
+        f"'dimensions' {dimensions} is not supported: the embedding is one of the model's hidden "
+        f"states, {hidden_size} values. Hidden states are not Matryoshka-trained, so a truncated "
         f"one is not a valid smaller embedding. Omit 'dimensions' or set it to {hidden_size}.",
         "dimensions",
     )
