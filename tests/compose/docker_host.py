@@ -100,12 +100,24 @@ def _tail(text: str, lines: int = 40) -> str:
 def ensure_engine() -> str | None:
     """Make ``docker compose`` work here; the reason it cannot, or ``None``."""
     try:
-        if _engine_answers() and _compose_v2():
+        # debootstrap builds the stand-in base image (no registry here): needed on a host that
+        # has Docker already, too.
+        has_debootstrap = shutil.which("debootstrap") is not None
+        if has_debootstrap and _engine_answers() and _compose_v2():
             return None
         if os.geteuid() != 0:
+            if not has_debootstrap:
+                return (
+                    "no debootstrap here (it builds the local base image); installing it needs root"
+                )
             return "no Docker engine with Compose v2 here, and installing one needs root"
-        if shutil.which("dockerd") is None or shutil.which("debootstrap") is None:
-            _apt_install(["docker.io", "debootstrap"])
+        missing = [
+            package
+            for package, tool in (("docker.io", "dockerd"), ("debootstrap", "debootstrap"))
+            if shutil.which(tool) is None
+        ]
+        if missing:
+            _apt_install(missing)
         if not _compose_v2():
             _install_compose_plugin()
         if not _engine_answers():
