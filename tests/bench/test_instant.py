@@ -81,3 +81,63 @@ def test_throughput_through_one_and_two_workers(targets: tuple[Server, list[Serv
     rates = {row["target"]: row["req/s (median of rounds)"] for row in table.rows}
     assert set(rates) == {"bare app", "proxy (aiohttp)", "proxy (2 workers)"}
     assert all(isinstance(rate, float) and rate > 0 for rate in rates.values())
+
+
+def test_two_workers_give_every_flagged_request_its_vector_and_count_it_once(
+    targets: tuple[Server, list[Server]],
+) -> None:
+    """``--workers 2``: both processes read the ring, and ``/metrics`` (answered by whichever
+    worker) sums the rows of the table the workers share."""
+    import concurrent.futures
+
+    import httpx
+    import psutil
+
+    from vllm_hidden_state_proxy.bench.instant_upstream import HIDDEN_SIZE
+    from vllm_hidden_state_proxy.protocol import WORKER_METRICS_ENV
+    from vllm_hidden_state_proxy.proxy import metrics
+
+    proxy = targets[1][2]
+    flagged = metrics.PREFIX + "flagged_requests_total"
+
+    def total() -> float:
+        text = httpx.get(proxy.url + "/metrics", timeout=30).text
+        return float(
+            next(line for line in text.splitlines() if line.startswith(flagged + " "))[
+                len(flagged) :
+            ]
+        )
+
+    def ask(index: int) -> list[float]:
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": f"worker {index}"}],
+            "kv_transfer_params": {"return_last_hidden_state": True},
+        }
+        with httpx.Client() as client:  # a connection of its own: either worker may take it
+            response = client.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        vector: list[float] = response.json()["kv_transfer_params"]["last_hidden_state"]
+        return vector
+
+    before = total()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        vectors = list(pool.map(ask, range(64)))
+    expected = [i / HIDDEN_SIZE for i in range(HIDDEN_SIZE)]  # what the instant upstream sends
+    assert all(vector == pytest.approx(expected, abs=1e-7) for vector in vectors)
+    assert total() - before == 64
+
+    workers = psutil.Process(proxy.pid).children(recursive=True)
+    paths = {worker.environ().get(WORKER_METRICS_ENV) for worker in workers} - {None}
+    assert len(paths) == 1, "the workers share one metrics table"
+    table = metrics.MetricsTable(paths.pop())
+    try:
+        cells = table._cells
+        rows = [cells[r * metrics.CELLS : (r + 1) * metrics.CELLS] for r in range(metrics.ROWS)]
+        owned = {row[metrics._OWNER]: row[metrics._FLAGGED] for row in rows if row[metrics._OWNER]}
+        del rows, cells
+    finally:
+        table.close()
+    assert set(owned) <= {worker.pid for worker in workers}  # each worker's own row
+    assert len(owned) == 2
+    assert sum(owned.values()) == total()
