@@ -169,6 +169,28 @@ def test_dense_dp_engines_never_share_a_ring_name(dp4_front_end: VllmConfig) -> 
     assert len(names) == 4
 
 
+def test_dp_across_nodes_names_rings_by_the_global_index() -> None:
+    """``--data-parallel-size 4 --data-parallel-size-local 2``: the second node's front end
+    (start rank 2) launches engines 2 and 3 (vLLM's ``CoreEngineProcManager``: ``dp_rank`` is
+    the start rank plus the local index), so each node's rings, and both nodes' together, are
+    distinct."""
+    nodes = [
+        VllmConfig(
+            parallel_config=ParallelConfig(
+                data_parallel_size=4, data_parallel_size_local=2, data_parallel_rank=start
+            )
+        )
+        for start in (0, 2)
+    ]
+    identities = [
+        engine_identity(engine_core_config(node, start + local))
+        for node, start in zip(nodes, (0, 2), strict=True)
+        for local in range(2)
+    ]
+    assert [identity.engine for identity in identities] == [0, 1, 2, 3]
+    assert len({ring_name(i.instance, i.engine) for i in identities}) == 4
+
+
 def test_moe_dp_engines_never_share_a_ring_name(dp4_front_end: VllmConfig) -> None:
     engines = [engine_core_config(dp4_front_end, dp_rank, moe=True) for dp_rank in range(4)]
     assert [engine_identity(e).engine for e in engines] == [0, 1, 2, 3]
