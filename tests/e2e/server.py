@@ -90,6 +90,33 @@ def stack_environment() -> dict[str, str]:
     return env
 
 
+def serve_command(
+    model_dir: Path,
+    ring_dir: Path,
+    extra_args: Sequence[str] = (),
+    proxy_port: int | None = None,
+    vllm_port: int | None = None,
+) -> list[str]:
+    """``hidden-state-proxy serve`` on ``model_dir`` with the test stack's vLLM options."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm_hidden_state_proxy.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(proxy_port or free_port()),
+        "--vllm-port",
+        str(vllm_port or free_port()),
+        "--ring-dir",
+        str(ring_dir),
+        "--max-body-size",
+        str(MAX_BODY_SIZE),
+        *TEST_VLLM_ARGS,
+        *extra_args,
+    ]
+
+
 @contextlib.contextmanager
 def run_serve(
     model_dir: Path,
@@ -125,23 +152,7 @@ def _run_serve(
     proxy_port, vllm_port = free_port(), free_port()
     ring_dir = shared_ring_dir or Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
     log_path = work_dir / f"serve-{vllm_port}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_hidden_state_proxy.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(proxy_port),
-        "--vllm-port",
-        str(vllm_port),
-        "--ring-dir",
-        str(ring_dir),
-        "--max-body-size",
-        str(MAX_BODY_SIZE),
-        *TEST_VLLM_ARGS,
-        *extra_args,
-    ]
+    command = serve_command(model_dir, ring_dir, extra_args, proxy_port, vllm_port)
     env = stack_environment()
     env.update(env_overrides or {})
     shm_before = _vllm_shm_segments()

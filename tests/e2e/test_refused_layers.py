@@ -9,14 +9,13 @@ final layer only. Runs in the own-server session: it starts its own vLLM.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import STARTUP_TIMEOUT, TEST_VLLM_ARGS, stack_environment
+from tests.e2e.server import STARTUP_TIMEOUT, serve_command, stack_environment
 from tests.e2e.tiny_vlm import build_tiny_vlm
-from vllm_hidden_state_proxy.processes import free_port, one_vllm_at_a_time, stop_process_group
+from vllm_hidden_state_proxy.processes import one_vllm_at_a_time, stop_process_group
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 
@@ -24,20 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 def test_serve_refuses_layers_the_model_cannot_return(tmp_path: Path) -> None:
     model_dir = build_tiny_vlm(tmp_path / "tiny-vlm")
     log_path = tmp_path / "serve.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_hidden_state_proxy.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(free_port()),
-        "--vllm-port",
-        str(free_port()),
-        *TEST_VLLM_ARGS,
-        "--hidden-state-layers",
-        "1",
-    ]
+    command = serve_command(model_dir, tmp_path / "rings", ["--hidden-state-layers", "1"])
     with one_vllm_at_a_time(), open(log_path, "wb") as log:
         process = subprocess.Popen(
             command,
