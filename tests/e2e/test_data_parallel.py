@@ -137,6 +137,7 @@ def check_dp2_stack(stack: RunningStack, reference: Reference) -> None:
     assert proxy_gauge(stack, "live_rings") == 2
     sent = every_request_gets_its_own_vector(stack, reference)
     served = served_by_engine(stack)
+    print(f"DP=2: {sent} flagged client requests, all 200; vLLM requests per engine: {served}")
     assert served.get("0", 0) > 0 and served.get("1", 0) > 0, f"both engines served: {served}"
     assert sum(served.values()) >= sent
     assert proxy_gauge(stack, "engines_without_ring") == 0
