@@ -41,7 +41,7 @@ from vllm_hidden_state_proxy.processes import (
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_DIR_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.ring import EngineFailure, RingDirectory
+from vllm_hidden_state_proxy.ring import EngineFailure, live_notes
 
 PLUGIN_NAME = "hidden_state_hook"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
@@ -259,10 +259,8 @@ def _error_message(body: bytes) -> str:
 def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
     """The engines of *this* vLLM (its process group; the directory may be shared) whose hook
     refused the server's settings, e.g. layers its model cannot return."""
-    with RingDirectory(ring_dir) as rings:
-        failures = rings.failed_engines()
     mine = []
-    for failure in failures:
+    for failure in live_notes(Path(ring_dir)):
         try:
             group = os.getpgid(failure.pid)
         except OSError:

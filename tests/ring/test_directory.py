@@ -89,8 +89,6 @@ def test_servers_of_one_model_may_share_a_directory_servers_of_two_may_not(
     tmp_path: Path, writers: list[RingWriter]
 ) -> None:
     writers.append(make_writer(tmp_path, instance=0xAAAA, num_hidden_layers=2, layers=(0, 2)))
-    with RingDirectory(tmp_path) as rings:
-        assert rings.live_instance_shapes() == ((0xAAAA, writers[0].shape),)
     # Another server of the same model (other layers captured: the proxy offers the common
     # ones), and more engines of the first server itself, whatever their shape.
     check_shareable(tmp_path, instance=0xBBBB, hidden_size=HIDDEN, num_hidden_layers=2)
@@ -106,6 +104,21 @@ def test_servers_of_one_model_may_share_a_directory_servers_of_two_may_not(
         assert "its own ring directory (HIDDEN_STATE_PROXY_RING_DIR; serve --ring-dir)" in message
     writers.pop().close()  # a gone writer's ring is no conflict
     check_shareable(tmp_path, instance=0xBBBB, hidden_size=HIDDEN * 2, num_hidden_layers=2)
+
+
+def test_the_check_is_quiet(
+    tmp_path: Path, writers: list[RingWriter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """It runs in vLLM's engine: no line about the directory's rings and notes in its log (a
+    DP test counts the proxy's 'no ring for engine' lines)."""
+    writers.append(make_writer(tmp_path, instance=0xAAAA))
+    note = FailureNote.write(tmp_path, instance=0xAAAA, engine=1, message="no space")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            check_shareable(tmp_path, instance=0xBBBB, hidden_size=HIDDEN, num_hidden_layers=1)
+    finally:
+        note.close()
+    assert caplog.records == []
 
 
 def test_eight_rings_a_key_is_found_in_whichever_holds_it(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import signal
 import stat
@@ -15,7 +16,7 @@ import pytest
 
 from tests.ring.helpers import python_script, read_line, write_file
 from vllm_hidden_state_proxy.ring import EngineFailure, FailureNote, files
-from vllm_hidden_state_proxy.ring.notes import MAX_NOTE_BYTES, read_live_note
+from vllm_hidden_state_proxy.ring.notes import MAX_NOTE_BYTES, live_notes, read_live_note
 
 INSTANCE = 0x00C0FFEE00C0FFEE
 
@@ -75,6 +76,28 @@ def test_a_note_without_the_flag_is_not_a_refusal_and_a_malformed_flag_no_note(
         assert (failure if failure is None else failure.refused_settings) == read
     finally:
         note.close()
+
+
+def test_live_notes_lists_the_live_ones_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = FailureNote.write(tmp_path, instance=2, engine=1, message="b")
+    second = FailureNote.write(tmp_path, instance=1, engine=0, message="a", refused_settings=True)
+    gone = FailureNote.write(tmp_path, instance=3, engine=0, message="gone")
+    gone.forget_after_fork()  # its lock released, the file left: a dead engine's note
+    (tmp_path / "ring-0000000000000001-dp0.bin").write_bytes(b"not a note")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            notes = live_notes(tmp_path)
+    finally:
+        first.close()
+        second.close()
+    assert [(n.instance, n.engine, n.refused_settings) for n in notes] == [
+        (1, 0, True),
+        (2, 1, False),
+    ]
+    assert caplog.records == []
+    assert live_notes(tmp_path / "missing") == []
 
 
 def test_a_long_message_is_cut(tmp_path: Path) -> None:

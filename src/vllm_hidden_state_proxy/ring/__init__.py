@@ -30,7 +30,7 @@ from vllm_hidden_state_proxy.ring.layout import (
     RingShape,
     slot_size_for,
 )
-from vllm_hidden_state_proxy.ring.notes import EngineFailure, FailureNote
+from vllm_hidden_state_proxy.ring.notes import EngineFailure, FailureNote, live_notes
 from vllm_hidden_state_proxy.ring.reader import RingReader
 from vllm_hidden_state_proxy.ring.writer import RingInUseError, RingWriter
 
@@ -51,5 +51,6 @@ __all__ = [
     "RingShape",
     "RingWriter",
     "check_shareable",
+    "live_notes",
     "slot_size_for",
 ]

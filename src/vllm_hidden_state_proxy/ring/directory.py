@@ -49,6 +49,26 @@ class RingDirectoryConflict(Exception):
     why that cannot work and what to change)."""
 
 
+def _live_shapes_of_others(directory: Path, instance: int) -> list[tuple[int, RingShape]]:
+    """(instance, shape) of the live rings of other instances, read quietly: this runs in a
+    vLLM engine, whose log should not fill with a proxy's notes about the directory."""
+    with os.scandir(directory) as entries:
+        names = [entry.name for entry in entries]
+    shapes = []
+    for name in names:
+        parsed = parse_name(name)
+        if parsed is None or parsed[2] != RING_SUFFIX or parsed[0] == instance:
+            continue
+        try:
+            reader = RingReader.open(directory / name)
+        except RingFormatError:
+            continue  # not a ring anyone can use: no conflict
+        with reader:
+            if reader.is_live():
+                shapes.append((reader.header.instance, reader.shape))
+    return shapes
+
+
 def check_shareable(
     directory: Path, *, instance: int, hidden_size: int, num_hidden_layers: int
 ) -> None:
@@ -60,9 +80,7 @@ def check_shareable(
     would not know which one's ``-1`` or hidden size its requests get. Call it with
     :func:`.files.directory_locked` held, before creating the ring.
     """
-    with RingDirectory(directory) as rings:
-        others = [(i, shape) for i, shape in rings.live_instance_shapes() if i != instance]
-    for other, shape in others:
+    for other, shape in _live_shapes_of_others(directory, instance):
         if (shape.hidden_size, shape.num_hidden_layers) != (hidden_size, num_hidden_layers):
             raise RingDirectoryConflict(
                 f"the ring directory {directory} is shared with another vLLM server (instance "
@@ -296,14 +314,6 @@ class RingDirectory(ClosesOnExit):
                 return ()
             self._probe()
             return tuple(reader.shape for reader in self._live)
-
-    def live_instance_shapes(self) -> tuple[tuple[int, RingShape], ...]:
-        """(vLLM instance, shape) of every live ring."""
-        with self._lock:
-            if self._closed:
-                return ()
-            self._probe()
-            return tuple((reader.header.instance, reader.shape) for reader in self._live)
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         """Engines that hold a live failure note and no live ring (their hook did not start)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_hidden_state_proxy.ring.files import (
+    NOTE_SUFFIX,
     Owners,
     Untrusted,
     create_directory,
@@ -30,6 +31,7 @@ from vllm_hidden_state_proxy.ring.files import (
     new_locked_temp,
     note_name,
     open_trusted,
+    parse_name,
     writer_alive,
 )
 
@@ -142,3 +144,21 @@ def read_live_note(path: Path, owner_uids: Owners) -> EngineFailure | None:
     ):
         return None
     return EngineFailure(instance, engine, pid, message, refused)
+
+
+def live_notes(directory: Path, owner_uids: Owners = None) -> list[EngineFailure]:
+    """Every live note in ``directory``, read quietly (no log lines: ``serve`` asks this about
+    its own vLLM, whose output shares its log)."""
+    try:
+        with os.scandir(directory) as entries:
+            names = [entry.name for entry in entries]
+    except OSError:
+        return []
+    failures = []
+    for name in sorted(names):
+        parsed = parse_name(name)
+        if parsed is not None and parsed[2] == NOTE_SUFFIX:
+            failure = read_live_note(directory / name, owner_uids)
+            if failure is not None:
+                failures.append(failure)
+    return failures
