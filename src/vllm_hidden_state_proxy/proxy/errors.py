@@ -95,7 +95,7 @@ def engines_without_ring(failures: Sequence[EngineFailure]) -> ProxyError:
 
 
 def rings_of_other_models(shapes: Sequence[RingShape], ring_dir: str) -> ProxyError:
-    models = sorted({(shape.hidden_size, shape.num_hidden_layers) for shape in shapes})
+    models = sorted({shape.model_dims for shape in shapes})
     described = "; ".join(
         f"hidden size {size}, {n} decoder layer{'' if n == 1 else 's'}" for size, n in models
     )

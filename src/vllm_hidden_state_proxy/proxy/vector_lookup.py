@@ -186,11 +186,6 @@ def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
     if not shapes:
         failures = rings.failed_engines()
         raise engines_without_ring(failures) if failures else no_ring(ring_dir)
-    first = shapes[0]
-    for shape in shapes[1:]:
-        if (shape.hidden_size, shape.num_hidden_layers) != (
-            first.hidden_size,
-            first.num_hidden_layers,
-        ):
-            raise rings_of_other_models(shapes, ring_dir)
+    if any(shape.model_dims != shapes[0].model_dims for shape in shapes[1:]):
+        raise rings_of_other_models(shapes, ring_dir)
     return shapes

@@ -27,6 +27,7 @@ from vllm_hidden_state_proxy.ring.files import (
     NOTE_SUFFIX,
     RING_SUFFIX,
     Owners,
+    files_named,
     parse_name,
 )
 from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingShape
@@ -52,15 +53,12 @@ class RingDirectoryConflict(Exception):
 def _live_shapes_of_others(directory: Path, instance: int) -> list[tuple[int, RingShape]]:
     """(instance, shape) of the live rings of other instances, read quietly: this runs in a
     vLLM engine, whose log should not fill with a proxy's notes about the directory."""
-    with os.scandir(directory) as entries:
-        names = [entry.name for entry in entries]
     shapes = []
-    for name in names:
-        parsed = parse_name(name)
-        if parsed is None or parsed[2] != RING_SUFFIX or parsed[0] == instance:
+    for path, owner in files_named(directory, RING_SUFFIX):
+        if owner == instance:
             continue
         try:
-            reader = RingReader.open(directory / name)
+            reader = RingReader.open(path)
         except RingFormatError:
             continue  # not a ring anyone can use: no conflict
         with reader:
@@ -81,7 +79,7 @@ def check_shareable(
     :func:`.files.directory_locked` held, before creating the ring.
     """
     for other, shape in _live_shapes_of_others(directory, instance):
-        if (shape.hidden_size, shape.num_hidden_layers) != (hidden_size, num_hidden_layers):
+        if shape.model_dims != (hidden_size, num_hidden_layers):
             raise RingDirectoryConflict(
                 f"the ring directory {directory} is shared with another vLLM server (instance "
                 f"{other:016x}) whose model has hidden size {shape.hidden_size} and "

@@ -69,6 +69,22 @@ def parse_name(name: str) -> tuple[int, int, str] | None:
     return int(match[1], 16), int(match[2]), "." + match[3]
 
 
+def files_named(directory: Path, suffix: str) -> list[tuple[Path, int]]:
+    """(path, instance) of each ring (``RING_SUFFIX``) or note (``NOTE_SUFFIX``) file in
+    ``directory``, by name; none if the directory cannot be listed."""
+    try:
+        with os.scandir(directory) as entries:
+            names = sorted(entry.name for entry in entries)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        parsed = parse_name(name)
+        if parsed is not None and parsed[2] == suffix:
+            found.append((directory / name, parsed[0]))
+    return found
+
+
 def owners(expected: Owners) -> frozenset[int] | None:
     if expected is None:
         return None

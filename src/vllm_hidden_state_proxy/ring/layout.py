@@ -240,6 +240,11 @@ class RingShape:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
+    @property
+    def model_dims(self) -> tuple[int, int]:
+        """``(hidden_size, num_hidden_layers)``: equal for the rings of servers of one model."""
+        return self.hidden_size, self.num_hidden_layers
+
 
 @dataclass(frozen=True, slots=True)
 class RingHeader:

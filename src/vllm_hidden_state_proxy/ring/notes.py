@@ -26,12 +26,12 @@ from vllm_hidden_state_proxy.ring.files import (
     Owners,
     Untrusted,
     create_directory,
+    files_named,
     forget_in_forked_children,
     install,
     new_locked_temp,
     note_name,
     open_trusted,
-    parse_name,
     writer_alive,
 )
 
@@ -149,16 +149,5 @@ def read_live_note(path: Path, owner_uids: Owners) -> EngineFailure | None:
 def live_notes(directory: Path, owner_uids: Owners = None) -> list[EngineFailure]:
     """Every live note in ``directory``, read quietly (no log lines: ``serve`` asks this about
     its own vLLM, whose output shares its log)."""
-    try:
-        with os.scandir(directory) as entries:
-            names = [entry.name for entry in entries]
-    except OSError:
-        return []
-    failures = []
-    for name in sorted(names):
-        parsed = parse_name(name)
-        if parsed is not None and parsed[2] == NOTE_SUFFIX:
-            failure = read_live_note(directory / name, owner_uids)
-            if failure is not None:
-                failures.append(failure)
-    return failures
+    failures = (read_live_note(path, owner_uids) for path, _ in files_named(directory, NOTE_SUFFIX))
+    return [failure for failure in failures if failure is not None]
