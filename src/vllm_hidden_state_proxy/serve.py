@@ -261,12 +261,11 @@ def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
     refused the server's settings, e.g. layers its model cannot return."""
     mine = []
     for failure in live_notes(Path(ring_dir)):
-        try:
-            group = os.getpgid(failure.pid)
-        except OSError:
+        if not failure.refused_settings:
             continue
-        if failure.refused_settings and group == vllm_group:
-            mine.append(failure)
+        with contextlib.suppress(OSError):  # the engine just ended: not a refusal to report
+            if os.getpgid(failure.pid) == vllm_group:
+                mine.append(failure)
     return mine
 
 

@@ -319,10 +319,13 @@ def test_input_error_keeps_vllms_type_and_param() -> None:
     }
 
 
-@pytest.mark.parametrize("vllms", ["input_tokens", "max_completion_tokens", "prompt", None])
+@pytest.mark.parametrize(
+    "vllms",
+    ["input_tokens", "max_completion_tokens", "prompt", "messages", "chat_template_kwargs", None],
+)
 def test_vllms_param_for_the_built_request_names_the_input(vllms: str | None) -> None:
     """vLLM names the fields of the request the proxy built (a prompt too long is
-    ``input_tokens``); the client sent ``input``."""
+    ``input_tokens``; a text's chat is the proxy's ``messages``); the client sent ``input``."""
     body = {"error": {"message": "too long", "type": "BadRequestError", "param": vllms}}
     error = input_error(1, "input", VllmAnswer(400, [], orjson.dumps(body)))
     assert (error.param, error.kind, error.message) == (
@@ -330,3 +333,9 @@ def test_vllms_param_for_the_built_request_names_the_input(vllms: str | None) ->
         "BadRequestError",
         "input[1]: too long",
     )
+
+
+def test_vllms_param_naming_a_field_of_the_chat_form_is_kept() -> None:
+    body = {"error": {"message": "bad", "type": "BadRequestError", "param": "chat_template_kwargs"}}
+    error = input_error(0, "messages", VllmAnswer(400, [], orjson.dumps(body)))
+    assert (error.param, error.message) == ("chat_template_kwargs", "messages: bad")

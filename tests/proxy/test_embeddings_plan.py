@@ -11,6 +11,7 @@ from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DEFAULT_TEMPLATE,
+    FORWARDED_FIELDS,
     EmbeddingsDefaults,
     EmbeddingsPlan,
     check_template,
@@ -83,6 +84,31 @@ def test_the_messages_form_defaults_to_no_generation_prompt() -> None:
     prefill = plan({"messages": messages, "continue_final_message": True})
     assert prefill.calls[0][1]["continue_final_message"] is True
     assert "chat_template_kwargs" not in prefill.calls[0][1]
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+        {"model": "m", "input": "x"},
+        {"model": "m", "input": [1, 2]},
+    ],
+    ids=["messages", "text", "token-ids"],
+)
+def test_forwarded_fields_are_the_clients_fields_the_calls_carry_as_written(
+    document: dict[str, Any],
+) -> None:
+    """vLLM's error ``param`` is kept only for these (embeddings_app.input_error)."""
+    result = plan(document)
+    ((_, body),) = result.calls
+    as_written = {name for name, value in body.items() if document.get(name) == value}
+    assert as_written == FORWARDED_FIELDS[result.field]
 
 
 def test_formats_normalisation_and_dimensions() -> None:

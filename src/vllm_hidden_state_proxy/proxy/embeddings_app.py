@@ -19,6 +19,7 @@ from vllm_hidden_state_proxy.proxy.admission import Endpoint
 from vllm_hidden_state_proxy.proxy.answer_join import Floats, dump_json, float32_view, send_whole
 from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
+    FORWARDED_FIELDS,
     EmbeddingsDefaults,
     EmbeddingsPlan,
     dimensions_error,
@@ -51,15 +52,6 @@ def _where(index: int, field: str) -> str:
     return f"{field}[{index}]" if field == "input" else field
 
 
-#: The fields of an embeddings request that reach vLLM as the client wrote them: vLLM's error
-#: naming one of these names the client's field. Its other ``param`` names (``input_tokens`` for
-#: a prompt too long, ``max_completion_tokens``...) belong to the request the proxy built, whose
-#: prompt is the client's input.
-_FORWARDED_FIELDS = frozenset(
-    {"model", "messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
-)
-
-
 def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
     """The failure of one input, as the request's error, naming the input. vLLM's own error
     keeps its ``type``, and its ``param`` where that is a field the client sent (a wrong
@@ -78,7 +70,9 @@ def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> Pro
     if isinstance(error, dict):
         if isinstance(error.get("message"), str):
             message = error["message"]
-        if error.get("param") in _FORWARDED_FIELDS:
+        # vLLM's other ``param`` names (``input_tokens`` for a prompt too long...) are fields
+        # of the request the proxy built, whose prompt is the client's input.
+        if error.get("param") in FORWARDED_FIELDS[field]:
             param = error["param"]
         if isinstance(error.get("type"), str):
             kind = error["type"]

@@ -99,6 +99,24 @@ def _inputs(value: Any) -> tuple[list[str], list[list[int]]]:
     raise bad_request(f"'input' must be {_INPUT_TYPES} (not a mix).", "input")
 
 
+#: Per form of request (``EmbeddingsPlan.field``), the client's fields that its calls carry to
+#: vLLM as the client wrote them: the model, and the chat form's messages and options
+#: (:func:`_messages_options`). Every other field of the calls is the proxy's own (a text
+#: input's ``messages`` and ``chat_template_kwargs`` among them).
+FORWARDED_FIELDS = {
+    "messages": frozenset(
+        {
+            "model",
+            "messages",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+        }
+    ),
+    "input": frozenset({"model"}),
+}
+
+
 def _chat_call(model: Any, messages: Any, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"messages": messages, "max_completion_tokens": 1, **options}
     if model is not None:
