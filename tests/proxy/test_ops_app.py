@@ -81,17 +81,28 @@ async def test_health_is_503_when_vllm_is_unreachable() -> None:
 
 
 FAILURE = EngineFailure(instance=1, engine=1, pid=77, message="RingInUseError: held")
+REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not support", True)
 
 
-async def test_health_is_503_when_an_engine_of_a_publishing_vllm_has_no_ring() -> None:
-    """Some flagged requests would fail (whichever vLLM routes to that engine): not ready."""
-    ring = FakeRing(instance=1, failures=(FAILURE,))
+@pytest.mark.parametrize(
+    ("ring", "engine", "cause"),
+    [
+        # Some flagged requests would fail (whichever vLLM routes to that engine).
+        (FakeRing(instance=1, failures=(FAILURE,)), 1, "RingInUseError: held"),
+        # Layers the model cannot return: what the server was started for is not served at all.
+        (FakeRing(present=False, failures=(REFUSED,)), 0, "GPT2LMHeadModel does not support"),
+    ],
+    ids=["an-engine-of-a-publishing-vllm-has-no-ring", "the-hook-refused-the-servers-settings"],
+)
+async def test_health_is_503_naming_the_engine_and_the_cause(
+    ring: FakeRing, engine: int, cause: str
+) -> None:
     async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
         response = await proxy.client.get("/health")
     assert response.status_code == 503
     message = error_of(response)["message"]
-    assert message.startswith("vLLM at http://vllm.test:8000 is healthy, but engine 1")
-    assert "RingInUseError: held" in message
+    assert message.startswith(f"vLLM at http://vllm.test:8000 is healthy, but engine {engine}")
+    assert cause in message
 
 
 @pytest.mark.parametrize(
@@ -109,20 +120,6 @@ async def test_health_is_200_when_no_engine_of_a_publishing_vllm_lacks_its_ring(
     async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
         response = await proxy.client.get("/health")
     assert response.status_code == 200
-
-
-REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not support", True)
-
-
-async def test_health_is_503_when_the_hook_refused_the_servers_settings() -> None:
-    """Layers the model cannot return: what the server was started for is not served at all."""
-    ring = FakeRing(present=False, failures=(REFUSED,))
-    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
-        response = await proxy.client.get("/health")
-    assert response.status_code == 503
-    message = error_of(response)["message"]
-    assert message.startswith("vLLM at http://vllm.test:8000 is healthy, but engine 0")
-    assert "GPT2LMHeadModel does not support" in message
 
 
 async def test_a_refusal_beside_publishing_rings_is_another_servers() -> None:
