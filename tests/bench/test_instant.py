@@ -132,10 +132,7 @@ def test_two_workers_give_every_flagged_request_its_vector_and_count_it_once(
     assert len(paths) == 1, "the workers share one metrics table"
     table = metrics.MetricsTable(paths.pop())
     try:
-        cells = table._cells
-        rows = [cells[r * metrics.CELLS : (r + 1) * metrics.CELLS] for r in range(metrics.ROWS)]
-        owned = {row[metrics._OWNER]: row[metrics._FLAGGED] for row in rows if row[metrics._OWNER]}
-        del rows, cells
+        owned = {pid: row[metrics._FLAGGED] for pid, row in table.rows().items()}
     finally:
         table.close()
     assert set(owned) <= {worker.pid for worker in workers}  # each worker's own row

@@ -118,16 +118,22 @@ class MetricsTable:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def rows(self) -> dict[int, list[int]]:
+        """The counters of each claimed row, by the pid that claimed it (index them with the
+        cell offsets above)."""
+        cells = self._cells
+        return {
+            cells[base + _OWNER]: cells[base : base + CELLS].tolist()
+            for base in range(0, ROWS * CELLS, CELLS)
+            if cells[base + _OWNER] != 0
+        }
+
     def totals(self) -> list[int]:
         """Every counter summed over the rows (the owner column is meaningless)."""
         sums = [0] * CELLS
-        cells = self._cells
-        for row in range(ROWS):
-            base = row * CELLS
-            if cells[base + _OWNER] == 0:
-                continue
+        for row in self.rows().values():
             for cell in range(1, CELLS):
-                sums[cell] += cells[base + cell]
+                sums[cell] += row[cell]
         return sums
 
     def close(self) -> None:
