@@ -1,0 +1,73 @@
+"""The house rules of issue #13 that code can check: no import cycles in ``src/`` (lazy imports
+inside functions included), no module over 600 lines, and ``protocol.py`` (the facts both
+processes agree on) importing nothing of the project."""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+import vllm_hidden_state_proxy
+
+PACKAGE_DIR = Path(vllm_hidden_state_proxy.__file__).parent
+PACKAGE = PACKAGE_DIR.name
+MAX_MODULE_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _project_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every project module ``path`` imports, wherever the import statement stands."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in modules:
+                found.add(node.module)
+            found.update(
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if f"{node.module}.{alias.name}" in modules
+            )
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _project_imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_the_graph_sees_the_package() -> None:
+    graph = import_graph()
+    # The checker must find real edges, or "no cycle" would prove nothing.
+    assert f"{PACKAGE}.proxy.chat_app" in graph
+    assert f"{PACKAGE}.protocol" in graph[f"{PACKAGE}.proxy.inspection"]
+
+
+def test_no_import_cycles() -> None:
+    try:
+        tuple(TopologicalSorter(import_graph()).static_order())
+    except CycleError as cycle:
+        raise AssertionError(f"import cycle: {' -> '.join(cycle.args[1])}") from None
+
+
+def test_no_module_over_600_lines() -> None:
+    too_long = {
+        name: length
+        for name, path in _modules().items()
+        if (length := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+
+
+def test_protocol_imports_nothing_of_the_project() -> None:
+    assert import_graph()[f"{PACKAGE}.protocol"] == set()
