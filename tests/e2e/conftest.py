@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.reference import MEASURED, Reference
+from tests.e2e.reference import COUNTED, MEASURED, Reference
 from tests.e2e.server import SERVED_MODEL_NAME, SHARED_LAYERS, RunningStack, run_serve
 from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
@@ -26,6 +26,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"vectors checked against Transformers ({kind}): {len(measured)}; "
             f"worst cosine {worst_cosine:.9f}, worst relative L2 {worst_rel:.2e}"
         )
+    for line in COUNTED:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session", autouse=True)

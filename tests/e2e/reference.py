@@ -89,6 +89,9 @@ def compare(actual: Sequence[float], expected: Sequence[float]) -> tuple[float, 
 #: Every comparison made in this session, by kind of vector (layer and pooling): reported at
 #: the end of the run (conftest).
 MEASURED: dict[str, list[tuple[float, float]]] = {}
+#: Counts a test measured beside its vectors (requests per engine...), one line each: reported
+#: at the end of the run with the comparisons.
+COUNTED: list[str] = []
 #: The kind of the vector most tests check: ``last_hidden_state``.
 FINAL_LAST = "layer -1, last"
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time
 
@@ -128,7 +128,7 @@ def ring_names(ring_dir: Path) -> list[str]:
     return sorted(path.name for path in ring_dir.glob("ring-*"))
 
 
-def check_dp2_stack(stack: RunningStack, reference: Reference) -> None:
+def check_dp2_stack(stack: RunningStack, reference: Reference, label: str) -> None:
     names = ring_names(stack.ring_dir)
     assert len(names) == 2, names
     instances = {name.split("-")[1] for name in names}
@@ -137,7 +137,10 @@ def check_dp2_stack(stack: RunningStack, reference: Reference) -> None:
     assert proxy_gauge(stack, "live_rings") == 2
     sent = every_request_gets_its_own_vector(stack, reference)
     served = served_by_engine(stack)
-    print(f"DP=2: {sent} flagged client requests, all 200; vLLM requests per engine: {served}")
+    COUNTED.append(
+        f"{label}: {sent} concurrent flagged client requests, all 200 with their own vectors; "
+        f"vLLM requests per engine: {served}"
+    )
     assert served.get("0", 0) > 0 and served.get("1", 0) > 0, f"both engines served: {served}"
     assert sum(served.values()) >= sent
     assert proxy_gauge(stack, "engines_without_ring") == 0
@@ -147,14 +150,14 @@ def test_dp2_every_flagged_request_gets_its_own_vector(
     tiny_model_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
     with run_serve(tiny_model_dir, tmp_path, DP2, DP_ENV) as stack:
-        check_dp2_stack(stack, reference)
+        check_dp2_stack(stack, reference, "DP=2")
 
 
 def test_dp2_behind_two_api_servers(
     tiny_model_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
     with run_serve(tiny_model_dir, tmp_path, [*DP2, "--api-server-count", "2"], DP_ENV) as stack:
-        check_dp2_stack(stack, reference)
+        check_dp2_stack(stack, reference, "DP=2, --api-server-count 2")
 
 
 def test_two_servers_sharing_one_ring_directory_each_find_their_own_vectors(
@@ -184,6 +187,10 @@ def test_two_servers_sharing_one_ring_directory_each_find_their_own_vectors(
                 future.result()
         for stack in stacks:
             assert proxy_gauge(stack, "live_rings") == 2
+        COUNTED.append(
+            f"two servers, one ring directory: {len(futures)} concurrent flagged client "
+            "requests, half to each proxy, all 200 with their own vectors"
+        )
     with contextlib.suppress(OSError):
         for path in shared.iterdir():
             path.unlink()
@@ -266,5 +273,9 @@ def test_an_engine_whose_hook_cannot_start_is_named_at_once(
             ids = reference.chat_token_ids(messages, enable_thinking=False)
             vector = response.json()["kv_transfer_params"]["last_hidden_state"]
             assert_matches(vector, reference.last_hidden_state(ids))
+        COUNTED.append(
+            f"DP=2, one engine without a ring: of {len(responses)} flagged requests "
+            f"{len(served)} got their vectors, {len(failed)} a 503 naming the engine at once"
+        )
         log = stack.log_path.read_text(errors="replace")
         assert len(re.findall(r"no ring for engine [01] ", log)) == 1, "one log line"
