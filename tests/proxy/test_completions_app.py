@@ -280,7 +280,7 @@ async def test_a_flagged_single_prompt_stream_is_served(ring_dir: str, writer: R
     ],
 )
 def test_prompt_list(document: dict[str, Any], expected: list[Any] | None) -> None:
-    assert prompt_list(document) == expected
+    assert prompt_list(document, 2048) == expected
 
 
 @pytest.mark.parametrize(
@@ -300,8 +300,18 @@ def test_prompt_list(document: dict[str, Any], expected: list[Any] | None) -> No
 )
 def test_prompt_list_refusals(document: dict[str, Any], param: str) -> None:
     with pytest.raises(ProxyError) as caught:
-        prompt_list(document)
+        prompt_list(document, 2048)
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("prompt", [["x"] * 3, [[1]] * 3])
+def test_prompt_list_over_the_limit_is_refused_naming_it(prompt: list[Any]) -> None:
+    assert prompt_list({"prompt": prompt[:2]}, 2) == prompt[:2]
+    with pytest.raises(ProxyError) as caught:
+        prompt_list({"prompt": prompt}, 2)
+    assert (caught.value.status, caught.value.param) == (400, "prompt")
+    assert "list of 3 prompts" in caught.value.message
+    assert "at most 2" in caught.value.message and "--max-prompts" in caught.value.message
 
 
 def test_merge_renumbers_choices_and_sums_usage() -> None:

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.flagged_exchange import (
+    AnswerBudget,
     JoinableAnswer,
     KeyedRequest,
     VllmAnswer,
@@ -441,10 +442,11 @@ async def test_fetch_flagged_json_answers_with_one_of_two_kinds() -> None:
     wanted = resolve_layers(VectorRequest(), ring.live_shapes())
     async with app.router.lifespan_context(app):
         state: ProxyState = app.state.proxy
-        joinable = await fetch_flagged_json(state, scope, {"prompt": "ok"}, wanted)
-        refused = await fetch_flagged_json(state, scope, {"prompt": "refused"}, wanted)
+        budget = AnswerBudget(settings.max_answer_bytes)
+        joinable = await fetch_flagged_json(state, scope, {"prompt": "ok"}, wanted, budget)
+        refused = await fetch_flagged_json(state, scope, {"prompt": "refused"}, wanted, budget)
         with pytest.raises(ProxyError) as caught:
-            await fetch_flagged_json(state, scope, {"prompt": "lost"}, wanted)
+            await fetch_flagged_json(state, scope, {"prompt": "lost"}, wanted, budget)
     assert isinstance(joinable, JoinableAnswer)
     assert joinable.completion == completion()
     assert joinable.record == record_for(joinable.record.key, (FINAL,))
@@ -467,3 +469,35 @@ async def test_the_app_without_its_lifespan_refuses_to_run() -> None:
         assert state.rings is not None
     with pytest.raises(RuntimeError, match="lifespan"):
         _ = state.transport
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_a_json_answer_over_the_answer_limit_is_502_naming_it(path: str) -> None:
+    ring = FakeRing()
+    limit = 64 * 1024
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        publish_for(ring, request)
+        prompt = sent_prompt(request)
+        size = limit if prompt in (None, "big") else 100  # chat sends no prompt
+        return httpx.Response(200, json=completion(content="x" * size))
+
+    settings = settings_for("/unused", max_answer_bytes=limit)
+    app = create_app(settings, FakeVLLM(handle).transport, ring=ring)
+    flag = {"return_last_hidden_state": True}
+    body: dict[str, object] = {"model": "m", "kv_transfer_params": flag}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": "x"}]
+    else:
+        body["prompt"] = "big"
+    async with running(app) as client:
+        too_big = await client.post(path, json=body)
+        if path != CHAT:  # a list shares one budget: two answers that fit alone do not together
+            fits = await client.post(path, json={**body, "prompt": ["small"]})
+            shared = await client.post(path, json={**body, "prompt": ["small"] * 700})
+    assert too_big.status_code == 502
+    message = too_big.json()["error"]["message"]
+    assert f"({limit} bytes, --max-answer-size)" in message
+    if path != CHAT:
+        assert fits.status_code == 200
+        assert shared.status_code == 502 and "--max-answer-size" in shared.text

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     parse_object,
     resolve_layers,
 )
+from vllm_hidden_state_proxy.ring import MAX_LAYERS
 
 KV = "kv_transfer_params"
 WIRE = "ab" * 16
@@ -146,8 +147,23 @@ def test_what_a_flagged_request_asks_for() -> None:
         )
     )
     assert isinstance(decision, Flagged)
-    assert decision.vectors == VectorRequest("base64", True, (4, -1, 0, 0), "mean")
+    # Each label once (the answer's keys), in the order first given.
+    assert decision.vectors == VectorRequest("base64", True, (4, -1, 0), "mean")
     assert decision.document == {"messages": []}
+
+
+def test_a_layer_list_longer_than_any_server_captures_is_refused_before_reading_it() -> None:
+    at_most = [0] * MAX_LAYERS
+    decision = inspect_body(flagged(last_hidden_state_layers=at_most))
+    assert isinstance(decision, Flagged) and decision.vectors.layers == (0,)
+    # 200,000 labels (what took the event loop ~0.3 s per prompt) and one that is not even an
+    # integer: the count alone refuses them, naming the field and the limit.
+    for too_many in ([0] * 200_000, [0] * MAX_LAYERS + ["x"]):
+        with pytest.raises(ProxyError) as caught:
+            inspect_body(flagged(last_hidden_state_layers=too_many))
+        error = caught.value
+        assert (error.status, error.param) == (400, f"{KV}.last_hidden_state_layers")
+        assert f"at most {MAX_LAYERS}" in error.message
 
 
 def test_an_escaped_flag_is_still_the_flag() -> None:

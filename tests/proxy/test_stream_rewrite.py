@@ -26,7 +26,6 @@ from tests.proxy.fakes import (
     settings_for,
     vector_for,
 )
-from vllm_hidden_state_proxy.proxy import stream_rewrite
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ChoiceEvent,
@@ -356,11 +355,8 @@ async def test_a_stream_breaking_before_its_first_choice_is_502() -> None:
     assert "connection reset" in error_of(response)["message"]
 
 
-async def test_a_stream_without_a_choice_in_its_first_bytes_is_502(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_stream_without_a_choice_in_its_first_bytes_is_502() -> None:
     limit = 1 << 20
-    monkeypatch.setattr(stream_rewrite, "MAX_STREAM_PREFIX", limit)
     ring = FakeRing()
     comments = b": " + b"x" * 1000 + b"\n\n"
 
@@ -374,10 +370,11 @@ async def test_a_stream_without_a_choice_in_its_first_bytes_is_502(
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=produce())
 
-    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
+    settings = settings_for("/unused", max_answer_bytes=limit)
+    async with proxy_client(settings, FakeVLLM(handle), ring) as proxy:
         response = await proxy.client.post(CHAT, json=flagged_stream())
     assert response.status_code == 502
-    assert f"first {limit} bytes" in error_of(response)["message"]
+    assert f"first {limit} bytes (the proxy's --max-answer-size)" in error_of(response)["message"]
 
 
 async def test_a_stream_whose_record_lacks_a_layer_is_502_before_any_byte(

@@ -40,9 +40,10 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
-def prompt_list(document: dict[str, Any]) -> list[Any] | None:
+def prompt_list(document: dict[str, Any], limit: int) -> list[Any] | None:
     """The prompts of a flagged completions request if it has a list of them, ``None`` for a
-    single prompt. Raises ``ProxyError`` 400 for shapes the flag cannot serve."""
+    single prompt. Raises ``ProxyError`` 400 for shapes the flag cannot serve, and for a list
+    of more than ``limit`` prompts (each would become its own vLLM request)."""
     prompt = document.get("prompt")
     embeds = document.get("prompt_embeds")
     single_embeds = not isinstance(embeds, list) or len(embeds) == 1
@@ -59,6 +60,12 @@ def prompt_list(document: dict[str, Any]) -> list[Any] | None:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if _is_token_ids(prompt):
         return None
+    if len(prompt) > limit:  # before any work per prompt
+        raise bad_request(
+            f"'prompt' is a list of {len(prompt)} prompts; with {KV}.{FLAG} at most {limit} are "
+            "allowed per request (the proxy's --max-prompts): send the rest in further requests.",
+            "prompt",
+        )
     strings = isinstance(prompt[0], str)
     for index, item in enumerate(prompt):
         if not (isinstance(item, str) if strings else (_is_token_ids(item) and item)):
@@ -111,7 +118,7 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
 class CompletionsApp(GenerationEndpoint):
     def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         document = flagged.document
-        prompts = prompt_list(document)
+        prompts = prompt_list(document, self.state.settings.max_prompts)
         wanted = resolve_wanted(self.state, flagged)
         if prompts is None:
             return flagged_exchange(self.state, scope, send, document, wanted)

@@ -8,6 +8,7 @@ Errors coming from vLLM are never rewritten; these are only for decisions the pr
      ├── 413  body_too_large(limit)
      ├── 401  (auth.py)                          missing or wrong API key
      ├── 502  hook_error(message)                the worker hook published an error record
+     │        answer_too_large(limit)            vLLM's answer exceeds --max-answer-size
      │        record_mismatch(...)               its record lacks a layer or pooling asked for
      │        (upstream.py) vLLM unreachable, or broke off the exchange
      ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
@@ -72,6 +73,15 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
 
 def body_too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"Request body exceeds the proxy's limit of {limit} bytes.")
+
+
+def answer_too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        502,
+        f"vLLM's answer to this flagged request is larger than the proxy holds in memory "
+        f"({limit} bytes, --max-answer-size): ask for less (fewer choices or tokens, no echo or "
+        "logprobs), or raise the limit.",
+    )
 
 
 def no_ring(ring_dir: str) -> ProxyError:

@@ -15,6 +15,7 @@ import anyio
 from vllm_hidden_state_proxy.proxy.asgi import Scope
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.flagged_exchange import (
+    AnswerBudget,
     JoinableAnswer,
     VllmAnswer,
     fetch_flagged_json,
@@ -41,13 +42,14 @@ async def fetch_all(
     flight."""
     results: list[JoinableAnswer | VllmAnswer | ProxyError | None] = [None] * len(jobs)
     limiter = anyio.CapacityLimiter(state.settings.fan_out_limit)
+    budget = AnswerBudget(state.settings.max_answer_bytes)  # the merged answer's bound too
 
     async with anyio.create_task_group() as group:
 
         async def one(index: int, scope: Scope, document: dict[str, Any]) -> None:
             async with limiter:
                 try:
-                    answer = await fetch_flagged_json(state, scope, document, wanted)
+                    answer = await fetch_flagged_json(state, scope, document, wanted, budget)
                 except ProxyError as error:
                     results[index] = error
                     group.cancel_scope.cancel()

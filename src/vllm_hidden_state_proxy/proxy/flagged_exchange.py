@@ -20,7 +20,7 @@ import httpx
 from vllm_hidden_state_proxy.protocol import new_request_key, request_key_to_wire
 from vllm_hidden_state_proxy.proxy.answer_join import send_joined, single_prompt_fields
 from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Scope, Send, send_error
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, record_mismatch
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, answer_too_large, record_mismatch
 from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, flagged_body, parse_completion
 from vllm_hidden_state_proxy.proxy.relay import close_quietly, open_upstream, relay_response
 from vllm_hidden_state_proxy.proxy.state import ProxyState
@@ -95,20 +95,41 @@ async def _open(state: ProxyState, scope: Scope, request: KeyedRequest) -> httpx
     return await open_upstream(state, upstream)
 
 
-async def _read_body(response: httpx.Response) -> bytes:
-    """The whole body as sent (raises ``httpx.HTTPError`` if the exchange breaks off). Raw:
-    vLLM was asked for no content encoding, and the decoding layers cost CPU per chunk."""
-    return b"".join([chunk async for chunk in response.aiter_raw()])
+class AnswerBudget:
+    """The bytes of vLLM's answers one client request may still hold in memory: a flagged
+    answer is read whole (its vectors are joined in), and ``n``, ``logprobs``, ``echo`` or
+    ``prompt_logprobs`` can make it large. The requests a prompt list fans out to share one
+    budget, so their merged answer is bounded too."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise answer_too_large(self.limit)
+
+
+async def _read_body(response: httpx.Response, budget: AnswerBudget) -> bytes:
+    """The whole body as sent (raises ``httpx.HTTPError`` if the exchange breaks off, and
+    ``ProxyError`` past the budget). Raw: vLLM was asked for no content encoding, and the
+    decoding layers cost CPU per chunk."""
+    chunks = []
+    async for chunk in response.aiter_raw():
+        budget.take(len(chunk))
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _read_answer(
-    state: ProxyState, request: KeyedRequest, response: httpx.Response
+    state: ProxyState, request: KeyedRequest, response: httpx.Response, budget: AnswerBudget
 ) -> Answer:
     """Read a whole answer; for a 200, the parsed body and the record (or ``ProxyError``)."""
     if response.status_code == 200:
-        return await _read_completion(state, request, response)
+        return await _read_completion(state, request, response, budget)
     try:
-        content = await _read_body(response)
+        content = await _read_body(response, budget)
     except httpx.HTTPError as failure:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, failure) from failure
@@ -116,12 +137,12 @@ async def _read_answer(
 
 
 async def _read_completion(
-    state: ProxyState, request: KeyedRequest, response: httpx.Response
+    state: ProxyState, request: KeyedRequest, response: httpx.Response, budget: AnswerBudget
 ) -> JoinableAnswer:
     """Read a 200 JSON answer, picking the record up meanwhile if the answer takes long."""
     early = EarlyCapture(state.rings, request.key, request.marks)
     try:
-        content = await early.during(_read_body(response))
+        content = await early.during(_read_body(response, budget))
     except httpx.HTTPError as failure:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, failure) from failure
@@ -133,14 +154,19 @@ async def _read_completion(
 
 
 async def fetch_flagged_json(
-    state: ProxyState, scope: Scope, document: dict[str, Any], wanted: WantedVectors
+    state: ProxyState,
+    scope: Scope,
+    document: dict[str, Any],
+    wanted: WantedVectors,
+    budget: AnswerBudget,
 ) -> Answer:
     """Send one flagged, non-streaming request and read the whole answer (the fan-out's
-    building block). Raises ``ProxyError`` when there is no usable answer."""
+    building block; its requests share ``budget``). Raises ``ProxyError`` when there is no
+    usable answer."""
     request = KeyedRequest.prepare(state, document, wanted)
     response = await _open(state, scope, request)
     try:
-        return await _read_answer(state, request, response)
+        return await _read_answer(state, request, response, budget)
     finally:
         await close_quietly(response)
 
@@ -184,6 +210,7 @@ def _answer(
 async def _send_json(
     state: ProxyState, send: Send, request: KeyedRequest, response: httpx.Response
 ) -> None:
-    answer = await _read_completion(state, request, response)
+    budget = AnswerBudget(state.settings.max_answer_bytes)
+    answer = await _read_completion(state, request, response, budget)
     fields = single_prompt_fields(answer.record, request.wanted)
     await send_joined(send, answer.headers, answer.completion, fields)

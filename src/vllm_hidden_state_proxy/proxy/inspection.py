@@ -28,7 +28,7 @@ from vllm_hidden_state_proxy.protocol import (
     XARGS_PREFIX,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
-from vllm_hidden_state_proxy.ring import RingShape
+from vllm_hidden_state_proxy.ring import MAX_LAYERS, RingShape
 
 KV = "kv_transfer_params"
 XARGS = "vllm_xargs"
@@ -217,6 +217,12 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
     if not isinstance(info, bool):
         raise bad_request(f"'{KV}.{INFO}' must be a boolean.", f"{KV}.{INFO}")
     layers = kv.get(LAYERS)
+    if isinstance(layers, list) and len(layers) > MAX_LAYERS:  # before any work per entry
+        raise bad_request(
+            f"'{KV}.{LAYERS}' has {len(layers)} entries; at most {MAX_LAYERS} are allowed (the "
+            "most layers a server can capture).",
+            f"{KV}.{LAYERS}",
+        )
     if layers is not None and (
         not isinstance(layers, list) or not layers or not all(_is_int(k) for k in layers)
     ):
@@ -226,7 +232,8 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
             f"{KV}.{LAYERS}",
         )
     pooling = check_pooling(kv.get(POOLING, "last"), f"{KV}.{POOLING}")
-    requested = None if layers is None else tuple(layers)
+    # Each label once, in the order first given: they are the answer's keys.
+    requested = None if layers is None else tuple(dict.fromkeys(layers))
     return flag, VectorRequest(fmt, info, requested, pooling)
 
 

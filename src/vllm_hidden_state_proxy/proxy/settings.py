@@ -152,6 +152,23 @@ class ProxySettings:
         metavar="N",
         parse=int,
     )
+    max_prompts: int = option(
+        2048,
+        "--max-prompts",
+        "flagged /v1/completions: most prompts in a list (each becomes its own vLLM request); "
+        "more get 400",
+        metavar="N",
+        parse=int,
+    )
+    max_answer_bytes: int = option(
+        64 * MIB,
+        "--max-answer-size",
+        "most bytes of vLLM's answer to a flagged request the proxy holds in memory (a JSON "
+        "answer, or a stream up to its first choice); more is a 502",
+        metavar="BYTES",
+        parse=int,
+        shown_default="67108864 (64 MiB)",
+    )
     fan_out_limit: int = option(
         64,
         "--fan-out-limit",
@@ -217,7 +234,14 @@ class ProxySettings:
             raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None disables it)")
-        for name in ("max_embedding_inputs", "fan_out_limit", "max_connections", "workers"):
+        for name in (
+            "max_embedding_inputs",
+            "max_prompts",
+            "max_answer_bytes",
+            "fan_out_limit",
+            "max_connections",
+            "workers",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.connect_timeout <= 0 or self.health_timeout <= 0:

@@ -30,9 +30,6 @@ from vllm_hidden_state_proxy.proxy.relay import relay_body
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
-#: Most bytes of a stream buffered while looking for its first choice. vLLM's first choice is
-#: ~300 bytes, but it carries the whole prompt's echo, logprobs or token ids when asked for.
-MAX_STREAM_PREFIX = 64 * 1024 * 1024
 #: The longest separator, less one: a separator can straddle two reads by this many bytes.
 _OVERLAP = 3
 #: The streamed body changes length where the vectors are joined in.
@@ -161,6 +158,7 @@ async def relay_with_vectors(
     Raises ``ProxyError`` only before the response has started.
     """
     chunks = response.aiter_raw()
+    limit = state.settings.max_answer_bytes
     buffer = bytearray()
     scanner = FirstChoiceScanner()
     found: ChoiceEvent | StreamEnded | None = None
@@ -170,9 +168,13 @@ async def relay_with_vectors(
             found = scanner.scan(buffer)
             if found is not None:
                 break
-            if len(buffer) > MAX_STREAM_PREFIX:
+            # vLLM's first choice is ~300 bytes, but it carries the whole prompt's echo,
+            # logprobs or token ids when asked for.
+            if len(buffer) > limit:
                 raise ProxyError(
-                    502, f"vLLM's stream had no choice in its first {MAX_STREAM_PREFIX} bytes."
+                    502,
+                    f"vLLM's stream had no choice in its first {limit} bytes (the proxy's "
+                    "--max-answer-size).",
                 )
     except httpx.HTTPError as exc:
         state.metrics.upstream_errors += 1

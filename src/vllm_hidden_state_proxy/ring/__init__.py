@@ -23,6 +23,7 @@ from vllm_hidden_state_proxy.ring.directory import (
 from vllm_hidden_state_proxy.ring.files import Owners
 from vllm_hidden_state_proxy.ring.layout import (
     LAYOUT_VERSION,
+    MAX_LAYERS,
     ErrorRecord,
     Found,
     Record,
@@ -36,6 +37,7 @@ from vllm_hidden_state_proxy.ring.writer import RingInUseError, RingWriter
 
 __all__ = [
     "LAYOUT_VERSION",
+    "MAX_LAYERS",
     "EngineFailure",
     "ErrorRecord",
     "FailureNote",
