@@ -11,6 +11,7 @@ cannot be merged).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
@@ -413,7 +414,7 @@ def expected_outcome(document: dict[str, Any]) -> str:
 @example(body=FLAGGED_PREFIX + b"18446744073709551616}")
 def test_inspect_body_on_arbitrary_bytes(body: bytes) -> None:
     event(type(check_inspect(body)).__name__)
-    error = check_other_endpoint(body)
+    error = asyncio.run(check_other_endpoint(body, None))
     if error is not None:
         assert_openai_error(error, 400)
 
@@ -454,7 +455,7 @@ def test_inspect_body_with_markers_in_garbage(
 ) -> None:
     body = before + marker.encode() + middle + marker.encode() + after
     check_inspect(body)
-    error = check_other_endpoint(body)
+    error = asyncio.run(check_other_endpoint(body, None))
     if error is not None:
         assert_openai_error(error, 400)
 

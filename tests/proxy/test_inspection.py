@@ -3,6 +3,7 @@ the layers asked for, resolved against the rings; the body sent to vLLM. No I/O.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -311,7 +312,7 @@ def test_a_deep_ordinary_body_is_not_parsed_at_all() -> None:
     ],
 )
 def test_other_endpoints_refuse_reserved_entries_and_the_flag(raw: bytes, param: str) -> None:
-    error = check_other_endpoint(raw)
+    error = asyncio.run(check_other_endpoint(raw, None))
     assert error is not None and (error.status, error.param) == (400, param)
 
 
@@ -320,14 +321,14 @@ def test_other_endpoints_refuse_reserved_entries_and_the_flag(raw: bytes, param:
     [
         b'{"input": "x"}',
         body({KV: {"return_last_hidden_state": False, "last_hidden_state_format": "x"}}),
-        b'{"vllm_xargs": {"hidden_state_proxy_key": [}',  # not JSON: left for vLLM
+        b'{"vllm_xargs": {"\\u0068" [}',  # not JSON, and no prefix as it is: left for vLLM
         b'["hidden_state_proxy_key"]',
         body({"vllm_xargs": ["hidden_state_proxy_key"]}),
         body({KV: "return_last_hidden_state"}),
     ],
 )
 def test_other_endpoints_leave_the_rest_to_vllm(raw: bytes) -> None:
-    assert check_other_endpoint(raw) is None
+    assert asyncio.run(check_other_endpoint(raw, None)) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,12 +237,16 @@ async def test_an_unparseable_body_on_other_paths_is_left_to_vllm() -> None:
         return httpx.Response(422, content=b"vllm says no")
 
     vllm = FakeVLLM(handle)
-    body = b'{"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": [}'
+    body = b'{"vllm_xargs": {"\\u0068": [}'  # could be read by no one, spells nothing as it is
+    spelled = b'{"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": [}'
     async with proxy_client(settings_for("/nonexistent"), vllm, FakeRing()) as proxy:
         response = await proxy.client.post("/v1/responses", content=body)
         assert proxy.metrics.requests["ordinary"] == 1
+        # One that spells the prefix as it is cannot be proven harmless: refused.
+        refused = await proxy.client.post("/v1/responses", content=spelled)
     assert (response.status_code, response.content) == (422, b"vllm says no")
-    assert vllm.requests[0].content == body
+    assert [request.content for request in vllm.requests] == [body]
+    assert refused.status_code == 400
 
 
 async def test_a_body_over_the_limit_is_413_on_other_paths() -> None:

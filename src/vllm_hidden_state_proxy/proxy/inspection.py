@@ -27,6 +27,7 @@ from vllm_hidden_state_proxy.protocol import (
     REQUEST_KEY_ENTRY,
     XARGS_PREFIX,
 )
+from vllm_hidden_state_proxy.proxy import reserved_entries
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.ring import MAX_LAYERS, RingShape
 
@@ -162,12 +163,6 @@ def parse_object(body: bytes) -> dict[str, Any]:
     return document
 
 
-def _reserved_entry_error(name: str) -> ProxyError:
-    return bad_request(
-        f"'{XARGS}.{name}' is reserved for the hidden-state proxy; remove it.", XARGS
-    )
-
-
 def _check_xargs(document: dict[str, Any]) -> None:
     xargs = document.get(XARGS)
     if xargs is None:
@@ -176,7 +171,7 @@ def _check_xargs(document: dict[str, Any]) -> None:
         raise bad_request(f"'{XARGS}' must be a JSON object.", XARGS)
     for name in xargs:
         if isinstance(name, str) and name.startswith(XARGS_PREFIX):
-            raise _reserved_entry_error(name)
+            raise reserved_entries.reserved_entry_error(f"{XARGS}.{name}")
 
 
 def _check_flagged_options(document: dict[str, Any]) -> None:
@@ -262,25 +257,26 @@ def inspect_body(body: bytes) -> Decision:
     return Flagged(stripped, request)
 
 
-def check_other_endpoint(body: bytes) -> ProxyError | None:
-    """For other endpoints: refuse client-set reserved entries, and the flag (a flagged request
-    must never get a 200 without its vector); otherwise stay out of the way. Bodies that are
-    not JSON objects are left for vLLM.
-    """
+async def check_other_endpoint(body: bytes, content_type: bytes | None) -> ProxyError | None:
+    """For other endpoints: refuse any way in for a reserved entry (see
+    :mod:`.reserved_entries`: an allow-list of bodies that may reach vLLM unchanged), and the
+    flag (a flagged request must never get a 200 without its vector); otherwise stay out of
+    the way."""
+    if content_type is not None and reserved_entries.is_form(content_type):
+        if not reserved_entries.could_spell_reserved(body, content_type):
+            return None
+        return await reserved_entries.form_refusal(body, content_type)
     if not needs_inspection(body):
         return None
     try:
         document = _load(body)
-    except ValueError:
-        return None
-    if not isinstance(document, dict):
-        return None
-    xargs = document.get(XARGS)
-    if isinstance(xargs, dict):
-        for name in xargs:
-            if isinstance(name, str) and name.startswith(XARGS_PREFIX):
-                return _reserved_entry_error(name)
-    kv = document.get(KV)
+    except ValueError:  # vLLM cannot read it either, unless it spells the prefix as it is
+        spelled = XARGS_PREFIX.encode("ascii") in body
+        return reserved_entries.unreadable_refusal() if spelled else None
+    refusal = reserved_entries.json_refusal(document)
+    if refusal is not None:
+        return refusal
+    kv = document.get(KV) if isinstance(document, dict) else None
     if isinstance(kv, dict) and kv.get(FLAG, False) is not False:
         return bad_request(
             f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions and POST /v1/completions "

@@ -5,17 +5,22 @@ from __future__ import annotations
 from collections.abc import Awaitable
 
 from vllm_hidden_state_proxy.proxy.admission import Endpoint
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, header_value, send_error
 from vllm_hidden_state_proxy.proxy.inspection import check_other_endpoint
 from vllm_hidden_state_proxy.proxy.relay import forward
 
 
 class PassthroughApp(Endpoint):
-    """Forward to ``upstream_url + path + query`` and stream the response back untouched."""
+    """Forward to ``upstream_url + path + query`` and stream the response back untouched,
+    unless the body could carry a reserved entry (400)."""
 
     def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
-        error = check_other_endpoint(body)
+        return self._checked(scope, send, body)
+
+    async def _checked(self, scope: Scope, send: Send, body: bytes) -> None:
+        error = await check_other_endpoint(body, header_value(scope, b"content-type"))
         if error is not None:
-            raise error
+            await send_error(send, error)
+            return
         self.state.metrics.requests["ordinary"] += 1
-        return forward(self.state, scope, send, body)
+        await forward(self.state, scope, send, body)
