@@ -305,7 +305,7 @@ async def test_a_200_breaking_mid_body_is_502_not_200() -> None:
         response = await proxy.client.post(CHAT, json=flagged())
         assert proxy.metrics.upstream_errors == 1
     assert response.status_code == 502
-    assert "connection reset" in error_of(response)["message"]
+    assert "The exchange with vLLM failed" in error_of(response)["message"]
 
 
 async def test_an_answer_too_deep_to_re_encode_is_502() -> None:

@@ -66,18 +66,24 @@ async def test_health_is_503_when_vllm_is_not_healthy(handler: Handler, fragment
     assert response.status_code == 503
     error = error_of(response)
     assert error["type"] == "service_unavailable"
-    assert fragment in error["message"]
-    assert "vLLM at http://vllm.test:8000 is not healthy" in error["message"]
+    assert error["message"] == f"vLLM is not healthy: its {fragment}."
 
 
-async def test_health_is_503_when_vllm_is_unreachable() -> None:
+async def test_health_is_503_when_vllm_is_unreachable_the_details_behind_the_key() -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)
 
-    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), FakeRing()) as proxy:
+    settings = settings_for("/unused", api_key="k")
+    async with proxy_client(settings, FakeVLLM(handle), FakeRing()) as proxy:
         response = await proxy.client.get("/health")
-    assert response.status_code == 503
-    assert "ConnectError" in error_of(response)["message"]
+        detailed = await proxy.client.get("/health", headers={"authorization": "Bearer k"})
+        wrong = await proxy.client.get("/health", headers={"authorization": "Bearer x"})
+    assert response.status_code == detailed.status_code == wrong.status_code == 503
+    # Without the key: in words, without vLLM's address or the exception.
+    assert error_of(response)["message"] == "vLLM is not healthy: it cannot be reached."
+    assert error_of(wrong)["message"] == error_of(response)["message"]
+    message = error_of(detailed)["message"]
+    assert "http://vllm.test:8000" in message and "ConnectError" in message
 
 
 FAILURE = EngineFailure(instance=1, engine=1, pid=77, message="RingInUseError: held")
@@ -94,15 +100,20 @@ REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not su
     ],
     ids=["an-engine-of-a-publishing-vllm-has-no-ring", "the-hook-refused-the-servers-settings"],
 )
-async def test_health_is_503_naming_the_engine_and_the_cause(
+async def test_health_is_503_naming_the_engine_the_cause_behind_the_key(
     ring: FakeRing, engine: int, cause: str
 ) -> None:
-    async with proxy_client(settings_for("/unused"), FakeVLLM(ops_handler()), ring) as proxy:
+    settings = settings_for("/unused", api_key="k")
+    async with proxy_client(settings, FakeVLLM(ops_handler()), ring) as proxy:
         response = await proxy.client.get("/health")
-    assert response.status_code == 503
-    message = error_of(response)["message"]
+        detailed = await proxy.client.get("/health", headers={"authorization": "Bearer k"})
+    assert response.status_code == detailed.status_code == 503
+    words = error_of(response)["message"]
+    assert words.startswith("vLLM is healthy, but ") and f"engine {engine} " in words
+    assert cause not in words and "77" not in words  # no exception text, no pid
+    message = error_of(detailed)["message"]
     assert message.startswith(f"vLLM at http://vllm.test:8000 is healthy, but engine {engine}")
-    assert cause in message
+    assert cause in message and "pid 77" in message
 
 
 @pytest.mark.parametrize(
@@ -145,7 +156,7 @@ async def test_health_with_real_rings_and_notes(ring_dir: str, writer: RingWrite
         other.close()
     assert response.status_code == 503
     message = error_of(response)["message"]
-    assert "engine 1" in message and "no space left" in message
+    assert "engine 1" in message and "no space left" not in message
     assert "other vLLM" not in message
 
 

@@ -352,7 +352,7 @@ async def test_a_stream_breaking_before_its_first_choice_is_502() -> None:
         response = await proxy.client.post(CHAT, json=flagged_stream())
         assert proxy.metrics.upstream_errors == 1
     assert response.status_code == 502
-    assert "connection reset" in error_of(response)["message"]
+    assert "The exchange with vLLM failed" in error_of(response)["message"]
 
 
 async def test_a_stream_without_a_choice_in_its_first_bytes_is_502() -> None:

@@ -4,6 +4,7 @@ timeouts, and the error a failed exchange becomes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 from typing import Any
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, error_of, proxy_client, settings_for
-from vllm_hidden_state_proxy.proxy import ProxySettings
+from vllm_hidden_state_proxy.proxy import ProxySettings, upstream
 from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
 from vllm_hidden_state_proxy.proxy.upstream import (
     KEEPALIVE_EXPIRY,
@@ -90,20 +91,33 @@ def test_an_upstream_api_key_replaces_the_clients() -> None:
 @pytest.mark.parametrize(
     ("error", "status", "fragment"),
     [
-        (httpx.ReadTimeout("r"), 504, "did not answer in time"),
-        (httpx.WriteTimeout("w"), 504, "did not answer in time"),
-        (httpx.PoolTimeout("p"), 504, "did not answer in time"),
-        (httpx.ConnectTimeout("c"), 502, "Could not reach vLLM at http://vllm:8000"),
-        (httpx.ConnectError("c"), 502, "Could not reach vLLM at http://vllm:8000"),
-        (httpx.ReadError("r"), 502, "The exchange with vLLM at http://vllm:8000 failed"),
-        (httpx.DecodingError("d"), 502, "The exchange with vLLM at http://vllm:8000 failed"),
+        (httpx.ReadTimeout("r secret"), 504, "did not answer in time"),
+        (httpx.WriteTimeout("w secret"), 504, "did not answer in time"),
+        (httpx.PoolTimeout("p secret"), 504, "did not answer in time"),
+        (httpx.ConnectTimeout("c secret"), 502, "Could not reach vLLM"),
+        (httpx.ConnectError("c secret"), 502, "Could not reach vLLM"),
+        (httpx.ReadError("r secret"), 502, "The exchange with vLLM failed"),
+        (httpx.DecodingError("d secret"), 502, "The exchange with vLLM failed"),
     ],
 )
-def test_transport_errors_map_to_502_or_504(
-    error: httpx.HTTPError, status: int, fragment: str
+def test_transport_errors_map_to_502_or_504_in_words_the_details_logged(
+    error: httpx.HTTPError,
+    status: int,
+    fragment: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mapped = transport_error(ProxySettings(upstream_url="http://vllm:8000"), error)
+    monkeypatch.setattr(upstream, "_log_state", {"next": 0.0, "skipped": 0})
+    with caplog.at_level(logging.WARNING, logger=upstream.__name__):
+        mapped = transport_error(ProxySettings(upstream_url="http://vllm:8000"), error)
+        again = transport_error(ProxySettings(upstream_url="http://vllm:8000"), error)
     assert mapped.status == status and fragment in mapped.message
+    # Any client may see it: neither vLLM's address nor the exception's text.
+    assert "vllm:8000" not in mapped.message and "secret" not in mapped.message
+    assert again.message == mapped.message
+    # The operator's log has them, once per interval however many requests fail.
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "http://vllm:8000" in logged[0] and "secret" in logged[0]
 
 
 async def test_an_injected_transport_is_used_as_it_is() -> None:
@@ -148,4 +162,4 @@ async def test_nothing_listening_is_502() -> None:
     async with proxy_client(settings, None, FakeRing()) as proxy:
         response = await proxy.client.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 502
-    assert f"http://127.0.0.1:{port}" in error_of(response)["message"]
+    assert error_of(response)["message"] == "Could not reach vLLM (the proxy's log says why)."

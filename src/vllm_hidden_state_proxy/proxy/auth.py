@@ -32,21 +32,28 @@ def bearer_token(scope: Scope) -> bytes | None:
     return value[len(_BEARER) :].strip()
 
 
+def has_api_key(scope: Scope, api_key: str | None) -> bool:
+    """Whether the request carries the proxy's API key (never, when it has none)."""
+    if not api_key:
+        return False
+    token = bearer_token(scope)
+    # compare_digest takes time independent of where the first difference is.
+    return token is not None and hmac.compare_digest(token, api_key.encode("utf-8"))
+
+
 class ApiKeyGuard:
     """ASGI middleware: refuse HTTP requests without the right Bearer token."""
 
     def __init__(self, app: ASGIApp, *, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
-        self._api_key = api_key.encode("utf-8")
+        self._api_key = api_key
         self._open_paths = frozenset({"/health"} if protect_metrics else {"/health", "/metrics"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open_paths:
             await self.app(scope, receive, send)
             return
-        token = bearer_token(scope)
-        # compare_digest takes time independent of where the first difference is.
-        if token is None or not hmac.compare_digest(token, self._api_key):
+        if not has_api_key(scope, self._api_key):
             error = ProxyError(
                 401,
                 "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "

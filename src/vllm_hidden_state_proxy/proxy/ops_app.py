@@ -6,9 +6,11 @@ import anyio
 import httpx
 
 from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send, send_error, send_response
+from vllm_hidden_state_proxy.proxy.auth import has_api_key
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.ring import EngineFailure
 
 
 async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Response:
@@ -25,8 +27,8 @@ async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Resp
         )
 
 
-def not_ready_reason(state: ProxyState) -> str | None:
-    """Why the proxy is not ready although vLLM is, or ``None``:
+def not_ready_failures(state: ProxyState) -> list[EngineFailure]:
+    """The engines that make the proxy not ready although vLLM is (none: ready):
 
     - some engine of a vLLM whose other engines publish has no ring, so a share of flagged
       requests would fail (routing decides which);
@@ -39,45 +41,54 @@ def not_ready_reason(state: ProxyState) -> str | None:
     rings = state.rings
     failures = rings.failed_engines()
     if not failures:
-        return None
+        return []
     publishing = rings.publishing_instances()
-    why = [
+    return [
         failure
         for failure in failures
         if failure.instance in publishing or (failure.refused_settings and not publishing)
     ]
-    if not why:
-        return None
-    return "; ".join(failure.describe() for failure in why)
 
 
 class HealthApp:
     """200 only if vLLM's own ``/health`` answers 200 within ``health_timeout`` and
-    :func:`not_ready_reason` finds nothing."""
+    :func:`not_ready_failures` finds none.
+
+    Probes and anyone else get the reason in words only; paths, pids, vLLM's address and
+    exception text are for requests that carry the proxy's API key (and the proxy's log)."""
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        upstream = self.state.settings.upstream_url
+        settings = self.state.settings
+        detailed = has_api_key(scope, settings.api_key)
         try:
             response = await _get_upstream(self.state, "/health", "*/*")
         except TimeoutError:
-            timeout = self.state.settings.health_timeout
-            problem = f"/health did not answer within {timeout:g} s"
+            problem = detail = f"its /health did not answer within {settings.health_timeout:g} s"
         except httpx.HTTPError as exc:
-            problem = f"{exc!r}"
+            problem, detail = "it cannot be reached", f"{exc!r}"
         else:
             if response.status_code == 200:
-                missing = not_ready_reason(self.state)
-                if missing is None:
+                failures = not_ready_failures(self.state)
+                if not failures:
                     await send_response(send, 200, b"", b"text/plain; charset=utf-8")
                     return
-                message = f"vLLM at {upstream} is healthy, but {missing}."
+                if detailed:
+                    why = "; ".join(failure.describe() for failure in failures)
+                    message = f"vLLM at {settings.upstream_url} is healthy, but {why}."
+                else:
+                    why = "; ".join(failure.summary() for failure in failures)
+                    message = f"vLLM is healthy, but {why}."
                 await send_error(send, ProxyError(503, message))
                 return
-            problem = f"/health answered {response.status_code}"
-        await send_error(send, ProxyError(503, f"vLLM at {upstream} is not healthy: {problem}."))
+            problem = detail = f"its /health answered {response.status_code}"
+        if detailed:
+            message = f"vLLM at {settings.upstream_url} is not healthy: {detail}."
+        else:
+            message = f"vLLM is not healthy: {problem}."
+        await send_error(send, ProxyError(503, message))
 
 
 class MetricsApp:

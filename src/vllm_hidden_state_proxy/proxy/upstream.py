@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import httpx
 
@@ -11,6 +13,8 @@ from vllm_hidden_state_proxy.proxy.asgi import Scope
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+
+log = logging.getLogger(__name__)
 
 #: Seconds an idle pooled connection to vLLM is kept (below vLLM's 5 s keep-alive timeout).
 KEEPALIVE_EXPIRY = 2.0
@@ -103,10 +107,31 @@ def build_request(
 
 
 def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
-    """The error the client sees when the exchange with vLLM itself failed (no usable answer)."""
-    url = settings.upstream_url
+    """The error the client sees when the exchange with vLLM itself failed (no usable answer):
+    in words only, since any client may see it; vLLM's address and the exception go to the
+    proxy's log."""
+    _log_failure(settings.upstream_url, exc)
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return ProxyError(504, f"vLLM at {url} did not answer in time: {exc!r}")
+        return ProxyError(504, "vLLM did not answer in time.")
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return ProxyError(502, f"Could not reach vLLM at {url}: {exc!r}")
-    return ProxyError(502, f"The exchange with vLLM at {url} failed: {exc!r}")
+        return ProxyError(502, "Could not reach vLLM (the proxy's log says why).")
+    return ProxyError(
+        502, "The exchange with vLLM failed before it answered (the proxy's log says why)."
+    )
+
+
+#: At most one log line per this many seconds about failed exchanges (a vLLM that is down
+#: would otherwise write one per request), with the count of the ones not logged.
+_LOG_INTERVAL = 10.0
+_log_state = {"next": 0.0, "skipped": 0}
+
+
+def _log_failure(url: str, exc: httpx.HTTPError) -> None:
+    now = time.monotonic()
+    if now < _log_state["next"]:
+        _log_state["skipped"] += 1
+        return
+    skipped, _log_state["skipped"] = int(_log_state["skipped"]), 0
+    _log_state["next"] = now + _LOG_INTERVAL
+    more = f" ({skipped} more since the last line)" if skipped else ""
+    log.warning("the exchange with vLLM at %s failed: %r%s", url, exc, more)

@@ -50,6 +50,18 @@ class EngineFailure:
     #: The hook refused the server's own settings (``serve`` exits, ``/health`` is 503).
     refused_settings: bool = False
 
+    def summary(self) -> str:
+        """In words only (no pid, path or exception text): for whoever asks ``/health``."""
+        if self.refused_settings:
+            return (
+                f"the worker hook of engine {self.engine} (data-parallel index) refused the "
+                "settings vLLM was started with"
+            )
+        return (
+            f"engine {self.engine} (data-parallel index) has no ring: its worker hook could "
+            "not start"
+        )
+
     def describe(self) -> str:
         return (
             f"engine {self.engine} (data-parallel index) of vLLM instance {self.instance:016x}, "
