@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import pytest
 
-from vllm_hidden_state_proxy.proxy.metrics import KINDS, MISS_REASONS, ProxyMetrics
+from vllm_hidden_state_proxy.proxy.metrics import KINDS, MISS_REASONS, MetricsTable, ProxyMetrics
 
 
 def samples(text: bytes) -> dict[str, float]:
@@ -67,3 +70,23 @@ def test_histogram_buckets_are_cumulative() -> None:
     assert counts == sorted(counts)
     assert values["hidden_state_proxy_vector_wait_seconds_count"] == 6
     assert values["hidden_state_proxy_vector_wait_seconds_sum"] == pytest.approx(67.00615)
+
+
+def test_the_shared_table_is_private_and_never_opened_through_a_link(tmp_path: Path) -> None:
+    path = MetricsTable.create_shared(tmp_path)
+    assert path.parent.parent == tmp_path and path.parent.name != "hidden-state-proxy-metrics-"
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700  # no one else may add files there
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    table = MetricsTable(path)
+    table.close()
+    # A link planted where a table is expected (another user's guess) is not followed.
+    planted = tmp_path / "planted"
+    planted.symlink_to(path)
+    with pytest.raises(OSError):
+        MetricsTable(planted)
+    small = tmp_path / "small"
+    small.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a metrics table"):
+        MetricsTable(small)
+    MetricsTable.remove_shared(path)
+    assert not path.parent.exists()

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import tempfile
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -75,21 +76,39 @@ class MetricsTable:
         self._fd: int | None = None
         if path is None:
             self._mm = mmap.mmap(-1, size)
-        else:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        else:  # a table create_shared made: never through a link, never a file it did not make
+            self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             if os.fstat(self._fd).st_size < size:
-                os.ftruncate(self._fd, size)
+                os.close(self._fd)
+                raise ValueError(f"{path} is not a metrics table ({size} bytes)")
             self._mm = mmap.mmap(self._fd, size)
         self._cells = memoryview(self._mm).cast("q")
 
     @classmethod
     def create_shared(cls, directory: str | os.PathLike[str]) -> Path:
-        """A fresh, empty shared table file for a server's workers; returns its path."""
-        path = Path(directory) / f"hidden-state-proxy-metrics-{os.getpid()}.bin"
+        """A fresh, empty shared table file for a server's workers, in a private (0700)
+        directory of its own under ``directory``; returns its path (:meth:`remove_shared`).
+
+        The name is not guessable and the file is made with ``O_EXCL | O_NOFOLLOW``: no other
+        local user can have put a file or a link there for the workers to write through.
+        """
+        private = Path(tempfile.mkdtemp(prefix="hidden-state-proxy-metrics-", dir=directory))
+        path = private / "table.bin"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.ftruncate(fd, ROWS * CELLS * 8)
+        finally:
+            os.close(fd)
+        return path
+
+    @staticmethod
+    def remove_shared(path: Path) -> None:
+        """Remove a table :meth:`create_shared` made, and its directory."""
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-        cls(path).close()
-        return path
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
     def claim_row(self) -> memoryview:
         """This process's row: its own, a dead process's (counting on), or a free one."""

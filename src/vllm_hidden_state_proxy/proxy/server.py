@@ -7,7 +7,6 @@ maps every ring itself, and counts into its own row of a shared metrics table.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from typing import Any
@@ -67,5 +66,4 @@ def serve_proxy(settings: ProxySettings) -> None:
             f"{__name__}:worker_app", factory=True, workers=settings.workers, **_options(settings)
         )
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            metrics_file.unlink()
+        MetricsTable.remove_shared(metrics_file)
