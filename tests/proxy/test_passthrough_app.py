@@ -194,12 +194,12 @@ async def test_streaming_through_client_in_order() -> None:
     ("path", "body", "param"),
     [
         (
-            "/v1/responses",
+            "/v1/messages",
             b'{"input": "x", "kv_transfer_params": {"return_last_hidden_state": true}}',
             "kv_transfer_params.return_last_hidden_state",
         ),
         (
-            "/v1/responses",
+            "/v1/messages",
             b'{"input": "x", "vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": "00"}}',
             "vllm_xargs",
         ),
@@ -240,10 +240,10 @@ async def test_an_unparseable_body_on_other_paths_is_left_to_vllm() -> None:
     body = b'{"vllm_xargs": {"\\u0068": [}'  # could be read by no one, spells nothing as it is
     spelled = b'{"vllm_xargs": {"' + REQUEST_KEY_ENTRY.encode() + b'": [}'
     async with proxy_client(settings_for("/nonexistent"), vllm, FakeRing()) as proxy:
-        response = await proxy.client.post("/v1/responses", content=body)
+        response = await proxy.client.post("/v1/messages", content=body)
         assert proxy.metrics.requests["ordinary"] == 1
         # One that spells the prefix as it is cannot be proven harmless: refused.
-        refused = await proxy.client.post("/v1/responses", content=spelled)
+        refused = await proxy.client.post("/v1/messages", content=spelled)
     assert (response.status_code, response.content) == (422, b"vllm says no")
     assert [request.content for request in vllm.requests] == [body]
     assert refused.status_code == 400

@@ -20,6 +20,7 @@ from vllm_hidden_state_proxy.proxy.embeddings_app import EmbeddingsApp
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.ops_app import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
+from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
@@ -107,6 +108,7 @@ def create_app(
         Route("/v1/chat/completions", ChatApp(state), methods=["POST"]),
         Route("/v1/completions", CompletionsApp(state), methods=["POST"]),
         Route("/v1/embeddings", EmbeddingsApp(state), methods=["POST"]),
+        Route("/v1/responses", ResponsesApp(state), methods=["POST"]),
         Route("/{path:path}", PassthroughApp(state)),
     ]
     middleware = []

@@ -11,7 +11,7 @@ an error (:mod:`.vector_lookup`) instead, before any byte of vLLM's answer.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,14 +171,22 @@ async def fetch_flagged_json(
         await close_quietly(response)
 
 
+#: Relays a flagged stream with the vectors (``fields()``) joined in where they ride.
+StreamRelay = Callable[
+    [ProxyState, Send, httpx.Response, Callable[[], Awaitable[dict[str, Any]]]], Awaitable[None]
+]
+
+
 async def flagged_exchange(
     state: ProxyState,
     scope: Scope,
     send: Send,
     document: dict[str, Any],
     wanted: WantedVectors,
+    relay_stream: StreamRelay = relay_with_vectors,
 ) -> None:
-    """Forward one flagged request and answer the client (JSON or stream)."""
+    """Forward one flagged request and answer the client (JSON, or a stream relayed by
+    ``relay_stream``: chat and completions chunks by default)."""
     request = KeyedRequest.prepare(state, document, wanted)
     try:
         response = await _open(state, scope, request)
@@ -186,7 +194,7 @@ async def flagged_exchange(
         await send_error(send, error)
         return
     try:
-        await _answer(state, send, request, response)
+        await _answer(state, send, request, response, relay_stream)
     except ProxyError as error:
         await send_error(send, error)
     finally:
@@ -194,7 +202,11 @@ async def flagged_exchange(
 
 
 def _answer(
-    state: ProxyState, send: Send, request: KeyedRequest, response: httpx.Response
+    state: ProxyState,
+    send: Send,
+    request: KeyedRequest,
+    response: httpx.Response,
+    relay_stream: StreamRelay,
 ) -> Awaitable[None]:
     if response.status_code != 200:
         return relay_response(state, send, response)  # vLLM's own error, unchanged
@@ -203,7 +215,7 @@ def _answer(
         async def fields() -> dict[str, Any]:
             return single_prompt_fields(await record_of(state, request), request.wanted)
 
-        return relay_with_vectors(state, send, response, fields)
+        return relay_stream(state, send, response, fields)
     return _send_json(state, send, request, response)
 
 

@@ -27,16 +27,12 @@ from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.relay import relay_body
+from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
-#: The longest separator, less one: a separator can straddle two reads by this many bytes.
-_OVERLAP = 3
 #: The streamed body changes length where the vectors are joined in.
 _STREAM_DROP = frozenset({b"content-length"})
-
-#: Event separators (the SSE spec allows LF, CRLF and CR line ends; vLLM writes LF).
-_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
 
 @dataclass(frozen=True)
@@ -56,57 +52,28 @@ class StreamEnded:
     error: bytes | None = None
 
 
-def _event_end(buffer: bytes | bytearray, start: int, search_from: int) -> tuple[int, int] | None:
-    """(end of the event, start of the next one) for the event at ``start``, if complete; no
-    separator begins between ``start`` and ``search_from`` (already searched)."""
-    best: tuple[int, int] | None = None
-    for separator in _SEPARATORS:
-        at = buffer.find(separator, max(start, search_from))
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, at + len(separator))
-    return best
-
-
-def _event_data(event: bytes) -> bytes | None:
-    """The event's data (``data:`` lines joined by LF), or ``None`` if it has none."""
-    lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
-    return b"\n".join(data) if data else None
-
-
-def _json_object(data: bytes) -> dict[str, Any] | None:
-    try:
-        chunk = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return chunk if isinstance(chunk, dict) else None
-
-
 class FirstChoiceScanner:
     """Scans complete events of a growing buffer, resuming where the last scan stopped (each
     byte is searched once, however the stream is cut)."""
 
     def __init__(self) -> None:
-        self._next = 0
-        self._searched = 0
+        self._cursor = EventCursor()
         #: The data of the first in-stream error event (``{"error": ...}``) seen so far.
         self.error: bytes | None = None
 
     def scan(self, buffer: bytes | bytearray) -> ChoiceEvent | StreamEnded | None:
         """The first choice event, ``StreamEnded``, or ``None`` (need more bytes)."""
         while True:
-            bounds = _event_end(buffer, self._next, self._searched)
+            bounds = self._cursor.take(buffer)
             if bounds is None:
-                self._searched = max(self._next, len(buffer) - _OVERLAP)
                 return None
-            end, following = bounds
-            start, self._next = self._next, following
-            data = _event_data(bytes(buffer[start:end]))
+            start, end = bounds
+            data = event_data(bytes(buffer[start:end]))
             if data is None:
                 continue
             if data.strip() == b"[DONE]":
                 return StreamEnded(self.error)
-            chunk = _json_object(data)
+            chunk = json_object(data)
             if chunk is None:
                 continue
             choices = chunk.get("choices")
@@ -120,7 +87,7 @@ def ended_before_a_choice(error: bytes | None) -> tuple[int, bytes]:
     """(status, JSON body) for a flagged stream that ended before its first choice: vLLM's
     in-stream error as it sent it, with its ``code`` as the status; the proxy's own 502 (with
     vLLM's error inside) when that code is not an HTTP error status, or when vLLM sent none."""
-    details = None if error is None else (_json_object(error) or {}).get("error")
+    details = None if error is None else (json_object(error) or {}).get("error")
     code = details.get("code") if isinstance(details, dict) else None
     if error is not None and isinstance(code, int) and 400 <= code <= 599:
         return code, error

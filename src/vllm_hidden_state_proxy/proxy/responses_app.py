@@ -1,0 +1,32 @@
+"""``POST /v1/responses``: like chat; a flagged stream gets its vectors on ``response.completed``.
+
+vLLM's ``ResponsesRequest`` takes ``vllm_xargs`` and ``kv_transfer_params`` as chat does, and its
+response object carries ``kv_transfer_params``: a flagged JSON answer gets the vectors there, a
+flagged stream in the final response of its ``response.completed`` event
+(:mod:`.responses_stream`). The prompt is what vLLM builds from ``instructions`` (a system
+message), ``input`` (a string is one user message) and, with ``previous_response_id``, the
+stored conversation before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+
+from vllm_hidden_state_proxy.proxy.admission import GenerationEndpoint, resolve_wanted
+from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
+from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
+from vllm_hidden_state_proxy.proxy.inspection import Flagged
+from vllm_hidden_state_proxy.proxy.responses_stream import relay_responses_with_vectors
+
+
+class ResponsesApp(GenerationEndpoint):
+    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+        wanted = resolve_wanted(self.state, flagged)
+        return flagged_exchange(
+            self.state,
+            scope,
+            send,
+            flagged.document,
+            wanted,
+            relay_stream=relay_responses_with_vectors,
+        )

@@ -1,0 +1,190 @@
+"""Responses API streams: the vectors ride on the ``response.completed`` event.
+
+vLLM streams ``POST /v1/responses`` as named events (``event: response.created`` /
+``data: {...}``) and ends after ``response.completed``, whose ``response`` is the final
+response object. The vectors go there, in ``response.kv_transfer_params``, where the
+non-streaming answer has them and where a client reading the final response finds them (the
+openai SDK's ``stream.get_final_response()``, or the event itself). No earlier event carries
+them: ``response.created`` comes before the prompt is computed.
+
+The stream is held until its first event past ``response.created`` and
+``response.in_progress`` (vLLM sends those two before prefill; the next ones come once the
+prompt is computed, when the record is published), and the record is looked up then, so a
+missing vector is a proper error response before any byte of the stream; an ``error`` or
+``response.failed`` event before any output becomes a 502 with vLLM's event in it. After the
+head, complete events are relayed as they arrive; only the one that mentions
+``response.completed`` is parsed, and its ``data:`` line rewritten (its ``event:`` line kept).
+A stream that fails after its head ends as vLLM ended it, without the vectors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
+from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.sse_events import (
+    EventCursor,
+    event_data,
+    json_object,
+    with_data,
+)
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.upstream import transport_error
+
+log = logging.getLogger(__name__)
+
+#: Events vLLM sends before the prompt is computed.
+_PRELUDE = frozenset({"response.created", "response.in_progress"})
+#: Events that end a stream with no output.
+_FAILED = frozenset({"error", "response.failed"})
+_COMPLETED = "response.completed"
+_COMPLETED_MARK = b'"response.completed"'
+#: The streamed body changes length where the vectors are joined in.
+_STREAM_DROP = frozenset({b"content-length"})
+
+
+class _Overflow(Exception):
+    """An event longer than the proxy holds: the stream is cut (its head is already out)."""
+
+
+def _prelude_outcome(
+    buffer: bytes | bytearray, cursor: EventCursor
+) -> tuple[str, bytes | None] | None:
+    """("output", None) at the first event past the prelude, ("failed", its data) at an error
+    before any output, ``None`` until one comes."""
+    while (bounds := cursor.take(buffer)) is not None:
+        data = event_data(bytes(buffer[bounds[0] : bounds[1]]))
+        event = None if data is None else json_object(data)
+        kind = None if event is None else event.get("type")
+        if kind in _PRELUDE or data is None:
+            continue
+        if kind in _FAILED:
+            return "failed", data
+        return "output", None
+    return None
+
+
+class CompletedJoiner:
+    """Relays complete events as they arrive, the ``response.completed`` one with ``fields``
+    joined into its response's ``kv_transfer_params``."""
+
+    def __init__(self, fields: dict[str, Any], limit: int) -> None:
+        self.fields = fields
+        self.limit = limit
+        self.joined = False
+        self._pending = bytearray()
+        self._cursor = EventCursor()
+
+    def feed(self, data: bytes | bytearray) -> bytes:
+        """The bytes that can go on now (whole events; a partial one waits)."""
+        pending = self._pending
+        pending += data
+        out = bytearray()
+        copied = 0
+        while (bounds := self._cursor.take(pending)) is not None:
+            start, end = bounds
+            if self.joined or _COMPLETED_MARK not in pending[start:end]:
+                continue
+            joined = self._join(bytes(pending[start:end]))
+            if joined is not None:
+                out += pending[copied:start]
+                out += joined
+                copied = end
+        flushed = self._cursor.next
+        out += pending[copied:flushed]
+        del pending[:flushed]
+        self._cursor.rebase(flushed)
+        if len(pending) > self.limit:
+            raise _Overflow(f"an event of the stream is longer than {self.limit} bytes")
+        return bytes(out)
+
+    def finish(self) -> bytes:
+        """What is left when the stream ends (an event without its separator)."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        if not self.joined and _COMPLETED_MARK in rest:
+            joined = self._join(rest)
+            if joined is not None:
+                return joined
+        return rest
+
+    def _join(self, event: bytes) -> bytes | None:
+        data = event_data(event)
+        document = None if data is None else json_object(data)
+        if document is None or document.get("type") != _COMPLETED:
+            return None
+        final = document.get("response")
+        if not isinstance(final, dict):
+            return None
+        document["response"] = with_kv_fields(final, self.fields)
+        self.joined = True
+        return with_data(event, dump_json(document))
+
+
+def _failed_before_output(error: bytes | None) -> bytes:
+    said = "" if error is None else f" vLLM's event: {error.decode(errors='replace')}"
+    message = f"vLLM's stream ended before any output, so without the hidden state.{said}"
+    return ProxyError(502, message).body()
+
+
+async def relay_responses_with_vectors(
+    state: ProxyState,
+    send: Send,
+    response: httpx.Response,
+    fields: Callable[[], Awaitable[dict[str, Any]]],
+) -> None:
+    """Hold the stream until the prompt is computed, then relay it with ``fields()`` joined
+    into its ``response.completed`` event. Raises ``ProxyError`` only before the head is out."""
+    chunks = response.aiter_raw()
+    limit = state.settings.max_answer_bytes
+    buffer = bytearray()
+    cursor = EventCursor()
+    outcome: tuple[str, bytes | None] | None = None
+    try:
+        async for chunk in chunks:
+            buffer += chunk
+            outcome = _prelude_outcome(buffer, cursor)
+            if outcome is not None:
+                break
+            if len(buffer) > limit:
+                raise ProxyError(
+                    502,
+                    f"vLLM's stream had no output in its first {limit} bytes (the proxy's "
+                    "--max-answer-size).",
+                )
+    except httpx.HTTPError as exc:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, exc) from exc
+    if outcome is None or outcome[0] != "output":
+        error = None if outcome is None else outcome[1]
+        await send_response(send, 502, _failed_before_output(error), b"application/json")
+        return
+    joiner = CompletedJoiner(await fields(), limit)
+    head = joiner.feed(buffer)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": downstream_response_headers(response.headers.raw, drop=_STREAM_DROP),
+        }
+    )
+    await send({"type": "http.response.body", "body": head, "more_body": True})
+    try:
+        async for chunk in chunks:
+            out = joiner.feed(chunk)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+    except httpx.TransportError as exc:
+        state.metrics.upstream_errors += 1
+        log.warning("vLLM's Responses stream broke off: %r", exc)
+        return  # cut the connection: the client sees a truncated stream, not a complete one
+    except _Overflow as exc:
+        log.warning("a flagged Responses stream was cut: %s (--max-answer-size)", exc)
+        return
+    await send({"type": "http.response.body", "body": joiner.finish(), "more_body": False})
