@@ -308,6 +308,13 @@ def test_taken_port_fails_at_once(start: Starter, option: str) -> None:
     assert not (server.pid_dir / "vllm").exists()  # refused before anything started
 
 
+def test_a_socket_of_the_users_for_vllm_is_refused_at_once(start: Starter) -> None:
+    server: Serve = start("--uds", "/tmp/elsewhere.sock")  # not serve's: it would go to vLLM
+    assert server.wait(timeout=30) == 1
+    assert "--uds cannot be passed to vLLM" in server.output
+    assert not (server.pid_dir / "vllm").exists()
+
+
 def test_proxy_that_never_answers_is_given_up_on(start: Starter) -> None:
     server: Serve = start(proxy="silent")  # the runner sets PROXY_STARTUP_TIMEOUT = 2
     vllm, proxy = server.pid("vllm"), server.pid("proxy")

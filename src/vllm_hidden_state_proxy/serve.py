@@ -187,6 +187,17 @@ def port_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def vllm_option_problem(vllm_args: Sequence[str]) -> str | None:
+    """A message if the options passed to vLLM would move it off serve's socket."""
+    for arg in vllm_args:
+        if arg == "--uds" or arg.startswith("--uds="):
+            return (
+                "serve decides where vLLM listens (a private Unix socket, or --vllm-port); "
+                "--uds cannot be passed to vLLM"
+            )
+    return None
+
+
 def exit_status(returncode: int) -> int:
     """``serve``'s status when a child stopped on its own: 128+N if signal N killed it (as a
     shell reports it), 1 if it exited 0 (it should not have stopped), else its own status."""
@@ -393,7 +404,7 @@ def _local_url(host: str, port: int) -> str:
 
 def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """Run both processes until one exits or we are told to stop. Returns the exit status."""
-    problem = port_problem(args)
+    problem = vllm_option_problem(vllm_args) or port_problem(args)
     if problem is not None:
         _say(problem)
         return 1
