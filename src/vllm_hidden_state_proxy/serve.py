@@ -10,16 +10,18 @@ variable: the command line is visible to every local user) that only the proxy i
 key alone would not do: vLLM checks it only under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``, while ``/invocations`` (chat and completions), ``/tokenize`` and others stay open.
 ``--vllm-port`` opts into loopback TCP instead (still with the key), for tools that must reach
-vLLM directly. The ports are checked before anything starts. Once vLLM answers ``/health``, the
-proxy starts. If either exits,
-the other is stopped and ``serve`` exits non-zero (a child killed by signal N gives 128+N), so
-compose or Kubernetes restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM) stops
-both cleanly and exits 0; further Ctrl-Cs while they stop are ignored. On Linux both children
-are also sent SIGTERM by the kernel if ``serve`` itself dies (even by SIGKILL).
+vLLM directly. The ports are checked before anything starts.
+
+Once vLLM answers ``/health``, the proxy starts. If either exits, the other is stopped and
+``serve`` exits non-zero (a child killed by signal N gives 128+N), so compose or Kubernetes
+restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM) stops both cleanly and
+exits 0; further Ctrl-Cs while they stop are ignored. On Linux both children are also sent
+SIGTERM by the kernel if ``serve`` itself dies (even by SIGKILL).
 
 Unless ``--ring-dir`` is given, the rings live in a private directory
-``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit. Only a hard kill of ``serve``
-(SIGKILL, power loss) leaves one behind; such leftovers are safe to delete once no ``serve`` runs.
+``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit, as vLLM's socket directory is.
+Only a hard kill of ``serve`` (SIGKILL, power loss) leaves them behind; such leftovers are safe
+to delete once no ``serve`` runs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from urllib.parse import urlsplit
 
 from vllm_hidden_state_proxy.processes import (
     GROUP_EXIT_GRACE,
@@ -89,7 +90,7 @@ class VllmAccess:
         return cls(SOCKET_URL, os.path.join(socket_dir, VLLM_SOCKET_NAME), api_key)
 
     def describe(self) -> str:
-        return f"{VLLM_LOOPBACK}:{urlsplit(self.url).port}" if self.uds is None else self.uds
+        return self.url.removeprefix("http://") if self.uds is None else self.uds
 
 
 def proxy_settings_for(args: argparse.Namespace, vllm: VllmAccess, ring_dir: str) -> ProxySettings:
