@@ -222,6 +222,9 @@ class Serve:
         match = re.search(r"\(ring directory (\S+)\)", self.output)
         if match:  # this serve's own directory (or one under tmp_path)
             shutil.rmtree(match[1], ignore_errors=True)
+        match = re.search(r"starting vLLM on (/\S+) ", self.output)
+        if match and Path(match[1]).parent.name.startswith(serve.SOCKET_DIR_PREFIX):
+            shutil.rmtree(Path(match[1]).parent, ignore_errors=True)  # serve was killed
 
 
 Starter = Callable[..., Serve]
