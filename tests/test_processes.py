@@ -16,6 +16,8 @@ from vllm_hidden_state_proxy.processes import (
     VLLM_LOOPBACK,
     NotHealthy,
     free_port,
+    healthy,
+    http_status,
     log_tail,
     offline_environment,
     one_vllm_at_a_time,
@@ -42,6 +44,47 @@ def test_vllm_command() -> None:
         "float16",
     ]
     assert vllm_command("m", 1, [], host="0.0.0.0")[6] == "0.0.0.0"
+    # On a Unix socket vLLM binds no TCP port: neither --host nor --port.
+    assert vllm_command("m", None, ["--x"], uds="/run/d/vllm.sock")[3:] == [
+        "--model",
+        "m",
+        "--uds",
+        "/run/d/vllm.sock",
+        "--x",
+    ]
+    with pytest.raises(ValueError):
+        vllm_command("m", None, [])
+
+
+def test_http_status_over_a_unix_socket(tmp_path: Path) -> None:
+    import http.server
+    import socketserver
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = self.path.encode()
+            self.send_response(404 if self.path.startswith("/missing") else 200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    path = str(tmp_path / "s.sock")
+    assert http_status("http://localhost/health", uds=path) is None  # nothing listens yet
+    server = socketserver.UnixStreamServer(path, Answer)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        assert http_status("http://localhost/health?x=1", uds=path) == (200, b"/health?x=1")
+        assert http_status("http://ignored/missing", uds=path) == (404, b"/missing")
+        assert healthy("http://localhost/health", uds=path)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def test_offline_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,7 +49,7 @@ FAKE_CHILD = r"""
 import http.server, json, os, signal, sys, time
 from pathlib import Path
 
-role, port, pid_dir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+role, address, pid_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 mode = os.environ.get("FAKE_" + role.upper(), "")
 signal.signal(signal.SIGUSR1, lambda *_: os._exit(3))
 signal.signal(signal.SIGUSR2, lambda *_: os._exit(0))
@@ -57,7 +59,7 @@ if mode == "slow-stop":
         time.sleep(2)
         os._exit(0)
     signal.signal(signal.SIGTERM, stop_slowly)
-names = ("HIDDEN_STATE_PROXY_", "VLLM_PLUGINS")
+names = ("HIDDEN_STATE_PROXY_", "VLLM_PLUGINS", "VLLM_API_KEY")
 seen = {k: v for k, v in os.environ.items() if k.startswith(names)}
 (pid_dir / f".{role}.env").write_text(json.dumps(seen))
 (pid_dir / f".{role}.env").rename(pid_dir / f"{role}.env")
@@ -80,7 +82,11 @@ if mode == "refuses":  # the worker hook refused the server's settings, as vLLM'
 (pid_dir / f".{role}").rename(pid_dir / role)  # atomic: the test never reads half a pid
 if mode == "silent":  # runs, never listens
     signal.pause()
-server = http.server.HTTPServer(("127.0.0.1", port), Health)
+if address.startswith("/"):  # vLLM's --uds
+    import socketserver
+    server = socketserver.UnixStreamServer(address, Health)
+else:
+    server = http.server.HTTPServer(("127.0.0.1", int(address)), Health)
 server.serve_forever()
 """
 
@@ -91,12 +97,14 @@ from vllm_hidden_state_proxy import serve
 from vllm_hidden_state_proxy.cli import main
 
 child, pid_dir = sys.argv[1], Path(sys.argv[2])
-real_proxy_command = serve.proxy_command
+real_proxy_command, real_vllm_command = serve.proxy_command, serve.vllm_command
 
 
-def vllm_command(model, port, extra):
-    (pid_dir / "vllm.argv").write_text(json.dumps([model, port, *extra]))
-    return [sys.executable, child, "vllm", str(port), str(pid_dir)]
+def vllm_command(model, port, extra, *, uds=None):
+    (pid_dir / "vllm.argv").write_text(json.dumps([model, port, uds, *extra]))
+    real = real_vllm_command(model, port, extra, uds=uds)
+    (pid_dir / "vllm.command").write_text(json.dumps(real))
+    return [sys.executable, child, "vllm", uds or str(port), str(pid_dir)]
 
 
 def proxy_command(settings):
@@ -135,16 +143,17 @@ class Serve:
     """``serve`` with fake children, its stderr collected line by line."""
 
     def __init__(self, tmp_path: Path, *options: str, **fake_modes: str) -> None:
+        tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # one test may start several
         (tmp_path / "child.py").write_text(FAKE_CHILD)
         (tmp_path / "runner.py").write_text(RUNNER)
         self.pid_dir = tmp_path / "pids"
         self.pid_dir.mkdir()
-        self.port, self.vllm_port = free_port(), free_port()
+        self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
         env.update(http_proxy=UNREACHABLE_PROXY, HTTP_PROXY=UNREACHABLE_PROXY)
         env.update({f"FAKE_{role.upper()}": mode for role, mode in fake_modes.items()})
         runner = [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "child.py")]
-        ports = ["--port", str(self.port), "--vllm-port", str(self.vllm_port)]
+        ports = ["--port", str(self.port)]
         self.process = subprocess.Popen(
             [*runner, str(self.pid_dir), *ports, *options],
             stderr=subprocess.PIPE,
@@ -188,8 +197,10 @@ class Serve:
         environment: dict[str, str] = json.loads(path.read_text())
         return environment
 
-    def saved_argv(self, role: str) -> list[str]:
-        argv: list[str] = json.loads((self.pid_dir / f"{role}.argv").read_text())
+    def saved_argv(self, role: str) -> list[Any]:
+        """What serve asked the runner for (``vllm.command``: the real vLLM command line)."""
+        name = role if "." in role else f"{role}.argv"
+        argv: list[Any] = json.loads((self.pid_dir / name).read_text())
         return argv
 
     def ring_dir(self) -> Path:
@@ -211,6 +222,9 @@ class Serve:
         match = re.search(r"\(ring directory (\S+)\)", self.output)
         if match:  # this serve's own directory (or one under tmp_path)
             shutil.rmtree(match[1], ignore_errors=True)
+        match = re.search(r"starting vLLM on (/\S+) ", self.output)
+        if match and Path(match[1]).parent.name.startswith(serve.SOCKET_DIR_PREFIX):
+            shutil.rmtree(Path(match[1]).parent, ignore_errors=True)  # serve was killed
 
 
 Starter = Callable[..., Serve]
@@ -297,6 +311,13 @@ def test_taken_port_fails_at_once(start: Starter, option: str) -> None:
     assert not (server.pid_dir / "vllm").exists()  # refused before anything started
 
 
+def test_a_socket_of_the_users_for_vllm_is_refused_at_once(start: Starter) -> None:
+    server: Serve = start("--uds", "/tmp/elsewhere.sock")  # not serve's: it would go to vLLM
+    assert server.wait(timeout=30) == 1
+    assert "--uds cannot be passed to vLLM" in server.output
+    assert not (server.pid_dir / "vllm").exists()
+
+
 def test_proxy_that_never_answers_is_given_up_on(start: Starter) -> None:
     server: Serve = start(proxy="silent")  # the runner sets PROXY_STARTUP_TIMEOUT = 2
     vllm, proxy = server.pid("vllm"), server.pid("proxy")
@@ -380,14 +401,16 @@ def test_the_children_get_their_settings_and_secrets_stay_out_of_argv(
     assert vllm_env[RING_DIR_ENV] == str(ring_dir)
     assert vllm_env[LAYERS_ENV] == "4,8,-1"
     assert API_KEY_ENV not in vllm_env
-    assert server.saved_argv("vllm") == ["fake-model", server.vllm_port, "--max-model-len", "4096"]
+    model, port, uds, *extra = server.saved_argv("vllm")
+    assert (model, port, extra) == ("fake-model", None, ["--max-model-len", "4096"])
     proxy_env = server.child_environment("proxy")
     assert proxy_env[API_KEY_ENV] == "proxy-secret"
     argv = server.saved_argv("proxy")
     assert argv[1:4] == ["-m", "vllm_hidden_state_proxy.cli", "proxy"]
     assert not any("proxy-secret" in arg for arg in argv)
     for option in (
-        f"--upstream=http://127.0.0.1:{server.vllm_port}",
+        "--upstream=http://localhost",
+        f"--upstream-uds={uds}",
         f"--ring-dir={ring_dir}",
         f"--port={server.port}",
         "--vector-timeout=2.5",
@@ -397,6 +420,69 @@ def test_the_children_get_their_settings_and_secrets_stay_out_of_argv(
     server.process.send_signal(signal.SIGTERM)
     assert server.wait() == 0, server.output
     assert ring_dir.is_dir()  # a directory given with --ring-dir is not removed
+
+
+def _private_to_me(path: Path) -> bool:
+    status = path.stat()
+    return status.st_uid == os.geteuid() and status.st_mode & 0o777 == 0o700
+
+
+def test_vllm_listens_on_a_private_socket_with_a_key_only_the_proxy_gets(start: Starter) -> None:
+    """The default layout (issue #25): no TCP port for vLLM; its socket in a fresh 0700
+    directory; a fresh random key, in vLLM's and the proxy's environments only."""
+    server: Serve = start()
+    server.ready()
+    _, port, uds, *_ = server.saved_argv("vllm")
+    assert port is None and uds is not None
+    socket_path = Path(uds)
+    assert socket_path.is_socket(), server.output
+    assert socket_path.name == serve.VLLM_SOCKET_NAME
+    assert socket_path.parent.name.startswith(serve.SOCKET_DIR_PREFIX)
+    assert _private_to_me(socket_path.parent)
+    assert len(os.fsencode(uds)) < 108
+    key = server.child_environment("vllm")[serve.VLLM_API_KEY_ENV]
+    assert len(key) >= 32
+    proxy_env = server.child_environment("proxy")
+    assert proxy_env[UPSTREAM_API_KEY_ENV] == key
+    proxy_argv = server.saved_argv("proxy")
+    assert f"--upstream-uds={uds}" in proxy_argv
+    vllm_argv = server.saved_argv("vllm.command")
+    assert vllm_argv[vllm_argv.index("--uds") + 1] == uds and "--port" not in vllm_argv
+    assert not any(key in arg for arg in [*vllm_argv, *proxy_argv])
+    assert f"starting vLLM on {uds} " in server.output
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+    assert not socket_path.parent.exists()
+
+
+def test_each_serve_gets_its_own_key(start: Starter) -> None:
+    first, second = start(), start()
+    first.ready()
+    second.ready()
+    keys = {s.child_environment("vllm")[serve.VLLM_API_KEY_ENV] for s in (first, second)}
+    assert len(keys) == 2
+
+
+def test_vllm_port_opts_into_loopback_tcp_still_with_the_key(start: Starter) -> None:
+    vllm_port = free_port()
+    server: Serve = start("--vllm-port", str(vllm_port))
+    server.ready()
+    assert server.saved_argv("vllm")[:3] == ["fake-model", vllm_port, None]
+    proxy_argv = server.saved_argv("proxy")
+    assert f"--upstream=http://127.0.0.1:{vllm_port}" in proxy_argv
+    assert not any(arg.startswith("--upstream-uds") for arg in proxy_argv)
+    key = server.child_environment("vllm")[serve.VLLM_API_KEY_ENV]
+    assert server.child_environment("proxy")[UPSTREAM_API_KEY_ENV] == key
+    assert f"starting vLLM on 127.0.0.1:{vllm_port} " in server.output
+
+
+def test_a_chosen_upstream_key_is_vllms_key(start: Starter) -> None:
+    """For tools that must reach vLLM directly (the bench's direct arms, the e2e tests)."""
+    server: Serve = start("--upstream-api-key", "chosen-vllm-key")
+    server.ready()
+    assert server.child_environment("vllm")[serve.VLLM_API_KEY_ENV] == "chosen-vllm-key"
+    assert server.child_environment("proxy")[UPSTREAM_API_KEY_ENV] == "chosen-vllm-key"
+    assert not any("chosen-vllm-key" in arg for arg in server.saved_argv("proxy"))
 
 
 def test_without_layers_vllm_gets_no_layer_setting(start: Starter) -> None:
@@ -433,10 +519,38 @@ def test_proxy_settings_for_serve() -> None:
     args, extra = build_parser().parse_known_args(
         ["serve", "m", "--port=9", "--fan-out-limit=3", "--dtype", "float16"]
     )
-    settings = serve.proxy_settings_for(args, "http://127.0.0.1:8001", "/rings")
-    assert (settings.upstream_url, settings.ring_dir) == ("http://127.0.0.1:8001", "/rings")
+    vllm = serve.VllmAccess.for_serve(None, "/run/private", "k")
+    settings = serve.proxy_settings_for(args, vllm, "/rings")
+    assert (settings.upstream_url, settings.ring_dir) == ("http://localhost", "/rings")
+    assert (settings.upstream_uds, settings.upstream_api_key) == ("/run/private/vllm.sock", "k")
     assert (settings.port, settings.fan_out_limit) == (9, 3)
     assert extra == ["--dtype", "float16"]
+    tcp = serve.proxy_settings_for(args, serve.VllmAccess.for_serve(8001, None, "k"), "/rings")
+    assert (tcp.upstream_url, tcp.upstream_uds) == ("http://127.0.0.1:8001", None)
+
+
+def test_serve_decides_how_the_proxy_reaches_vllm() -> None:
+    """serve has no --upstream/--upstream-uds: a proxy pointed elsewhere would defeat it."""
+    from vllm_hidden_state_proxy.cli import build_parser
+
+    parser = build_parser()
+    for option in ("--upstream=http://elsewhere", "--upstream-uds=/tmp/other.sock"):
+        _, extra = parser.parse_known_args(["serve", "m", option])
+        assert extra == [option]  # not serve's: it would go to vLLM, which refuses it
+
+
+def test_socket_directory_falls_back_when_tmpdir_is_too_long(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(deep))
+    path = Path(serve._private_socket_dir())
+    try:
+        assert path.parent == Path("/tmp") and _private_to_me(path)
+        assert not list(deep.iterdir())  # the too-long one was removed
+    finally:
+        path.rmdir()
 
 
 @pytest.mark.parametrize(
@@ -461,8 +575,9 @@ def test_vllm_environment(
     monkeypatch.setenv(HOOK_ENABLED_ENV, "0")  # serve always wants the hook on
     for name, value in inherited.items():
         monkeypatch.setenv(name, value)
-    environment = serve.vllm_environment("/rings", layers)
+    environment = serve.vllm_environment("/rings", "vllm-key", layers)
     assert environment[RING_DIR_ENV] == "/rings"
+    assert environment[serve.VLLM_API_KEY_ENV] == "vllm-key"
     assert HOOK_ENABLED_ENV not in environment
     assert environment.get("VLLM_PLUGINS") == expected_plugins
     assert environment.get(LAYERS_ENV) == expected_layers
@@ -485,6 +600,8 @@ def test_port_problem_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
         serve.port_problem(Namespace(host="127.0.0.1", port=free_port(), vllm_port=free_port()))
         is None
     )
+    # vLLM on its socket (no --vllm-port): only the proxy's port matters.
+    assert serve.port_problem(Namespace(host="127.0.0.1", port=free_port(), vllm_port=None)) is None
 
 
 @pytest.mark.parametrize(

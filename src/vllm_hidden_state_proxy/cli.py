@@ -7,6 +7,7 @@ few that concern vLLM and the pair of processes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,9 +15,9 @@ from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arg
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
-DEFAULT_VLLM_PORT = 8001
-#: Proxy settings that ``serve`` decides itself: vLLM's address, and its own ``--ring-dir``.
-SERVE_DECIDES = ("upstream_url", "ring_dir")
+#: Proxy settings that ``serve`` decides itself: how the proxy reaches vLLM (its address and
+#: key), and its own ``--ring-dir`` and ``--upstream-api-key``.
+SERVE_DECIDES = ("upstream_url", "upstream_uds", "upstream_api_key", "ring_dir")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         allow_abbrev=False,
         help="start vLLM (with the worker hook) and the proxy in front of it",
-        description="Start vLLM on 127.0.0.1 with the worker hook active, then the proxy. "
+        description="Start vLLM with the worker hook active, reachable only by the proxy "
+        "(a private Unix socket and a random API key), then the proxy. "
         "Options this command does not know are passed to vLLM unchanged "
         "(e.g. --max-model-len 4096 --dtype float16). If either process dies, both stop "
         "and the exit status is non-zero; Ctrl-C stops both.",
@@ -53,8 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--vllm-port",
         type=int,
-        default=DEFAULT_VLLM_PORT,
-        help=f"vLLM port on 127.0.0.1 (default {DEFAULT_VLLM_PORT})",
+        default=None,
+        metavar="PORT",
+        help="let vLLM listen on 127.0.0.1:PORT instead of a private Unix socket, for tools "
+        "that must reach it directly; every local user can then connect to it: vLLM's key "
+        "guards only /v1 and a few other paths, not e.g. /invocations or /tokenize "
+        "(default: no TCP port)",
+    )
+    # The proxy's option, with what it means under serve (which also starts vLLM with it).
+    key = {f.name: spec for f, spec in proxy_settings.options()}["upstream_api_key"]
+    chosen_key = os.environ.get(key.env) if key.env else None
+    serve.add_argument(
+        key.flag,
+        dest="upstream_api_key",
+        default=chosen_key or None,
+        metavar=key.metavar,
+        help="the key serve starts vLLM with (as VLLM_API_KEY, never on its command line) and "
+        "the proxy sends it; set it only for tools that must reach vLLM directly "
+        f"(default ${key.env} or a fresh random key)",
     )
     serve.add_argument(
         "--ring-dir",

@@ -59,7 +59,7 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
     _say("building the tiny offline chat model (random weights, a few seconds)...")
     model_path = build_tiny_model(model_dir)
     _say(f"model at {model_path}")
-    port, vllm_port = free_port(), free_port()
+    port = free_port()  # vLLM gets serve's default: a private socket, no port
     command = [
         sys.executable,
         "-m",
@@ -68,8 +68,6 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
         str(model_path),
         "--port",
         str(port),
-        "--vllm-port",
-        str(vllm_port),
         "--served-model-name",
         SERVED_MODEL_NAME,
         "--dtype",

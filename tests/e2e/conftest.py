@@ -71,6 +71,19 @@ def client(stack: RunningStack):  # type: ignore[no-untyped-def]
 
 @pytest.fixture()
 def direct_client(stack: RunningStack):  # type: ignore[no-untyped-def]
-    from openai import OpenAI
+    from openai import DefaultHttpxClient, OpenAI
 
-    return OpenAI(base_url=stack.vllm_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # The openai client has an httpx of its own (httpx2): its transport reaches a socket.
+    if stack.vllm_uds is None:
+        http_client = None
+    else:
+        import httpx2
+
+        http_client = DefaultHttpxClient(transport=httpx2.HTTPTransport(uds=stack.vllm_uds))
+    return OpenAI(
+        base_url=stack.vllm_url + "/v1",
+        api_key=stack.vllm_api_key or "unknown",
+        max_retries=0,
+        timeout=120,
+        http_client=http_client,
+    )

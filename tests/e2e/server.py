@@ -1,4 +1,13 @@
-"""Start the real stack for end-to-end tests: ``hidden-state-proxy serve`` on the tiny model."""
+"""Start the real stack for end-to-end tests: ``hidden-state-proxy serve`` on the tiny model.
+
+Tests compare the proxy's answers with vLLM's own, so the shared stack opts into serve's
+``--vllm-port`` (loopback TCP) and chooses vLLM's key itself (:data:`TEST_VLLM_KEY`, given to
+serve as ``--upstream-api-key`` would be): requests straight to vLLM send
+:attr:`RunningStack.vllm_headers`, and other proxies in front of it get
+:meth:`RunningStack.upstream_environment`. TCP, not serve's default Unix socket, because tests
+measure the proxy's connections and the kernel's socket queues on vLLM's port
+(test_disconnects). ``run_serve(..., private_vllm=True)`` runs serve's default layout instead.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
@@ -21,6 +33,7 @@ from vllm_hidden_state_proxy.processes import (
     stop_process_group,
     wait_until_healthy,
 )
+from vllm_hidden_state_proxy.protocol import UPSTREAM_API_KEY_ENV
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
 MAX_NUM_BATCHED_TOKENS = 128
@@ -49,6 +62,8 @@ SHARED_LAYERS = ("0", "1", "-1")
 #: The proxy's request size limit in the shared test stack (413 above it).
 MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0
+#: vLLM's API key in the shared stack (serve's own default is a random key nobody else knows).
+TEST_VLLM_KEY = "e2e-vllm-key"
 
 
 @dataclass
@@ -58,6 +73,30 @@ class RunningStack:
     ring_dir: Path
     log_path: Path
     process: subprocess.Popen[bytes]
+    #: vLLM's ``--api-key``; None: serve's own random one (``private_vllm``), unknown here.
+    vllm_api_key: str | None = None
+    #: vLLM's Unix socket, when it listens on one (then ``vllm_url``'s host is ignored).
+    vllm_uds: str | None = None
+
+    @property
+    def vllm_headers(self) -> dict[str, str]:
+        """What a request straight to vLLM sends (vLLM refuses /v1 requests without it)."""
+        return {"authorization": f"Bearer {self.vllm_api_key}"} if self.vllm_api_key else {}
+
+    def upstream_environment(self) -> dict[str, str]:
+        """The environment of another proxy in front of this stack's vLLM: vLLM's key."""
+        return {UPSTREAM_API_KEY_ENV: self.vllm_api_key} if self.vllm_api_key else {}
+
+    def vllm_client(self, **options: Any) -> httpx.Client:
+        """An httpx client straight to vLLM: its socket if it has one, its key."""
+        transport = None if self.vllm_uds is None else httpx.HTTPTransport(uds=self.vllm_uds)
+        return httpx.Client(
+            base_url=self.vllm_url,
+            headers=self.vllm_headers,
+            transport=transport,
+            trust_env=False,
+            **options,
+        )
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -96,8 +135,12 @@ def serve_command(
     extra_args: Sequence[str] = (),
     proxy_port: int | None = None,
     vllm_port: int | None = None,
+    *,
+    private_vllm: bool = False,
 ) -> list[str]:
-    """``hidden-state-proxy serve`` on ``model_dir`` with the test stack's vLLM options."""
+    """``hidden-state-proxy serve`` on ``model_dir`` with the test stack's vLLM options; vLLM on
+    a loopback port unless ``private_vllm`` (serve's default: its private socket)."""
+    vllm_address = [] if private_vllm else ["--vllm-port", str(vllm_port or free_port())]
     return [
         sys.executable,
         "-m",
@@ -106,8 +149,7 @@ def serve_command(
         str(model_dir),
         "--port",
         str(proxy_port or free_port()),
-        "--vllm-port",
-        str(vllm_port or free_port()),
+        *vllm_address,
         "--ring-dir",
         str(ring_dir),
         "--max-body-size",
@@ -127,17 +169,20 @@ def run_serve(
     ring_dir: Path | None = None,
     locked: bool = True,
     require_ready: bool = True,
+    private_vllm: bool = False,
 ) -> Iterator[RunningStack]:
     """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL).
 
     Holds the machine-wide vLLM lock unless ``locked`` is false (the caller holds it, to run
     two servers side by side). ``ring_dir``: a ring directory of the caller's, kept at the end.
     ``require_ready``: wait for the proxy's /health to be 200; otherwise only for vLLM's
-    (a stack whose proxy reports a problem).
+    (a stack whose proxy reports a problem). ``private_vllm``: serve's default layout (vLLM on
+    its private socket, with a random key); the stack then has no way to vLLM, and
+    ``require_ready`` must stay true.
     """
     with one_vllm_at_a_time() if locked else contextlib.nullcontext():
         yield from _run_serve(
-            model_dir, work_dir, extra_args, env_overrides, ring_dir, require_ready
+            model_dir, work_dir, extra_args, env_overrides, ring_dir, require_ready, private_vllm
         )
 
 
@@ -148,12 +193,22 @@ def _run_serve(
     env_overrides: dict[str, str] | None,
     shared_ring_dir: Path | None,
     require_ready: bool,
+    private_vllm: bool,
 ) -> Iterator[RunningStack]:
+    if private_vllm and not require_ready:
+        raise ValueError("a private vLLM cannot be waited for from here: require_ready")
     proxy_port, vllm_port = free_port(), free_port()
     ring_dir = shared_ring_dir or Path("/dev/shm") / f"hsp-test-{os.getpid()}-{vllm_port}"
     log_path = work_dir / f"serve-{vllm_port}.log"
-    command = serve_command(model_dir, ring_dir, extra_args, proxy_port, vllm_port)
+    command = serve_command(
+        model_dir, ring_dir, extra_args, proxy_port, vllm_port, private_vllm=private_vllm
+    )
     env = stack_environment()
+    vllm_key = None if private_vllm else TEST_VLLM_KEY
+    if vllm_key is not None:  # serve starts vLLM with it and gives it to its proxy
+        env[UPSTREAM_API_KEY_ENV] = vllm_key
+    else:  # serve's own random key, as in production
+        env.pop(UPSTREAM_API_KEY_ENV, None)
     env.update(env_overrides or {})
     shm_before = _vllm_shm_segments()
     with open(log_path, "wb") as log:
@@ -162,10 +217,11 @@ def _run_serve(
         )
     stack = RunningStack(
         proxy_url=f"http://127.0.0.1:{proxy_port}",
-        vllm_url=f"http://127.0.0.1:{vllm_port}",
+        vllm_url="http://localhost" if private_vllm else f"http://127.0.0.1:{vllm_port}",
         ring_dir=ring_dir,
         log_path=log_path,
         process=process,
+        vllm_api_key=vllm_key,
     )
     try:
         if require_ready:

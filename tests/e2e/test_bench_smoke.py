@@ -29,7 +29,7 @@ def keyed_proxy(
 ) -> Iterator[tuple[str, Path]]:
     """A proxy in front of the shared vLLM that wants ``BENCH_KEY``: (its URL, its log)."""
     log = tmp_path_factory.mktemp("keyed-proxy") / "proxy.log"
-    env = {API_KEY_ENV: BENCH_KEY}
+    env = {API_KEY_ENV: BENCH_KEY, **stack.upstream_environment()}
     with proxy_process(stack.vllm_url, stack.ring_dir, log, env_overrides=env) as (url, process):
         wait_healthy(url + "/health", process, 30, log)
         yield url, log
@@ -37,6 +37,8 @@ def keyed_proxy(
 
 def bench(stack: RunningStack, proxy_url: str, output: Path, *extra: str) -> int:
     argv = ["bench", "--smoke", "--proxy-url", proxy_url, "--vllm-url", stack.vllm_url]
+    if stack.vllm_api_key:  # the direct arms
+        argv += ["--vllm-api-key", stack.vllm_api_key]
     return main([*argv, "--output-dir", str(output), *extra])
 
 

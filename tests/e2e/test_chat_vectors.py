@@ -204,8 +204,8 @@ def test_ordinary_streaming_equals_non_streaming(
 ) -> None:
     from openai import OpenAI
 
-    url = stack.proxy_url if target == "proxy" else stack.vllm_url
-    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    url, key = (stack.proxy_url, "unused") if target == "proxy" else (stack.vllm_url, None)
+    client = OpenAI(base_url=url + "/v1", api_key=key or stack.vllm_api_key, max_retries=0)
     messages = [{"role": "user", "content": "Stream a few words about mountains."}]
     common: dict[str, Any] = {
         "model": model_name,
@@ -237,14 +237,15 @@ def test_proxy_stream_matches_direct_stream(stack: RunningStack, model_name: str
         **NO_THINKING,
     }
 
-    def deltas(url: str) -> list[str]:
+    def deltas(url: str, headers: dict[str, str]) -> list[str]:
         import json
 
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        path = url + "/v1/chat/completions"
+        with httpx.stream("POST", path, json=body, headers=headers, timeout=60) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         return [json.dumps(json.loads(e[6:])["choices"][0]["delta"]) for e in events[:-1]]
 
-    assert deltas(stack.proxy_url) == deltas(stack.vllm_url)
+    assert deltas(stack.proxy_url, {}) == deltas(stack.vllm_url, stack.vllm_headers)

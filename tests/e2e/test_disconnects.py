@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -276,13 +277,15 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
 
 READ_TIMEOUT = 0.5
 PROXY_WITH_TIMEOUT = """
-import sys
+import os, sys
+from vllm_hidden_state_proxy.protocol import UPSTREAM_API_KEY_ENV
 from vllm_hidden_state_proxy.proxy.server import serve_proxy
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 upstream, ring_dir, port, timeout = sys.argv[1:5]
 settings = ProxySettings(
     upstream_url=upstream,
+    upstream_api_key=os.environ.get(UPSTREAM_API_KEY_ENV) or None,
     ring_dir=ring_dir,
     request_timeout=float(timeout),
     port=int(port),
@@ -299,11 +302,15 @@ class ExtraProxy:
 
 
 @contextlib.contextmanager
-def extra_proxy(upstream: str, ring_dir: Path) -> Iterator[ExtraProxy]:
-    """A second proxy process in front of ``upstream``, with a 0.5 s read timeout."""
+def extra_proxy(
+    upstream: str, ring_dir: Path, environment: dict[str, str] | None = None
+) -> Iterator[ExtraProxy]:
+    """A second proxy process in front of ``upstream``, with a 0.5 s read timeout
+    (``environment``: e.g. vLLM's key, :meth:`RunningStack.upstream_environment`)."""
     port = free_port()
     arguments = [upstream, str(ring_dir), str(port), str(READ_TIMEOUT)]
-    process = subprocess.Popen([sys.executable, "-c", PROXY_WITH_TIMEOUT, *arguments])
+    env = {**os.environ, **(environment or {})}
+    process = subprocess.Popen([sys.executable, "-c", PROXY_WITH_TIMEOUT, *arguments], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         # Wait until it listens (its /health would ask the upstream).
@@ -327,7 +334,7 @@ def extra_proxy(upstream: str, ring_dir: Path) -> Iterator[ExtraProxy]:
 @pytest.fixture(scope="module")
 def short_timeout_proxy(stack: RunningStack) -> Iterator[ExtraProxy]:
     """A second proxy in front of the same vLLM, with a 0.5 s read timeout."""
-    with extra_proxy(stack.vllm_url, stack.ring_dir) as proxy:
+    with extra_proxy(stack.vllm_url, stack.ring_dir, stack.upstream_environment()) as proxy:
         yield proxy
 
 
@@ -419,7 +426,8 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
     timeout fired up to 2.7 s late while vLLM generated), which would make the proxy's read
     timeout fire at random; a frozen vLLM uses no CPU."""
     warm = chat_body(model_name, "warm", flagged=False, stream=False, tokens=2, **SLOW)
-    assert httpx.post(stack.vllm_url + "/v1/chat/completions", json=warm, timeout=60).is_success
+    direct = stack.vllm_url + "/v1/chat/completions"
+    assert httpx.post(direct, json=warm, headers=stack.vllm_headers, timeout=60).is_success
     wait_idle(stack)
     vllm_port = port_of(stack.vllm_url)
     body = long_body(model_name, "A long tale.", flagged=flagged, stream=False)

@@ -123,7 +123,9 @@ def test_a_prompt_longer_than_the_context_is_vllms_400_unchanged(
         (CHAT, body(model_name, messages=[{"role": "user", "content": long_text}])),
         ("/v1/completions", {"model": model_name, "prompt": long_text, "max_tokens": 1}),
     ):
-        direct = httpx.post(stack.vllm_url + path, json=payload, timeout=60)
+        direct = httpx.post(
+            stack.vllm_url + path, json=payload, headers=stack.vllm_headers, timeout=60
+        )
         flagged = {**payload, "kv_transfer_params": {"return_last_hidden_state": True}}
         via_proxy = httpx.post(stack.proxy_url + path, json=flagged, timeout=60)
         assert direct.status_code == via_proxy.status_code == 400
@@ -134,7 +136,7 @@ def test_vllm_errors_pass_through_unchanged(stack: RunningStack) -> None:
     payload = body("no-such-model", kv_transfer_params={"return_last_hidden_state": True})
     via_proxy = httpx.post(stack.proxy_url + CHAT, json=payload, timeout=30)
     plain = body("no-such-model")
-    direct = httpx.post(stack.vllm_url + CHAT, json=plain, timeout=30)
+    direct = httpx.post(stack.vllm_url + CHAT, json=plain, headers=stack.vllm_headers, timeout=30)
     assert via_proxy.status_code == direct.status_code == 404
     assert via_proxy.json() == direct.json()
 
@@ -196,7 +198,7 @@ def test_metrics_include_vllm_and_proxy_metrics(
 
 def test_other_paths_pass_through(stack: RunningStack, model_name: str) -> None:
     via_proxy = httpx.get(stack.proxy_url + "/v1/models", timeout=10)
-    direct = httpx.get(stack.vllm_url + "/v1/models", timeout=10)
+    direct = httpx.get(stack.vllm_url + "/v1/models", headers=stack.vllm_headers, timeout=10)
     assert via_proxy.status_code == 200
     assert [m["id"] for m in via_proxy.json()["data"]] == [m["id"] for m in direct.json()["data"]]
     tokenized = httpx.post(

@@ -82,11 +82,12 @@ def vllm_process(
     env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """vLLM until the block ends (a vLLM that does not stop within its grace is killed)."""
-    args = [*TEST_VLLM_ARGS, "--api-key", VLLM_KEY]
-    environment = {**stack_environment(), **vllm_environment(str(ring_dir)), **(env or {})}
+    # vLLM's key travels as serve gives it: in VLLM_API_KEY, out of the command line.
+    keyed = vllm_environment(str(ring_dir), VLLM_KEY)
+    environment = {**stack_environment(), **keyed, **(env or {})}
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            vllm_command(str(model_dir), port, args),
+            vllm_command(str(model_dir), port, TEST_VLLM_ARGS),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=environment,

@@ -255,6 +255,7 @@ def test_completions_eight_prompts_in_order_each_its_own_vector(
     direct = httpx.post(
         stack.vllm_url + "/v1/completions",
         json={"model": model_name, "prompt": prompts, "max_tokens": 2, "n": 2},
+        headers=stack.vllm_headers,
         timeout=120,
     ).json()
     assert response.usage.prompt_tokens == direct["usage"]["prompt_tokens"]

@@ -42,7 +42,8 @@ def test_a_ring_directory_without_the_hooks_ring_is_a_503_that_says_how_to_fix_i
 ) -> None:
     empty = tmp_path / "not-the-ring"
     log = tmp_path / "proxy.log"
-    with proxy_process(stack.vllm_url, empty, log) as (url, process):
+    upstream = stack.upstream_environment()
+    with proxy_process(stack.vllm_url, empty, log, env_overrides=upstream) as (url, process):
         # vLLM is healthy, so this proxy is too: only the flagged path depends on the ring.
         wait_healthy(url + "/health", process, 30, log)
         flagged = httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)
@@ -100,7 +101,8 @@ def test_corrupt_ring_files_are_refused_with_a_log_line_and_a_503(
     # A "live" writer (the lock held) does not make a corrupt file acceptable.
     with open(rings / "ring-00000000000000aa-dp0.bin", "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        with proxy_process(stack.vllm_url, rings, log) as (url, process):
+        upstream = stack.upstream_environment()
+        with proxy_process(stack.vllm_url, rings, log, env_overrides=upstream) as (url, process):
             wait_healthy(url + "/health", process, 30, log)
             responses = [httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)]
             responses.append(httpx.post(url + CHAT, json=chat(model_name, True), timeout=30))
@@ -119,7 +121,7 @@ def test_api_key_guards_the_proxy_and_health_stays_open(
 ) -> None:
     log = tmp_path / "proxy.log"
     key = "e2e-proxy-key"
-    env = {"HIDDEN_STATE_PROXY_API_KEY": key}
+    env = {"HIDDEN_STATE_PROXY_API_KEY": key, **stack.upstream_environment()}
     with proxy_process(stack.vllm_url, stack.ring_dir, log, env_overrides=env) as (url, process):
         wait_healthy(url + "/health", process, 30, log)
         denied = httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)

@@ -8,6 +8,8 @@ import subprocess
 from typing import Any
 from urllib.parse import urlparse
 
+import httpx
+import psutil
 import pytest
 
 from tests.e2e.server import RunningStack
@@ -40,6 +42,22 @@ def test_vllm_is_not_reachable_on_a_non_loopback_address(stack: RunningStack) ->
     for address in addresses:
         with pytest.raises(OSError), socket.create_connection((address, port), timeout=5):
             pass
+
+
+def test_vllm_wants_the_key_serve_gave_it_and_its_command_line_does_not_show_it(
+    stack: RunningStack,
+) -> None:
+    """The shared stack's vLLM is on loopback TCP (--vllm-port) with a key the tests chose;
+    serve's default (a private socket) is tested in test_private_vllm.py."""
+    assert stack.vllm_api_key is not None
+    assert httpx.get(stack.vllm_url + "/v1/models", timeout=30).status_code == 401
+    guessed = {"authorization": "Bearer guessed"}
+    assert httpx.get(stack.vllm_url + "/v1/models", headers=guessed, timeout=30).status_code == 401
+    keyed = httpx.get(stack.vllm_url + "/v1/models", headers=stack.vllm_headers, timeout=30)
+    assert keyed.status_code == 200
+    for process in psutil.Process(stack.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            assert not any(stack.vllm_api_key in arg for arg in process.cmdline()), process
 
 
 def test_logs_contain_no_prompts_or_vectors_at_the_default_level(

@@ -41,7 +41,7 @@ class Route:
     description: str
     base_url: str
     flag: Flag = None
-    #: The proxy's API key (routes to the proxy only).
+    #: The key of the server this route goes to (the proxy's, or vLLM's own).
     api_key: str | None = field(default=None, repr=False)
 
 
@@ -58,12 +58,14 @@ class ChatStack:
     transport: httpx.AsyncBaseTransport | None = None
     #: The ``serve`` process, when the bench started the stack itself.
     pid: int | None = None
+    #: vLLM's own key, sent by the direct routes only (serve starts vLLM with one).
+    vllm_api_key: str | None = field(default=None, repr=False)
 
     def client(self, route: Route, connections: int = 1) -> httpx.AsyncClient:
         return new_client(route.base_url, connections, route.api_key, self.transport)
 
     def direct(self, name: str, description: str) -> Route:
-        return Route(name, description, self.vllm_url)
+        return Route(name, description, self.vllm_url, api_key=self.vllm_api_key)
 
     def via_proxy(self, name: str, description: str, flag: Flag = None) -> Route:
         return Route(name, description, self.proxy_url, flag, self.api_key)

@@ -117,9 +117,10 @@ def describe(options: BenchOptions) -> dict[str, Any]:
     }
 
 
-def served_model(vllm_url: str) -> str:
+def served_model(vllm_url: str, api_key: str | None = None) -> str:
+    headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
     try:
-        response = httpx.get(vllm_url + "/v1/models", timeout=30, trust_env=False)
+        response = httpx.get(vllm_url + "/v1/models", headers=headers, timeout=30, trust_env=False)
         response.raise_for_status()
         return str(response.json()["data"][0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
@@ -233,8 +234,14 @@ def run(options: BenchOptions, progress: Progress) -> Results:
         results.tables.update(measure_ring(options.ring_ops, progress))
         measure_hop(options, results, progress)
         if options.proxy_url is not None and options.vllm_url is not None:
-            model = served_model(options.vllm_url)
-            stack = ChatStack(options.proxy_url, options.vllm_url, model, options.api_key)
+            model = served_model(options.vllm_url, options.vllm_api_key)
+            stack = ChatStack(
+                options.proxy_url,
+                options.vllm_url,
+                model,
+                options.api_key,
+                vllm_api_key=options.vllm_api_key,
+            )
             measure_chat(stack, options, results, progress)
         else:
             from vllm_hidden_state_proxy.tiny_model import build_tiny_model

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 
 DEFAULT_REQUESTS = 200
 #: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_KEY_ENV) or None,
         metavar="KEY",
         help=f"for the proxy only, also the one the bench starts (default ${API_KEY_ENV})",
+    )
+    add(
+        "--vllm-api-key",
+        default=os.environ.get(UPSTREAM_API_KEY_ENV) or None,
+        metavar="KEY",
+        help="vLLM's own key, for the direct arms against --vllm-url (serve's vLLM has one: "
+        f"its --upstream-api-key) (default ${UPSTREAM_API_KEY_ENV})",
     )
     add("--stream-tokens", type=int, default=64, metavar="N", help="default %(default)s")
     add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
@@ -74,6 +81,8 @@ class BenchOptions:
     layers_requests: int
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
+    #: Sent as ``Authorization: Bearer`` to ``vllm_url`` only (the direct arms).
+    vllm_api_key: str | None = field(default=None, repr=False)
 
     @property
     def cpu_requests(self) -> int:
@@ -100,6 +109,7 @@ class BenchOptions:
             k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
         }
         found["api_key"] = "(set)" if self.api_key else None
+        found["vllm_api_key"] = "(set)" if self.vllm_api_key else None
         return found
 
 
@@ -123,8 +133,9 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         raise OptionsError("--proxy-url and --vllm-url go together (the direct arms need vLLM)")
     if args.requests is not None and args.requests < 1:
         raise OptionsError("--requests must be at least 1")
-    if args.api_key is not None and not args.api_key.strip():
-        raise OptionsError("--api-key must not be empty")
+    for key, option in ((args.api_key, "--api-key"), (args.vllm_api_key, "--vllm-api-key")):
+        if key is not None and not key.strip():
+            raise OptionsError(f"{option} must not be empty")
     if args.stream_tokens < 2:
         raise OptionsError("--stream-tokens must be at least 2 (inter-token latency needs two)")
     smoke = bool(args.smoke)
@@ -152,4 +163,5 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         instant_requests=0 if args.no_instant else max(rounds, instant),
         layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
         api_key=args.api_key,
+        vllm_api_key=args.vllm_api_key,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from vllm_hidden_state_proxy.processes import (
     stop_process_group,
     wait_until_healthy,
 )
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 
 SERVED_MODEL_NAME = "tiny-chat"
 #: As the e2e tests' server (float32, eager mode: what a 2-core CPU runs), with room for the
@@ -139,15 +140,20 @@ def chat_stack(
     name: str = "serve",
 ) -> Iterator[ChatStack]:
     """``hidden-state-proxy serve`` on the tiny model, on two free loopback ports; with
-    ``api_key`` the proxy requires it. The caller holds :func:`vllm_lock`."""
+    ``api_key`` the proxy requires it. The direct arms measure vLLM over TCP as the proxy's arms
+    do, so vLLM gets serve's opt-in ``--vllm-port`` and a key the bench chooses (serve's
+    default is a private socket and a key nobody else knows). The caller holds
+    :func:`vllm_lock`."""
     proxy_port, vllm_port = free_port(), free_port()
     command = [*CLI, "serve", str(model_dir), "--port", str(proxy_port)]
     command += ["--vllm-port", str(vllm_port), *VLLM_ARGS, *serve_args]
     proxy_url, vllm_url = f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{vllm_port}"
-    stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key)
+    vllm_key = secrets.token_urlsafe(24)
+    stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key, vllm_api_key=vllm_key)
+    environment = {**proxy_environment(api_key), UPSTREAM_API_KEY_ENV: vllm_key}
     with started(
         command,
-        proxy_environment(api_key),
+        environment,
         log_dir / f"{name}.log",
         stack.proxy_url + "/health",
         timeout,
