@@ -4,9 +4,9 @@ In both compose and the chart, vLLM runs as root and the proxy as the proxy imag
 (10001:10001). The ring directory is the shared volume itself, which exists before vLLM starts:
 group 10001 with the setgid bit (compose: tmpfs `mode=2770,gid=10001`; Kubernetes: an emptyDir with
 `fsGroup: 10001`, which kubelet makes group-owned and setgid). The ring files vLLM creates there
-inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0770 makes them 0640 (and allows the group-writable
-volume; kubelet's world-writable emptyDir loses its write bit for others to the hook). This test plays both
-users (it needs root) and reads a published vector as the proxy's user.
+inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0770 makes them 0640 (and allows the
+group-writable volume; kubelet's world-writable emptyDir loses its write bit for others to the
+hook). This test plays both users (it needs root) and reads a published vector as the proxy's user.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _made(tmp_path: Path, mode: int, name: str = "rings") -> Path:
 
 
 def _refusal(directory: Path, **kwargs: object) -> str:
-    options: dict[str, object] = {"owner_uids": files.hook_owners(), "dir_mode": 0o700}
+    options: dict[str, object] = {"owner_uids": files.self_and_root(), "dir_mode": 0o700}
     options.update(kwargs)
     with pytest.raises(UntrustedDirectory) as caught:
         check_directory(directory, **options)  # type: ignore[arg-type]
@@ -51,7 +51,7 @@ def _refusal(directory: Path, **kwargs: object) -> str:
 
 def test_a_private_directory_of_ones_own_is_accepted(tmp_path: Path) -> None:
     directory = _made(tmp_path, 0o700)
-    fd = open_directory(directory, owner_uids=files.hook_owners(), dir_mode=0o700)
+    fd = open_directory(directory, owner_uids=files.self_and_root(), dir_mode=0o700)
     try:
         assert os.fstat(fd).st_ino == directory.stat().st_ino
     finally:
@@ -118,7 +118,7 @@ def test_the_hook_repairs_a_world_writable_directory_of_its_own(
 
 def test_group_write_is_accepted_where_the_settings_ask_for_it(tmp_path: Path) -> None:
     directory = _made(tmp_path, 0o2770)  # compose's tmpfs: mode=2770,gid=10001
-    check_directory(directory, owner_uids=files.hook_owners(), dir_mode=0o770)
+    check_directory(directory, owner_uids=files.self_and_root(), dir_mode=0o770)
     check_directory(directory, owner_uids=None, dir_mode=None)  # the proxy allows a group
     message = _refusal(directory, dir_mode=0o750)
     assert "writable by its group" in message

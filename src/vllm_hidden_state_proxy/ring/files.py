@@ -191,8 +191,9 @@ class DirectoryLocked(Exception):
     """The directory lock stayed held past the deadline (the message names the holder)."""
 
 
-def hook_owners() -> frozenset[int]:
-    """Who may own a ring directory the hook uses: its own user and root."""
+def self_and_root() -> frozenset[int]:
+    """This process's own user and root: who may own a ring directory the hook uses (and any
+    directory it reads: they could change whatever it reads anyway)."""
     return frozenset((os.geteuid(), 0))
 
 
@@ -219,10 +220,13 @@ def open_directory(
     ``dir_mode``: the mode the hook's settings ask for, whose group-write bit allows a
     group-writable directory; ``None`` (the proxy) allows group write. ``repair``: remove write
     permissions beyond that from a directory this process owns (not a sticky world-writable
-    one). Raises :class:`UntrustedDirectory` (nothing left open) otherwise.
+    one). Raises :class:`UntrustedDirectory` (nothing left open) otherwise, and
+    ``FileNotFoundError`` if there is nothing at ``directory`` (yet).
     """
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise UntrustedDirectory(_unopenable(directory, exc)) from None
     try:
@@ -316,7 +320,7 @@ def create_directory(directory: Path, mode: int) -> None:
         pass
     else:
         os.chmod(directory, mode)  # makedirs' mode is filtered through the umask
-    check_directory(directory, owner_uids=hook_owners(), dir_mode=mode, repair=True)
+    check_directory(directory, owner_uids=self_and_root(), dir_mode=mode, repair=True)
 
 
 @contextlib.contextmanager
@@ -328,7 +332,7 @@ def directory_locked(directory: Path, *, dir_mode: int, timeout: float) -> Itera
     :class:`DirectoryLocked` if the lock is not granted within ``timeout`` seconds: any user
     who can open the directory can hold it, and this runs inside vLLM's startup.
     """
-    fd = open_directory(directory, owner_uids=hook_owners(), dir_mode=dir_mode)
+    fd = open_directory(directory, owner_uids=self_and_root(), dir_mode=dir_mode)
     try:
         if not _flock_until(fd, time.monotonic() + timeout):
             raise DirectoryLocked(
