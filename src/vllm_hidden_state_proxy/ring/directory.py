@@ -266,6 +266,11 @@ class RingDirectory(ClosesOnExit):
                 return found, reader
         return None, None
 
+    def _recheck(self) -> bool:
+        """Re-read the index entries each ring may have read stale (see :mod:`.reader`, *Memory
+        ordering*); True if any ring's key map changed."""
+        return [reader.recheck() for reader in self._readers.values()].count(True) > 0
+
     # -- liveness ------------------------------------------------------------------------------
 
     def _forget_liveness(self) -> None:
@@ -316,12 +321,16 @@ class RingDirectory(ClosesOnExit):
     def lookup(self, key: bytes) -> Found | None:
         """The record (or error record) published under ``key`` in any mapped ring, or ``None``.
 
-        At most every ~50 ms, notices new, restarted and removed rings and searches again.
+        On a miss, re-reads the index entries a weakly ordered CPU may have shown stale, and
+        searches again if that changed anything. At most every ~50 ms, notices new, restarted
+        and removed rings and searches again.
         """
         with self._lock:
             if self._closed:
                 return None
             found, source = self._search(key)
+            if found is None and self._recheck():
+                found, source = self._search(key)  # an index entry had been read stale
             if not self._maybe_refresh():
                 return found
             if source is not None and self._readers.get(source.path.name) is source:
