@@ -163,7 +163,9 @@ class RingDirectory(ClosesOnExit):
                 self._refusal = None
             return True
         if refusal != self._refusal:
-            logger.error("refusing %s", refusal)
+            # A warning: where the hook repairs the directory (a new Kubernetes emptyDir) this
+            # is a proxy that started first, and "passes its checks now" follows.
+            logger.warning("refusing %s (checked again until it passes)", refusal)
             self._refusal = refusal
         for reader in self._readers.values():
             reader.close()

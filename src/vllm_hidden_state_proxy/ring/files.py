@@ -10,17 +10,17 @@ servers can share one directory.
 group or others, and owned by a trusted user (by default the reader's own and root).
 
 The directory is checked too, by both sides (:func:`open_directory`), because whoever controls
-it controls every name in it (and the hooks' directory lock): it must be a real directory (not a
-symlink; checked on the opened descriptor, so nothing can swap it between check and use), owned
-by a trusted user (the hook: its own uid or root; the proxy: its trusted owners), and writable by
-nobody else: never by others (a world-writable directory, sticky or not, lets any local user
-plant, rename or lock names), by its group only where the settings ask for it (the hook's
-``HIDDEN_STATE_PROXY_RING_DIR_MODE`` with group write, e.g. ``0770``; the proxy allows it: a
-shared group is a deployment's choice it cannot tell from a mistake, and it checks each file's
-owner anyway). The hook *repairs* a directory it owns itself that grants more (a Kubernetes
-``emptyDir`` is created ``0777``): it removes the extra write permissions, and logs that; it never
-touches a sticky world-writable directory (``/tmp``-like: shared by design, give the rings their
-own directory inside it).
+it controls every name in it (and the hooks' directory lock): it must be a real directory (not
+a symlink; checked on the opened descriptor, so nothing can swap it between check and use),
+owned by a trusted user (the hook and ``serve``: their own uid or root; the proxy: its trusted
+owners, root and its own uid), and writable by nobody else: never by others (a world-writable
+directory, sticky or not, lets any local user plant, rename or lock names), by its group only
+where the settings ask for it (the hook's ``HIDDEN_STATE_PROXY_RING_DIR_MODE`` with group
+write, e.g. ``0770``; the proxy allows it: a shared group is a deployment's choice it cannot
+tell from a mistake, and it checks each file's owner anyway). The hook *repairs* a directory it
+owns itself that grants more (a Kubernetes ``emptyDir`` is created ``0777``): it removes the
+extra write permissions, and logs that; it never touches a sticky world-writable directory
+(``/tmp``-like: shared by design, give the rings their own directory inside it).
 
 **The directory lock.** The hooks of servers sharing a directory add their rings one at a
 time under an exclusive ``flock`` on the directory itself (:func:`directory_locked`). Anyone who
