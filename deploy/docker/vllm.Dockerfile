@@ -50,7 +50,7 @@ RUN if python3 -m pip --version > /dev/null 2>&1; then \
  && python3 -c "from importlib.metadata import entry_points; assert any(e.name == 'hidden_state_hook' for e in entry_points(group='vllm.general_plugins')), 'worker hook not registered'"
 # Both sides read the ring directory from this variable; compose and the chart set it explicitly.
 ENV HIDDEN_STATE_PROXY_RING_DIR=/run/vllm-hidden-states \
-    HIDDEN_STATE_PROXY_RING_DIR_MODE=0750
+    HIDDEN_STATE_PROXY_RING_DIR_MODE=0770
 # The module entry point works for every vLLM distribution (the upstream image uses `vllm serve`).
 ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 CMD ["--host", "0.0.0.0", "--port", "8001"]

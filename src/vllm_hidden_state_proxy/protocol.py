@@ -54,8 +54,13 @@ DEFAULT_RING_DIR = "/dev/shm/vllm-hidden-states"
 RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
 DEFAULT_RING_SLOTS = 1024
 #: Octal group-readable mode for the ring directory (e.g. "0750") when proxy and vLLM run as
-#: different users in one group (hook). Default: 0700 directory, 0600 files.
+#: different users in one group (hook). Default: 0700 directory, 0600 files. With group write
+#: ("0770") the hook also accepts an existing group-writable directory (a shared volume).
 RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
+#: Seconds the hook waits for the ring directory's lock (other servers' hooks hold it only while
+#: adding their ring; anyone who can open the directory can hold it) before it gives up (hook).
+RING_LOCK_TIMEOUT_ENV = "HIDDEN_STATE_PROXY_RING_LOCK_TIMEOUT"
+DEFAULT_RING_LOCK_TIMEOUT = 30.0
 #: "0" keeps the hook from wrapping the model runner (hook).
 HOOK_ENABLED_ENV = "HIDDEN_STATE_PROXY_HOOK"
 #: The layers the hook captures, e.g. "4,8,-1" (hook; ``serve --hidden-state-layers``).

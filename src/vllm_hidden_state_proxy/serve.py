@@ -50,10 +50,22 @@ from vllm_hidden_state_proxy.processes import (
     stop_process_group,
     vllm_command,
 )
-from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_DIR_ENV
+from vllm_hidden_state_proxy.protocol import (
+    HOOK_ENABLED_ENV,
+    LAYERS_ENV,
+    RING_DIR_ENV,
+    RING_DIR_MODE_ENV,
+)
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.ring import EngineFailure, live_notes
+from vllm_hidden_state_proxy.ring.files import (
+    UntrustedDirectory,
+    open_directory,
+    probe_directory_lock,
+    ring_modes,
+    self_and_root,
+)
 
 PLUGIN_NAME = "hidden_state_hook"
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
@@ -70,6 +82,9 @@ PROXY_STARTUP_TIMEOUT = 60.0
 PROXY_STOP_GRACE = 5.0
 VLLM_STOP_GRACE = 20.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: How long the pre-start check tries the ring directory's lock (another server's hook holds it
+#: for milliseconds while it adds its ring).
+RING_LOCK_PROBE = 2.0
 
 
 @dataclass(frozen=True)
@@ -197,6 +212,25 @@ def vllm_option_problem(vllm_args: Sequence[str]) -> str | None:
                 "--uds cannot be passed to vLLM"
             )
     return None
+
+
+def ring_dir_problem(ring_dir: str) -> str | None:
+    """Why vLLM's hook would refuse ``ring_dir`` (``--ring-dir`` may be another user's, a
+    symlink, world-writable, or its lock held), checked as the hook does before vLLM starts;
+    ``None`` if it would not. A directory of this user's that grants too much is repaired, as
+    the hook (this user too) would do."""
+    directory = Path(ring_dir)
+    try:
+        dir_mode, _ = ring_modes(os.environ.get(RING_DIR_MODE_ENV))
+        fd = open_directory(directory, owner_uids=self_and_root(), dir_mode=dir_mode, repair=True)
+    except FileNotFoundError:
+        return None  # the hook makes it
+    except (UntrustedDirectory, ValueError) as problem:
+        return str(problem)
+    try:
+        return probe_directory_lock(directory, fd, RING_LOCK_PROBE)
+    finally:
+        os.close(fd)
 
 
 def exit_status(returncode: int) -> int:
@@ -406,6 +440,8 @@ def _local_url(host: str, port: int) -> str:
 def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     """Run both processes until one exits or we are told to stop. Returns the exit status."""
     problem = vllm_option_problem(vllm_args) or port_problem(args)
+    if problem is None and args.ring_dir is not None:
+        problem = ring_dir_problem(args.ring_dir)  # the default is a fresh private directory
     if problem is not None:
         _say(problem)
         return 1

@@ -94,7 +94,7 @@ def test_compose_commands_gpu() -> None:
     ]
     assert proxy_env == {
         "HIDDEN_STATE_PROXY_RING_DIR": "/run/vllm-hidden-states",
-        "HIDDEN_STATE_PROXY_RING_DIR_MODE": "0750",
+        "HIDDEN_STATE_PROXY_RING_DIR_MODE": "0770",
     }
 
 

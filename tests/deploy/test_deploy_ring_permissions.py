@@ -4,8 +4,9 @@ In both compose and the chart, vLLM runs as root and the proxy as the proxy imag
 (10001:10001). The ring directory is the shared volume itself, which exists before vLLM starts:
 group 10001 with the setgid bit (compose: tmpfs `mode=2770,gid=10001`; Kubernetes: an emptyDir with
 `fsGroup: 10001`, which kubelet makes group-owned and setgid). The ring files vLLM creates there
-inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0750 makes them 0640. This test plays both
-users (it needs root) and reads a published vector as the proxy's user.
+inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0770 makes them 0640 (and allows the
+group-writable volume; kubelet's world-writable emptyDir loses its write bit for others to the
+hook). This test plays both users (it needs root) and reads a published vector as the proxy's user.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ def test_proxy_user_reads_what_root_vllm_writes(
     assert ring_file.name == "ring-0000000000005eed-dp0.bin"
     assert ring_file.stat().st_gid == proxy_ids()[1]  # inherited through the setgid directory
     assert stat.S_IMODE(ring_file.stat().st_mode) == 0o640  # group-readable, never writable
+    # The hook (root, the owner) took away what only the world-writable emptyDir granted.
+    assert stat.S_IMODE(ring_dir.stat().st_mode) == volume_mode & ~0o002
     result = read_as_proxy(proxy_python, ring_dir, key)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"vector": vector, "live": False}  # the writer closed

@@ -138,6 +138,8 @@ class FakeRing:
     slots: int = 1024
     records: dict[bytes, Found] = field(default_factory=dict)
     failures: tuple[EngineFailure, ...] = ()
+    #: ``refusal`` answers this (why the directory is refused).
+    refused: str | None = None
     instance: int = 1
     #: A lookup returns a record for another key (a proxy must never use it).
     wrong_key: bool = False
@@ -166,6 +168,9 @@ class FakeRing:
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         return self.failures
+
+    def refusal(self) -> str | None:
+        return self.refused
 
     def publishing_instances(self) -> frozenset[int]:
         return frozenset({self.instance}) if self.present else frozenset()

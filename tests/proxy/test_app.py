@@ -117,6 +117,24 @@ async def test_a_ring_owned_by_an_untrusted_user_is_refused(
     assert accepted.status_code == 200, accepted.text
 
 
+async def test_a_world_writable_ring_directory_is_refused_naming_why(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """Any local user could replace the rings there: the proxy reads none of them, and a
+    flagged request's 503 says why; once the directory is fixed, its rings are read again."""
+    os.chmod(ring_dir, 0o777)
+    vllm = FakeVLLM(publishing_handler(writer))
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        refused = await proxy.client.post("/v1/chat/completions", json=FLAGGED)
+        assert refused.status_code == 503
+        message = error_of(refused)["message"]
+        assert f"the ring directory {ring_dir} (mode 0o777) is writable by every user" in message
+        assert vllm.requests == []
+        os.chmod(ring_dir, 0o700)
+        accepted = await proxy.client.post("/v1/chat/completions", json=FLAGGED)
+    assert accepted.status_code == 200, accepted.text
+
+
 async def test_rings_of_every_engine_in_the_directory_are_read(ring_dir: str) -> None:
     with create_writer(ring_dir, engine=0) as first, create_writer(ring_dir, engine=1) as second:
         hooks = [first, second]

@@ -298,6 +298,14 @@ def test_check_rings_without_a_ring_but_with_failures_names_the_engines() -> Non
     assert "engine 1" in refused(503, caught)
 
 
+def test_check_rings_in_a_refused_directory_names_the_reason() -> None:
+    reason = "the ring directory /rings (mode 0o777) is writable by every user: ..."
+    with pytest.raises(ProxyError) as caught:
+        check_rings(FakeRing(present=False, refused=reason), "/rings")
+    message = refused(503, caught)
+    assert reason in message and "not active" not in message
+
+
 def test_check_rings_refuses_rings_of_two_models(tmp_path: Path) -> None:
     """Two servers of different models share the directory (both started before either saw
     the other's ring, or a hook older than that check): no request can be resolved."""

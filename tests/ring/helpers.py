@@ -210,3 +210,29 @@ def python_script(script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
 def read_line(process: subprocess.Popen[str]) -> str:
     assert process.stdout is not None
     return process.stdout.readline().strip()
+
+
+_LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def directory_lock_held(directory: Path) -> Iterator[int]:
+    """Another process holds ``directory``'s lock (as a local user could) while the block runs;
+    yields its pid."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+            yield holder.pid
+        finally:
+            holder.kill()

@@ -459,7 +459,7 @@ def test_directory_locked_excludes_another_holder(tmp_path: Path) -> None:
     """Two hooks sharing a directory check and add their rings one at a time."""
     other = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with files.directory_locked(tmp_path):
+        with files.directory_locked(tmp_path, dir_mode=0o700, timeout=1.0):
             assert not files.flock_nb(other, fcntl.LOCK_EX)
         assert files.flock_nb(other, fcntl.LOCK_EX)  # released when the block ends
     finally:

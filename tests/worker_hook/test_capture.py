@@ -10,6 +10,9 @@ reader. The capture uses the synchronous CPU copier here; the asynchronous devic
 from __future__ import annotations
 
 import logging
+import os
+import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.ring.helpers import directory_lock_held
 from tests.worker_hook.conftest import HookLog
 from tests.worker_hook.fakes import (
     CAPTURED,
@@ -36,15 +40,27 @@ from tests.worker_hook.fakes import (
     step,
     xargs,
 )
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV, RING_DIR_MODE_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENV,
+    RING_DIR_ENV,
+    RING_DIR_MODE_ENV,
+    RING_LOCK_TIMEOUT_ENV,
+    RING_SLOTS_ENV,
+)
 from vllm_hidden_state_proxy.ring import (
+    FailureNote,
     RingDirectory,
     RingDirectoryConflict,
     RingInUseError,
     RingReader,
     RingWriter,
 )
-from vllm_hidden_state_proxy.ring.files import note_name, ring_name
+from vllm_hidden_state_proxy.ring.files import (
+    DirectoryLocked,
+    UntrustedDirectory,
+    note_name,
+    ring_name,
+)
 from vllm_hidden_state_proxy.ring.notes import read_live_note
 from vllm_hidden_state_proxy.worker_hook import capture as capture_module
 from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
@@ -749,17 +765,116 @@ def test_layers_the_model_cannot_return_leave_a_refusal(
 
 
 def test_when_not_even_a_note_can_be_written_the_error_still_propagates(
-    ring_env: Path, for_runner: Any, hook_log: HookLog
+    ring_env: Path, for_runner: Any, hook_log: HookLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ring_env.parent.mkdir(parents=True, exist_ok=True)
-    ring_env.write_text("not a directory")
+    def no_space(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv(RING_SLOTS_ENV, "0")
+    monkeypatch.setattr(FailureNote, "write", no_space)
     notes = len(capture_module._NOTES)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="slot_count"):
         for_runner(FakeV1Runner(vllm_config=engine_config(0)))
     assert len(capture_module._NOTES) == notes
-    assert ring_env.read_text() == "not a directory"
     [warning] = [r for r in hook_log.records if r.levelno == logging.WARNING]
     assert "could not leave a failure note" in warning.getMessage()
+
+
+NOBODY = 65534
+
+
+def _untrusted(ring_env: Path, how: str) -> None:
+    ring_env.parent.mkdir(parents=True, exist_ok=True)
+    if how == "not a directory":
+        ring_env.write_text("not a directory")
+        return
+    if how == "symlink":
+        real = ring_env.parent / "elsewhere"
+        real.mkdir(mode=0o700)
+        ring_env.symlink_to(real)
+        return
+    ring_env.mkdir()
+    if how == "sticky world-writable":
+        os.chmod(ring_env, 0o1777)
+    else:  # another local user's directory at the (guessable) path
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(ring_env, NOBODY, -1)
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("not a directory", "is not a directory"),
+        ("symlink", "is a symbolic link"),
+        ("sticky world-writable", "/tmp-like"),
+        ("foreign", f"owned by uid {NOBODY}"),
+    ],
+)
+def test_an_untrusted_directory_gets_no_ring_no_note_and_a_log_line_saying_why(
+    ring_env: Path, for_runner: Any, hook_log: HookLog, how: str, why: str
+) -> None:
+    _untrusted(ring_env, how)
+    before = sorted(os.listdir(ring_env.parent))
+    notes = len(capture_module._NOTES)
+    with pytest.raises(UntrustedDirectory, match=why):
+        for_runner(FakeV1Runner(vllm_config=engine_config(0)))
+    assert len(capture_module._NOTES) == notes  # a note there could not be trusted
+    assert sorted(os.listdir(ring_env.parent)) == before
+    if ring_env.is_dir():
+        assert os.listdir(ring_env) == []
+    [error] = [r for r in hook_log.records if r.levelno == logging.ERROR]
+    message = error.getMessage()
+    assert "no ring for engine 0" in message and why in message and str(ring_env) in message
+    assert RING_DIR_ENV in message
+
+
+def test_a_world_writable_directory_of_its_own_is_repaired_and_used(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kubernetes emptyDir (fsGroup) is created drwxrwsrwx: the hook, its owner, takes the
+    write permissions its settings do not ask for away before it publishes there."""
+    ring_env.mkdir(parents=True)
+    os.chmod(ring_env, 0o2777)
+    monkeypatch.setenv(RING_DIR_MODE_ENV, "0770")
+    capture = for_runner(FakeV1Runner(vllm_config=engine_config(0)))
+    assert capture.publishing
+    assert stat.S_IMODE(ring_env.stat().st_mode) == 0o2775
+    with RingDirectory(ring_env) as directory:  # the proxy's view: trusted now
+        assert directory.live_ring_count() == 1
+
+
+def test_a_held_directory_lock_leaves_a_refusal_within_the_timeout(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local user holding the directory's lock used to hang vLLM's startup for good: the
+    hook gives up at the deadline and says who holds it (serve exits on the refusal)."""
+    ring_env.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv(RING_LOCK_TIMEOUT_ENV, "0.3")
+    config = engine_config(0)
+    with directory_lock_held(ring_env) as pid:
+        started = time.monotonic()
+        with pytest.raises(DirectoryLocked, match="held by"):
+            for_runner(FakeV1Runner(vllm_config=config))
+        assert time.monotonic() - started < 10
+        note = live_note(ring_env, config)
+    assert note.refused_settings
+    assert note.message.startswith("DirectoryLocked: the lock of the ring directory")
+    assert str(ring_env) in note.message and "more than 0.3 s" in note.message
+    if Path("/proc/locks").exists():
+        assert f"held by pid {pid} " in note.message
+    assert not list(ring_env.glob("*.bin"))
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "inf"])
+def test_a_malformed_lock_timeout_leaves_a_note(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    monkeypatch.setenv(RING_LOCK_TIMEOUT_ENV, raw)
+    config = engine_config(0)
+    with pytest.raises(ValueError, match=RING_LOCK_TIMEOUT_ENV):
+        for_runner(FakeV1Runner(vllm_config=config))
+    assert RING_LOCK_TIMEOUT_ENV in live_note(ring_env, config).message
 
 
 # -- ring modes -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Errors coming from vLLM are never rewritten; these are only for decisions the pr
      │        record_mismatch(...)               its record lacks a layer or pooling asked for
      │        (upstream.py) vLLM unreachable, or broke off the exchange
      ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
+     │        ring_directory_refused(reason)     the ring directory fails its checks
      │        engines_without_ring(failures)     the engines whose hook could not start
      │        rings_of_other_models(shapes)      servers of different models share the directory
      └── 504  vector_timeout(seconds)            vLLM answered, the vector never arrived
@@ -92,6 +93,14 @@ def no_ring(ring_dir: str) -> ProxyError:
         "`vllm.general_plugins` entry point), make sure VLLM_PLUGINS (if set) includes "
         f"`hidden_state_hook`, and that vLLM and the proxy use the same ring directory "
         f"({ring_dir}) on shared memory.",
+    )
+
+
+def ring_directory_refused(reason: str) -> ProxyError:
+    return ProxyError(
+        503,
+        f"The hidden state cannot be read: {reason}. The proxy reads no ring there until that "
+        "is fixed (vLLM's worker hook refuses the directory too).",
     )
 
 

@@ -27,8 +27,15 @@ from vllm_hidden_state_proxy.protocol import (
     REQUEST_KEY_ENTRY,
     XARGS_PREFIX,
 )
-from vllm_hidden_state_proxy.proxy import reserved_entries
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+from vllm_hidden_state_proxy.proxy.reserved_entries import (
+    could_spell_reserved,
+    form_refusal,
+    is_form,
+    json_refusal,
+    reserved_entry_error,
+    unreadable_refusal,
+)
 from vllm_hidden_state_proxy.ring import MAX_LAYERS, RingShape
 
 KV = "kv_transfer_params"
@@ -171,7 +178,7 @@ def _check_xargs(document: dict[str, Any]) -> None:
         raise bad_request(f"'{XARGS}' must be a JSON object.", XARGS)
     for name in xargs:
         if isinstance(name, str) and name.startswith(XARGS_PREFIX):
-            raise reserved_entries.reserved_entry_error(f"{XARGS}.{name}")
+            raise reserved_entry_error(f"{XARGS}.{name}")
 
 
 def _check_flagged_options(document: dict[str, Any]) -> None:
@@ -262,18 +269,18 @@ async def check_other_endpoint(body: bytes, content_type: bytes | None) -> Proxy
     :mod:`.reserved_entries`: an allow-list of bodies that may reach vLLM unchanged), and the
     flag (a flagged request must never get a 200 without its vector); otherwise stay out of
     the way."""
-    if content_type is not None and reserved_entries.is_form(content_type):
-        if not reserved_entries.could_spell_reserved(body, content_type):
+    if content_type is not None and is_form(content_type):
+        if not could_spell_reserved(body, content_type):
             return None
-        return await reserved_entries.form_refusal(body, content_type)
+        return await form_refusal(body, content_type)
     if not needs_inspection(body):
         return None
     try:
         document = _load(body)
     except ValueError:  # vLLM cannot read it either, unless it spells the prefix as it is
         spelled = XARGS_PREFIX.encode("ascii") in body
-        return reserved_entries.unreadable_refusal() if spelled else None
-    refusal = reserved_entries.json_refusal(document)
+        return unreadable_refusal() if spelled else None
+    refusal = json_refusal(document)
     if refusal is not None:
         return refusal
     kv = document.get(KV) if isinstance(document, dict) else None

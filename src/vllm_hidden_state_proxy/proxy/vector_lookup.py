@@ -24,6 +24,7 @@ from vllm_hidden_state_proxy.proxy.errors import (
     engines_without_ring,
     hook_error,
     no_ring,
+    ring_directory_refused,
     rings_of_other_models,
     vector_overwritten,
     vector_timeout,
@@ -60,6 +61,8 @@ class RingSource(Protocol):
     def live_shapes(self) -> tuple[RingShape, ...]: ...
 
     def failed_engines(self) -> tuple[EngineFailure, ...]: ...
+
+    def refusal(self) -> str | None: ...
 
     def publishing_instances(self) -> frozenset[int]: ...
 
@@ -179,11 +182,15 @@ class EarlyCapture:
 
 
 def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
-    """The live rings' shapes, before a flagged request is sent; 503 if there are none, or if
-    they are of different models (servers of two models sharing the directory: the worker
-    hook refuses the second, unless both started before either saw the other's ring)."""
+    """The live rings' shapes, before a flagged request is sent; 503 if there are none (naming
+    why the directory is refused, if it is), or if they are of different models (servers of two
+    models sharing the directory: the worker hook refuses the second, unless both started before
+    either saw the other's ring)."""
     shapes = rings.live_shapes() if rings.has_ring() else ()
     if not shapes:
+        refusal = rings.refusal()
+        if refusal is not None:  # nothing in it is read: its notes could be anyone's
+            raise ring_directory_refused(refusal)
         failures = rings.failed_engines()
         raise engines_without_ring(failures) if failures else no_ring(ring_dir)
     if any(shape.model_dims != shapes[0].model_dims for shape in shapes[1:]):

@@ -5,6 +5,12 @@ a dictionary probe, see :mod:`.reader`). The directory follows engines that star
 (new file) or die, and the failure notes of engines whose hook could not start
 (:mod:`.notes`).
 
+The directory itself is checked first (:func:`.files.open_directory`: a real directory, owned
+by a trusted user, not world-writable) on every rescan and liveness probe: a refused directory
+is not read at all (its rings are dropped), the reason is logged once and given by
+:meth:`RingDirectory.refusal`, and it is checked again until it passes (a Kubernetes emptyDir is
+world-writable until vLLM's hook, its owner, fixes it).
+
 A ring is *live* while its writer holds the file's lock. Rings whose writer is gone stay mapped
 and searchable until their file is removed (a record published just before a crash can still
 be read), but only live ones count as publishing. Thread-safe: one lock around scans, probes
@@ -27,8 +33,12 @@ from vllm_hidden_state_proxy.ring.files import (
     NOTE_SUFFIX,
     RING_SUFFIX,
     Owners,
+    UntrustedDirectory,
+    check_directory,
     files_named,
+    owners,
     parse_name,
+    self_and_root,
 )
 from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingShape
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
@@ -100,6 +110,10 @@ class RingDirectory(ClosesOnExit):
     def __init__(self, directory: str | os.PathLike[str], *, owner_uids: Owners = None) -> None:
         self.directory = Path(directory)
         self._owner_uids = owner_uids
+        # Who may own the directory: the rings' trusted owners, and also root and this user,
+        # who could change whatever this process reads anyway.
+        trusted = owners(owner_uids)
+        self._directory_owners = None if trusted is None else trusted | self_and_root()
         self._readers: dict[str, RingReader] = {}
         self._listing: dict[str, int] = {}
         self._refused: dict[str, _StatSig] = {}
@@ -112,6 +126,8 @@ class RingDirectory(ClosesOnExit):
         self._live_until = 0.0
         self._dead_logged: set[tuple[int, int]] = set()
         self._failures_logged: set[tuple[int, int, int]] = set()
+        #: Why the directory itself is refused (nothing in it is read), or None.
+        self._refusal: str | None = None
         self.refresh()
 
     # -- scanning ------------------------------------------------------------------------------
@@ -131,10 +147,40 @@ class RingDirectory(ClosesOnExit):
                 if parse_name(entry.name) is not None:
                     yield entry
 
+    def _trusted(self) -> bool:
+        """Check the directory itself; a refusal drops every ring and is logged once."""
+        try:
+            check_directory(self.directory, owner_uids=self._directory_owners, dir_mode=None)
+        except FileNotFoundError:
+            refusal = None  # no hook has made it yet: nothing to read, nothing to refuse
+        except UntrustedDirectory as exc:
+            refusal = str(exc)
+        else:
+            refusal = None
+        if refusal is None:
+            if self._refusal is not None:
+                logger.info("the ring directory %s passes its checks now", self.directory)
+                self._refusal = None
+            return True
+        if refusal != self._refusal:
+            # A warning: where the hook repairs the directory (a new Kubernetes emptyDir) this
+            # is a proxy that started first, and "passes its checks now" follows.
+            logger.warning("refusing %s (checked again until it passes)", refusal)
+            self._refusal = refusal
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._listing = {}
+        self._forget_liveness()
+        return False
+
     def refresh(self) -> None:
         """Rescan: open new ring files, drop replaced/removed ones, log each refusal once."""
         with self._lock:
             if self._closed:
+                return
+            if not self._trusted():
+                self._next_check = time.monotonic() + self.CHECK_INTERVAL
                 return
             stats: dict[str, os.stat_result] = {}
             for entry in self._entries():
@@ -185,7 +231,7 @@ class RingDirectory(ClosesOnExit):
             self._dead_logged &= {reader.identity for reader in self._readers.values()}
 
     def _changed(self) -> bool:
-        if self._refused:
+        if self._refused or self._refusal is not None:
             return True  # let refresh() re-stat refused files (it only reopens changed ones)
         listing = {entry.name: entry.inode() for entry in self._entries()}
         if listing != self._listing:
@@ -222,6 +268,11 @@ class RingDirectory(ClosesOnExit):
                 return found, reader
         return None, None
 
+    def _recheck(self) -> bool:
+        """Re-read the index entries each ring may have read stale (see :mod:`.reader`, *Memory
+        ordering*); True if any ring's key map changed."""
+        return [reader.recheck() for reader in self._readers.values()].count(True) > 0
+
     # -- liveness ------------------------------------------------------------------------------
 
     def _forget_liveness(self) -> None:
@@ -233,6 +284,9 @@ class RingDirectory(ClosesOnExit):
         """Which mapped rings have a live writer, and which engines hold a failure note instead;
         reused for ``LIVENESS_INTERVAL``."""
         if time.monotonic() < self._live_until:
+            return
+        if not self._trusted():  # a directory that turned untrusted since the last rescan
+            self._live_until = time.monotonic() + self.LIVENESS_INTERVAL
             return
         live: list[RingReader] = []
         for reader in self._readers.values():
@@ -269,12 +323,16 @@ class RingDirectory(ClosesOnExit):
     def lookup(self, key: bytes) -> Found | None:
         """The record (or error record) published under ``key`` in any mapped ring, or ``None``.
 
-        At most every ~50 ms, notices new, restarted and removed rings and searches again.
+        On a miss, re-reads the index entries a weakly ordered CPU may have shown stale, and
+        searches again if that changed anything. At most every ~50 ms, notices new, restarted
+        and removed rings and searches again.
         """
         with self._lock:
             if self._closed:
                 return None
             found, source = self._search(key)
+            if found is None and self._recheck():
+                found, source = self._search(key)  # an index entry had been read stale
             if not self._maybe_refresh():
                 return found
             if source is not None and self._readers.get(source.path.name) is source:
@@ -312,6 +370,14 @@ class RingDirectory(ClosesOnExit):
                 return ()
             self._probe()
             return tuple(reader.shape for reader in self._live)
+
+    def refusal(self) -> str | None:
+        """Why the directory itself is refused (nothing in it is read), or ``None``."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._probe()
+            return self._refusal
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         """Engines that hold a live failure note and no live ring (their hook did not start)."""

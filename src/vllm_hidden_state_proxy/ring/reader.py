@@ -7,8 +7,29 @@ plus the new entries, whatever the slot count, and the proxy's cost per lookup s
 rings are added. For a slot found that way it reads the seq (must be even), checks the slot's
 key, CRCs the payload and decodes it straight out of the mapping, re-reads the seq (must be
 unchanged), then requires the payload's own key to be the requested one and its shape to match
-the header. Anything else is a miss (``None``), never another request's record. On weakly
-ordered CPUs Python issues no memory fences; the CRC and the two key checks are the backstop.
+the header. Anything else is a miss (``None``), never another request's record.
+
+**Memory ordering.** The writer stores, in program order: index entry := zero, seq odd, slot
+key/length/CRC/payload, seq even, index entry := key, publish counter += 1 (:mod:`.writer`),
+with no fences (Python has none; each store is a ``memcpy``). On x86-64 (TSO) other cores see
+stores in program order and loads are not reordered with older loads, so a reader that sees
+the new counter also sees the index entry stored before it. On weakly ordered CPUs (ARM,
+including GH200's Grace, POWER) neither holds: the reader may see the new counter and still
+the old index entry (zero, or the slot's previous key), or a slot half old and half new.
+
+- *Never a wrong record*, on any CPU: a stale or torn slot fails the seq, slot-key, CRC or
+  payload-key check (the payload carries its own key, covered by the CRC), so a lookup answers
+  the requested key's record or ``None``, whatever order the stores became visible in (short
+  of a CRC-32 collision on a torn payload that also echoes the requested key).
+- *No false miss*: a lookup takes each index entry once, when the counter moves, and would keep
+  a stale one (the key missing from its map) until the slot is reused: a 504 for a record that
+  is there. So the entries read within the last :data:`SETTLE` seconds are remembered, and
+  :meth:`RingReader.recheck` reads them again; :class:`.directory.RingDirectory` calls it when
+  a lookup found the key in no ring, and searches again if it changed anything. Entries are
+  forgotten once re-read at least :data:`SETTLE` after their first read: a store is visible to
+  other cores within microseconds (store buffers drain; the writer's lock release after each
+  record is a barrier), far less than that. Only the miss path pays; a lookup that hits reads
+  what it read before (the counter, its new entries, the slot).
 
 **A shrinking file** under a live mapping would make reads fault (SIGBUS). Writers never
 truncate, and only a ring's owner (a trusted user: vLLM's, or root) could. Before reading a
@@ -24,7 +45,9 @@ import contextlib
 import logging
 import mmap
 import os
+import time
 import zlib
+from collections import deque
 from pathlib import Path
 
 import msgpack
@@ -58,6 +81,10 @@ from vllm_hidden_state_proxy.ring.layout import (
 
 logger = logging.getLogger("vllm_hidden_state_proxy.ring")
 
+#: Seconds after its first read during which an index entry may still have been read stale on a
+#: weakly ordered CPU (see *Memory ordering*): a miss reads such entries again.
+SETTLE = 0.01
+
 
 class RingReader(ClosesOnExit):
     """Read-only view of one ring file. Not thread-safe: the directory serialises its readers."""
@@ -79,6 +106,9 @@ class RingReader(ClosesOnExit):
         self._slot_of: dict[bytes, int] = {}
         self._key_at: list[bytes | None] = [None] * shape.slot_count
         self._seen = 0
+        #: (first, end, when): publish counts [first, end) whose index entries were first read
+        #: at monotonic time ``when``, not yet re-read SETTLE later (see *Memory ordering*).
+        self._unsettled: deque[tuple[int, int, float]] = deque()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, owner_uids: Owners = None) -> RingReader:
@@ -173,20 +203,70 @@ class RingReader(ClosesOnExit):
         # newest slot (the one overwritten last).
         every_slot = count < self._seen or count - self._seen >= n
         first = count - n if every_slot else self._seen
-        slots = [c % n for c in range(first, count)]
+        # What _take does, inlined: this runs on every lookup that sees new records.
         base = self._shape.index_offset
-        for slot in slots:
+        key_at, slot_of = self._key_at, self._slot_of
+        for c in range(first, count):
+            slot = c % n
             at = base + slot * INDEX_ENTRY_SIZE
             key = mm[at : at + INDEX_ENTRY_SIZE]
-            old = self._key_at[slot]
-            if old is not None and self._slot_of.get(old) == slot:
-                del self._slot_of[old]
+            old = key_at[slot]
+            if old is not None and slot_of.get(old) == slot:
+                del slot_of[old]
             if key == ZERO_KEY:  # being rewritten: its new record comes with a later count
-                self._key_at[slot] = None
+                key_at[slot] = None
             else:
-                self._key_at[slot] = key
-                self._slot_of[key] = slot
+                key_at[slot] = key
+                slot_of[key] = slot
         self._seen = count
+        unsettled = self._unsettled
+        if every_slot:
+            unsettled.clear()
+        # Entries of counts before count - n have been published over since: their slots'
+        # newer entries are in the later ranges.
+        while unsettled and unsettled[0][1] <= count - n:
+            unsettled.popleft()
+        unsettled.append((first, count, time.monotonic()))
+
+    def _take(self, mm: mmap.mmap, slot: int) -> bool:
+        """Read ``slot``'s index entry into the key map; True if it changed."""
+        at = self._shape.index_offset + slot * INDEX_ENTRY_SIZE
+        key = mm[at : at + INDEX_ENTRY_SIZE]
+        old = self._key_at[slot]
+        if key == old:  # the same key again: it still maps here (publish order)
+            if self._slot_of.get(key) == slot:
+                return False
+            self._slot_of[key] = slot
+            return True
+        if key == ZERO_KEY and old is None:
+            return False
+        if old is not None and self._slot_of.get(old) == slot:
+            del self._slot_of[old]
+        if key == ZERO_KEY:  # being rewritten: its new record comes with a later count
+            self._key_at[slot] = None
+        else:
+            self._key_at[slot] = key
+            self._slot_of[key] = slot
+        return True
+
+    def recheck(self) -> bool:
+        """Read again the index entries first read within the last :data:`SETTLE` seconds (and
+        those not re-read since), which a weakly ordered CPU may have shown stale; True if the
+        key map changed. For the miss path: a lookup that found nothing anywhere."""
+        mm = self._mm
+        unsettled = self._unsettled
+        if mm is None or not unsettled:
+            return False
+        n = self._shape.slot_count
+        oldest = self._seen - n
+        changed = False
+        for first, end, _ in unsettled:  # in publish order: the newest key of a slot wins
+            for c in range(max(first, oldest), end):
+                changed |= self._take(mm, c % n)
+        settled_before = time.monotonic() - SETTLE
+        while unsettled and unsettled[0][2] <= settled_before:
+            unsettled.popleft()  # re-read just now, at least SETTLE after its first read
+        return changed
 
     def _read_slot(self, slot: int, key: bytes) -> Found | None:
         mm = self._mm
@@ -251,6 +331,7 @@ class RingReader(ClosesOnExit):
         mm, self._mm = self._mm, None
         fd, self._fd = self._fd, None
         self._slot_of.clear()
+        self._unsettled.clear()
         if mv is not None:
             mv.release()
         if mm is not None:

@@ -63,8 +63,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import (
+    DEFAULT_RING_LOCK_TIMEOUT,
     DEFAULT_RING_SLOTS,
+    RING_DIR_ENV,
     RING_DIR_MODE_ENV,
+    RING_LOCK_TIMEOUT_ENV,
     RING_SLOTS_ENV,
     ring_dir_from_env,
 )
@@ -74,7 +77,13 @@ from vllm_hidden_state_proxy.ring import (
     RingWriter,
     check_shareable,
 )
-from vllm_hidden_state_proxy.ring.files import create_directory, directory_locked
+from vllm_hidden_state_proxy.ring.files import (
+    DirectoryLocked,
+    UntrustedDirectory,
+    create_directory,
+    directory_locked,
+    ring_modes,
+)
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import (
     EngineIdentity,
@@ -174,8 +183,24 @@ def _layers_of(runner: Any) -> CapturedLayers:
 _NOTES: list[FailureNote] = []
 
 
+#: Errors that are the hook refusing what the operator configured (``serve`` exits on them).
+_REFUSALS = (LayerConfigError, RingDirectoryConflict, DirectoryLocked)
+
+
 def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
     """Tell proxies that this engine has no ring, and why (best effort: never raises)."""
+    if isinstance(error, UntrustedDirectory):
+        # A note there could be replaced or forged by whoever controls the directory, and
+        # proxies refuse the directory for the same reason: this log line is the one place
+        # that says why (the proxy names its own check's verdict).
+        logger.error(
+            "vllm-hidden-state-proxy: no ring for engine %d: %s (%s); no failure note is left "
+            "there either",
+            identity.engine,
+            error,
+            RING_DIR_ENV,
+        )
+        return
     try:
         try:
             dir_mode, file_mode = _ring_modes()
@@ -187,7 +212,7 @@ def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
                 instance=identity.instance,
                 engine=identity.engine,
                 message=f"{type(error).__name__}: {error}",
-                refused_settings=isinstance(error, (LayerConfigError, RingDirectoryConflict)),
+                refused_settings=isinstance(error, _REFUSALS),
                 dir_mode=dir_mode,
                 file_mode=file_mode,
             )
@@ -210,8 +235,10 @@ def _create_ring(
     slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
     hidden_size = int(vllm_config.model_config.get_hidden_size())
     ring_dir = Path(ring_dir_from_env())
-    create_directory(ring_dir, dir_mode)
-    with directory_locked(ring_dir):  # another server's hook may be adding its ring right now
+    create_directory(ring_dir, dir_mode)  # raises UntrustedDirectory
+    # Another server's hook may be adding its ring right now; the deadline because anyone who
+    # can open the directory can hold its lock, and this runs inside vLLM's startup.
+    with directory_locked(ring_dir, dir_mode=dir_mode, timeout=_lock_timeout()):
         check_shareable(
             ring_dir,
             instance=identity.instance,
@@ -250,16 +277,21 @@ _DEFAULT_MODES = (0o700, 0o600)
 
 def _ring_modes() -> tuple[int, int]:
     """Raises ``ValueError`` naming the variable if its value is not an octal mode."""
-    raw = os.environ.get(RING_DIR_MODE_ENV)
+    return ring_modes(os.environ.get(RING_DIR_MODE_ENV))
+
+
+def _lock_timeout() -> float:
+    """Raises ``ValueError`` naming the variable if its value is not a number of seconds."""
+    raw = os.environ.get(RING_LOCK_TIMEOUT_ENV)
     if not raw:
-        return _DEFAULT_MODES
+        return DEFAULT_RING_LOCK_TIMEOUT
     try:
-        dir_mode = int(raw, 8) & 0o770
+        seconds = float(raw)
     except ValueError:
-        raise ValueError(f"{RING_DIR_MODE_ENV}={raw!r} is not an octal mode such as 0750") from None
-    file_mode = (dir_mode & 0o660) | 0o600
-    # Never group-writable files: the proxy refuses them.
-    return dir_mode, file_mode & ~0o022
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{RING_LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds such as 30")
+    return seconds
 
 
 def _served_name(model_config: Any) -> str:
