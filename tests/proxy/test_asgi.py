@@ -124,20 +124,21 @@ async def test_receive_body_answers_408_and_closes() -> None:
     assert (b"connection", b"close") in call.messages[0]["headers"]
 
 
-async def test_the_budget_is_taken_by_declared_length_and_by_chunks_and_given_back() -> None:
+async def test_the_budget_is_taken_as_bytes_arrive_and_given_back() -> None:
     budget = BodyBudget(10)
     declared = scope_with([(b"content-length", b"6")])
     with budget.share() as share:
-        assert await read_body(declared, receiving(*body_parts(b"abc", b"def")), 10, share) == (
-            b"abcdef"
-        )
+        parts = receiving(*body_parts(b"abc", b"def"))
+        assert await read_body(declared, parts, 10, share) == b"abcdef"
         assert budget.held == 6
         with budget.share() as other:
-            with pytest.raises(BudgetExhausted):  # 6 + 5 > 10, before reading
+            with pytest.raises(BudgetExhausted):  # declared: 6 + 5 > 10, before reading
                 await read_body(scope_with([(b"content-length", b"5")]), receiving(), 10, other)
+            assert budget.held == 6  # a declared length alone takes nothing
             with pytest.raises(BudgetExhausted):  # as chunks arrive
                 await read_body(scope_with([]), receiving(*body_parts(b"ab", b"ccc")), 10, other)
-        assert budget.held == 6  # the refused ones gave theirs back
+            assert budget.held == 8
+        assert budget.held == 6  # the refused one gave its part back
     assert budget.held == 0
 
 

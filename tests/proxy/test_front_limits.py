@@ -36,8 +36,8 @@ from tests.proxy.raw_http import (
 )
 from vllm_hidden_state_proxy.processes import free_port, offline_environment
 
-#: Three bodies of the largest size fit, a fourth does not.
-BUDGET = 3 * LIMIT + LIMIT // 2
+#: Three bodies of the largest size fit at once.
+BUDGET = 3 * LIMIT
 HEAD = 4096
 QUICK = 1.0
 STALLED_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHo"
@@ -259,9 +259,10 @@ def padded(size: int) -> bytes:
 def test_the_body_budget_refuses_the_request_that_would_exceed_it(served: Served) -> None:
     big = padded(LIMIT)
     assert len(big) == LIMIT
-    holders = [Raw(served.port).send(request(big)[: -LIMIT // 2]) for _ in range(3)]
+    part = LIMIT * 3 // 4  # sent of each held body: three leave room for less than one more
+    holders = [Raw(served.port).send(request(big)[: -LIMIT + part]) for _ in range(3)]
     try:
-        wait_until(lambda: served.state.body_budget.held == 3 * LIMIT, "three bodies are held")
+        wait_until(lambda: served.state.body_budget.held == 3 * part, "three bodies are held")
         refused = exchange(served.port, request(big))  # declared: refused before its body
         assert refused.status == 503, refused
         error = refused.openai_error()
@@ -272,8 +273,11 @@ def test_the_body_budget_refuses_the_request_that_would_exceed_it(served: Served
         assert exchange(served.port, chunked_big).status == 503  # refused as it grows
         assert exchange(served.port, request(BODY)).status == 200  # a small one fits
         assert_vector_answer(exchange(served.port, request(FLAGGED)), served)
-        holders[0].send(request(big)[-LIMIT // 2 :])  # one holder finishes: answered
-        assert holders[0].final_reply().status == 200
+        assert served.state.body_budget.held == 3 * part  # the refused gave theirs back
+        holders.pop().close()  # one holder leaves: room for one more body
+        wait_until(lambda: served.state.body_budget.held == 2 * part, "its part is back")
+        holders[0].send(request(big)[-LIMIT + part :])
+        assert holders[0].final_reply().status == 200  # the rest of a held body fits now
     finally:
         for raw in holders:
             raw.close()

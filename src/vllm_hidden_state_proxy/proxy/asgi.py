@@ -43,9 +43,10 @@ class BudgetExhausted(Exception):
 class BodyBudget:
     """The request-body bytes one proxy process buffers at once, over all its requests.
 
-    Each request takes its share through a :class:`BodyShare`, and gives it back when the
-    request ends: the body stays in memory while the exchange with vLLM runs, not only while
-    it is read.
+    Each request takes its share through a :class:`BodyShare` as its bytes arrive (not as
+    declared: a client declaring 32 MiB and sending nothing would hold the budget for free),
+    and gives it back when the request ends: the body stays in memory while the exchange with
+    vLLM runs, not only while it is read.
     """
 
     def __init__(self, total: int) -> None:
@@ -65,11 +66,14 @@ class BodyShare:
         self.budget = budget
         self.taken = 0
 
-    def take(self, size: int) -> None:
-        budget = self.budget
-        if budget.held + size > budget.total:
+    def check(self, size: int) -> None:
+        """``BudgetExhausted`` if ``size`` more bytes would not fit now (nothing is taken)."""
+        if self.budget.held + size > self.budget.total:
             raise BudgetExhausted
-        budget.held += size
+
+    def take(self, size: int) -> None:
+        self.check(size)
+        self.budget.held += size
         self.taken += size
 
     def __enter__(self) -> BodyShare:
@@ -100,24 +104,22 @@ async def read_body(
     seconds (all of it, not per chunk: a client sending a byte now and then is cut off too).
 
     A declared ``Content-Length`` over the limit, or over what is left of the budget, is
-    refused before reading anything; a chunked body takes its share chunk by chunk.
+    refused before reading anything; the body takes its share of the budget chunk by chunk.
     """
     declared = header_value(scope, b"content-length")
     # (Any number of digits beyond the limit's is over it; int() of thousands of digits raises.)
-    expected = 0
     if declared is not None and declared.isdigit():
         if len(declared) > len(str(limit)) or int(declared) > limit:
             raise BodyTooLarge
-        expected = int(declared)
-    if share is not None and expected:
-        share.take(expected)
+        if share is not None:
+            share.check(int(declared))
     if timeout is None:
-        return await _read_chunks(receive, limit, share, expected)
+        return await _read_chunks(receive, limit, share)
     # One timer that cancels this task, rather than a wait_for task per chunk: every POST
     # pays for it.
     task = asyncio.current_task()
     if task is None:  # pragma: no cover - always inside the server's request task
-        return await _read_chunks(receive, limit, share, expected)
+        return await _read_chunks(receive, limit, share)
     expired = False
 
     def expire() -> None:
@@ -127,7 +129,7 @@ async def read_body(
 
     timer = asyncio.get_running_loop().call_later(timeout, expire)
     try:
-        return await _read_chunks(receive, limit, share, expected)
+        return await _read_chunks(receive, limit, share)
     except asyncio.CancelledError:
         if not expired:
             raise  # not ours: the server is shutting down
@@ -139,10 +141,8 @@ async def read_body(
         timer.cancel()
 
 
-async def _read_chunks(
-    receive: Receive, limit: int, share: BodyShare | None, expected: int
-) -> bytes:
-    """The body's chunks, joined; ``expected`` bytes of them are already in ``share``."""
+async def _read_chunks(receive: Receive, limit: int, share: BodyShare | None) -> bytes:
+    """The body's chunks, joined, each taken from ``share`` as it arrives."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -154,9 +154,8 @@ async def _read_chunks(
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge
-            if share is not None and size > expected:
-                share.take(size - expected)  # (a body longer than declared: uvicorn cuts it)
-                expected = size
+            if share is not None:
+                share.take(len(chunk))
             chunks.append(chunk)
         if not message.get("more_body", False):
             break

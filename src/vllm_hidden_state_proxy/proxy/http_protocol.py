@@ -82,7 +82,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- the head's clock and size ------------------------------------------------------------
 
     def _head_begins(self) -> None:
-        self.head_bytes = 0
+        # The first head is counted and timed from the connection's opening; a later one from
+        # its first byte, its count from the next read (httptools does not say where in a read
+        # a head begins): at most one read (uvloop's: 256 KiB) over the limit.
+        if self.head_bytes is None:
+            self.head_bytes = 0
         if self.head_timer is None:
             self.head_timer = self.loop.call_later(self.head_timeout, self._head_expired)
 
