@@ -74,6 +74,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     )
     with serving(settings) as served:
         yield served
+        assert served.errors.records == [], [r.getMessage() for r in served.errors.records]
 
 
 @pytest.fixture
@@ -134,6 +135,7 @@ def test_stalled_heads_and_an_endless_header_leave_a_flagged_request_working(
         sender.join(60)
         assert answered and answered[0] is not None, "the endless header was never cut off"
         assert answered[0] == b"" or answered[0].startswith(b"HTTP/1.1 431 "), answered
+        # Out of uvicorn's connection set: connection_lost ran, the socket (its fd) is closed.
         wait_until(lambda: clients_held(served, port_of(endless)) == 0, "its socket is closed")
         assert clients_held(served, *stalled_ports) == 256  # the slow clock: all still there
     finally:
