@@ -16,7 +16,10 @@ import uvicorn
 from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, settings_for
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.asgi import (
+    BodyBudget,
+    BodyTimeout,
     BodyTooLarge,
+    BudgetExhausted,
     ClientDisconnected,
     header_value,
     read_body,
@@ -101,6 +104,51 @@ async def test_receive_body_answers_413_itself_and_gives_none_for_a_gone_client(
     gone = receiving({"type": "http.disconnect"})
     assert await receive_body(scope_with([]), gone, quiet.send, 3) is None
     assert quiet.messages == []
+
+
+async def test_a_body_not_complete_in_time_is_refused_and_other_cancels_pass() -> None:
+    slow = receiving({"type": "http.request", "body": b"a", "more_body": True})
+    with pytest.raises(BodyTimeout):
+        await read_body(scope_with([]), slow, 10, timeout=0.05)
+    assert await read_body(scope_with([]), receiving(*body_parts(b"ab")), 4, timeout=5) == b"ab"
+    with anyio.move_on_after(0.05) as scope:  # a cancel that is not the body's timer
+        await read_body(scope_with([]), receiving(), 10, timeout=60)
+    assert scope.cancelled_caught
+
+
+async def test_receive_body_answers_408_and_closes() -> None:
+    call = AsgiCall(lambda *args: None)  # type: ignore[arg-type]
+    slow = receiving({"type": "http.request", "body": b"a", "more_body": True})
+    assert await receive_body(scope_with([]), slow, call.send, 10, timeout=0.05) is None
+    assert call.status == 408
+    assert (b"connection", b"close") in call.messages[0]["headers"]
+
+
+async def test_the_budget_is_taken_as_bytes_arrive_and_given_back() -> None:
+    budget = BodyBudget(10)
+    declared = scope_with([(b"content-length", b"6")])
+    with budget.share() as share:
+        parts = receiving(*body_parts(b"abc", b"def"))
+        assert await read_body(declared, parts, 10, share) == b"abcdef"
+        assert budget.held == 6
+        with budget.share() as other:
+            with pytest.raises(BudgetExhausted):  # declared: 6 + 5 > 10, before reading
+                await read_body(scope_with([(b"content-length", b"5")]), receiving(), 10, other)
+            assert budget.held == 6  # a declared length alone takes nothing
+            with pytest.raises(BudgetExhausted):  # as chunks arrive
+                await read_body(scope_with([]), receiving(*body_parts(b"ab", b"ccc")), 10, other)
+            assert budget.held == 8
+        assert budget.held == 6  # the refused one gave its part back
+    assert budget.held == 0
+
+
+async def test_receive_body_answers_503_over_the_budget() -> None:
+    call = AsgiCall(lambda *args: None)  # type: ignore[arg-type]
+    budget = BodyBudget(2)
+    with budget.share() as share:
+        parts = receiving(*body_parts(b"abc"))
+        assert await receive_body(scope_with([]), parts, call.send, 10, share) is None
+    assert call.status == 503 and budget.held == 0
 
 
 def test_header_value_is_the_first_one() -> None:

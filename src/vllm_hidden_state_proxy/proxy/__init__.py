@@ -3,12 +3,14 @@
 client
   │  POST /v1/chat/completions  {"kv_transfer_params": {"return_last_hidden_state": true}}
   ▼
-server.py            uvicorn runs the app that app.py assembles (routes, lifespan)
+server.py            uvicorn runs the app that app.py assembles (routes, lifespan), with
+                     http_protocol.py: request heads bounded in size and arrival time
 auth.py              the API key, if the proxy has one
 chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
   │                  ops_app.py: the others)
   ▼
-admission.py         every POST endpoint: read the body (asgi.py), build the exchange or
+admission.py         every POST endpoint: read the body (asgi.py: its size, its time, the
+  │                  process's budget of buffered bodies), build the exchange or
   │                  refuse; chat and completions: inspect (inspection.py): Ordinary |
   │                  Flagged, resolve the layers against the live rings (vector_lookup.py)
   ├─ Ordinary ─────▶ relay.py: forward byte for byte (upstream.py, headers.py)

@@ -1,7 +1,8 @@
-"""The first stop of every POST endpoint: read the body (413), build the exchange that answers
-it or refuse it with the proxy's own error (400, 503), then run the exchange until it ends or
-the client leaves. Chat and completions also share the split into ordinary and flagged, and
-resolving what a flagged request asks for against the live rings."""
+"""The first stop of every POST endpoint: read the body (413; 503 over the process's budget of
+buffered bodies; 408 too slow), build the exchange that answers it or refuse it with the
+proxy's own error (400, 503), then run the exchange until it ends or the client leaves. Chat
+and completions also share the split into ordinary and flagged, and resolving what a flagged
+request asks for against the live rings."""
 
 from __future__ import annotations
 
@@ -40,15 +41,20 @@ class Endpoint(ABC):
         """The exchange that answers ``body``, not yet started; ``ProxyError`` to refuse it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await receive_body(scope, receive, send, self.state.settings.max_body_bytes)
-        if body is None:  # answered (413) or abandoned
-            return
-        try:
-            exchange = self.exchange(scope, send, body)
-        except ProxyError as error:
-            await send_error(send, error)
-            return
-        await run_until_disconnect(receive, exchange)
+        settings = self.state.settings
+        # The body's bytes count against the budget until the exchange that holds them ends.
+        with self.state.body_budget.share() as share:
+            body = await receive_body(
+                scope, receive, send, settings.max_body_bytes, share, settings.body_timeout
+            )
+            if body is None:  # answered (413, 503, 408) or abandoned
+                return
+            try:
+                exchange = self.exchange(scope, send, body)
+            except ProxyError as error:
+                await send_error(send, error)
+                return
+            await run_until_disconnect(receive, exchange)
 
 
 class GenerationEndpoint(Endpoint):

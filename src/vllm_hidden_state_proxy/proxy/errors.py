@@ -5,13 +5,15 @@ Errors coming from vLLM are never rewritten; these are only for decisions the pr
 
     ProxyError(status, message, param)
      ├── 400  bad_request(...)                   the client's request (names the field)
+     ├── 408  body_timeout(seconds)              the body did not arrive in time
      ├── 413  body_too_large(limit)
      ├── 401  (auth.py)                          missing or wrong API key
      ├── 502  hook_error(message)                the worker hook published an error record
      │        answer_too_large(limit)            vLLM's answer exceeds --max-answer-size
      │        record_mismatch(...)               its record lacks a layer or pooling asked for
      │        (upstream.py) vLLM unreachable, or broke off the exchange
-     ├── 503  no_ring(ring_dir)                  no worker hook publishes in this directory
+     ├── 503  body_budget_exhausted()            request bodies buffered: at the total
+     │        no_ring(ring_dir)                  no worker hook publishes in this directory
      │        ring_directory_refused(reason)     the ring directory fails its checks
      │        engines_without_ring(failures)     the engines whose hook could not start
      │        rings_of_other_models(shapes)      servers of different models share the directory
@@ -32,6 +34,7 @@ from vllm_hidden_state_proxy.ring import EngineFailure, RingShape
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    408: "request_timeout",
     413: "invalid_request_error",
     502: "bad_gateway",
     503: "service_unavailable",
@@ -82,6 +85,20 @@ def answer_too_large(limit: int) -> ProxyError:
         f"vLLM's answer to this flagged request is larger than the proxy holds in memory "
         f"({limit} bytes, --max-answer-size): ask for less (fewer choices or tokens, no echo or "
         "logprobs), or raise the limit.",
+    )
+
+
+def body_timeout(seconds: float) -> ProxyError:
+    return ProxyError(
+        408, f"The request body did not arrive within the proxy's {seconds:g} s (--body-timeout)."
+    )
+
+
+def body_budget_exhausted() -> ProxyError:
+    return ProxyError(
+        503,
+        "The proxy is buffering as many request-body bytes as it may (--body-budget); retry "
+        "shortly.",
     )
 
 

@@ -1,4 +1,7 @@
-"""Run the proxy under uvicorn (uvloop + httptools, no access log), in one or more processes.
+"""Run the proxy under uvicorn (uvloop + httptools, no access log), in one or more processes,
+with the front server's limits: request heads by size and time (``http_protocol.py``), open
+connections (uvicorn's ``limit_concurrency``); request bodies are bounded in ``asgi.py``. Why
+uvicorn and not granian: docs/benchmark.md.
 
 With ``--workers N`` uvicorn's supervisor binds the port once and starts N worker processes
 that share it; each builds the app from the settings the server hands over in its environment,
@@ -16,6 +19,7 @@ from starlette.applications import Starlette
 
 from vllm_hidden_state_proxy.protocol import WORKER_METRICS_ENV, WORKER_SETTINGS_ENV
 from vllm_hidden_state_proxy.proxy.app import create_app
+from vllm_hidden_state_proxy.proxy.http_protocol import protocol_factory
 from vllm_hidden_state_proxy.proxy.metrics import MetricsTable, ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
@@ -28,7 +32,10 @@ def _options(settings: ProxySettings) -> dict[str, Any]:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
+        # httptools, with the limits on request heads it lacks (and that pickles for workers).
+        "http": protocol_factory(settings.max_head_bytes, settings.head_timeout),
+        # A request arriving while this many connections are open or requests run: 503.
+        "limit_concurrency": settings.max_client_connections,
         "lifespan": "on",
         "access_log": False,
         "proxy_headers": False,  # the proxy never looks at the client address

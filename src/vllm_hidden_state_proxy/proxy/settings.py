@@ -33,7 +33,8 @@ from vllm_hidden_state_proxy.protocol import (
 )
 from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE, check_template
 
-MIB = 1024 * 1024
+KIB = 1024
+MIB = 1024 * KIB
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -124,6 +125,49 @@ class ProxySettings:
         metavar="BYTES",
         parse=int,
         shown_default="33554432 (32 MiB)",
+    )
+    # -- the front server's limits (issue #25): per proxy process, so per worker -------------
+    max_head_bytes: int = option(
+        64 * KIB,
+        "--max-head-size",
+        "largest request head (request line and headers); a larger one gets 431 and its "
+        "connection is closed",
+        metavar="BYTES",
+        parse=int,
+        shown_default="65536 (64 KiB)",
+    )
+    head_timeout: float = option(
+        10.0,
+        "--head-timeout",
+        "a request head must be complete this long after the connection opens (or after its "
+        "first byte, on a kept-alive connection); otherwise 408 and the connection is closed",
+        metavar="SECONDS",
+        parse=float,
+    )
+    body_timeout: float = option(
+        60.0,
+        "--body-timeout",
+        "a request body must be complete this long after its head (all of it, not per chunk); "
+        "otherwise 408 and the connection is closed",
+        metavar="SECONDS",
+        parse=float,
+    )
+    max_client_connections: int = option(
+        1024,
+        "--max-client-connections",
+        "a request that arrives while this many client connections are open, or requests in "
+        "progress, gets 503",
+        metavar="N",
+        parse=int,
+    )
+    body_budget_bytes: int = option(
+        256 * MIB,
+        "--body-budget",
+        "request-body bytes buffered at once over all requests; a request that would go over "
+        "gets 503",
+        metavar="BYTES",
+        parse=int,
+        shown_default="268435456 (256 MiB)",
     )
     embedding_template: str = option(
         DEFAULT_TEMPLATE,
@@ -229,6 +273,15 @@ class ProxySettings:
             raise ValueError("vector_timeout must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
+        for name in (
+            "max_head_bytes",
+            "head_timeout",
+            "body_timeout",
+            "max_client_connections",
+            "body_budget_bytes",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
         check_template(self.embedding_template)
         if self.embedding_pooling not in POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}")

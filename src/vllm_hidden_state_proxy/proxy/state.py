@@ -1,4 +1,5 @@
-"""Per-app runtime state: settings, metrics, and what the lifespan opens."""
+"""Per-app runtime state: settings, metrics, the budget of buffered request bodies, and what the
+lifespan opens."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.vector_lookup import RingSource
@@ -26,6 +28,8 @@ class ProxyState:
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or ProxyMetrics()
+        #: This process's request bodies in memory, against ``--body-budget``.
+        self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.connections: Connections | None = None
 
     def _open(self) -> Connections:
