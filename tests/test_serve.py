@@ -431,6 +431,10 @@ def test_refused_settings_are_only_those_of_its_own_vllm(tmp_path: Path) -> None
         mine = serve.refused_settings(str(tmp_path), os.getpgid(0))
         assert [(f.engine, f.message) for f in mine] == [(0, "m")]
         assert serve.refused_settings(str(tmp_path), os.getpgid(0) + 1_000_000) == []
+        # What serve prints in full (the proxy's /health says it in words only): every one.
+        every = serve.own_failures(str(tmp_path), os.getpgid(0))
+        assert sorted(f.message for f in every) == ["hook off", "m"]
+        assert serve.own_failures(str(tmp_path), os.getpgid(0) + 1_000_000) == []
     finally:
         refused.close()
         off.close()

@@ -366,17 +366,21 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", "replace")[:500]
 
 
-def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
+def own_failures(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
     """The engines of *this* vLLM (its process group; the directory may be shared) whose hook
-    refused the server's settings, e.g. layers its model cannot return."""
+    could not start its ring."""
     mine = []
     for failure in live_notes(Path(ring_dir)):
-        if not failure.refused_settings:
-            continue
-        with contextlib.suppress(OSError):  # the engine just ended: not a refusal to report
+        with contextlib.suppress(OSError):  # the engine just ended: not a failure to report
             if os.getpgid(failure.pid) == vllm_group:
                 mine.append(failure)
     return mine
+
+
+def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
+    """The engines of *this* vLLM whose hook refused the server's settings, e.g. layers its
+    model cannot return."""
+    return [failure for failure in own_failures(ring_dir, vllm_group) if failure.refused_settings]
 
 
 def _supervise(children: _Children, stop: _StopRequest) -> int:
@@ -424,6 +428,9 @@ def _run(
     )
     if status is not None:
         return status
+    # The proxy's /health says why in words only (anyone may ask it); the operator gets it all.
+    for failure in own_failures(ring_dir, process.pid):
+        _say(f"flagged requests that reach it get 503: {failure.describe()}")
     _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
     return _supervise(children, stop)
 
