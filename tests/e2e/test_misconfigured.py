@@ -67,9 +67,13 @@ def test_vllm_unreachable_is_a_502_and_health_turns_503(
         flagged = httpx.post(url + CHAT, json=chat(model_name, True), timeout=30)
         ordinary = httpx.post(url + CHAT, json=chat(model_name, False), timeout=30)
     assert health.status_code == 503
+    assert health.json()["error"]["message"] == "vLLM is not healthy: it cannot be reached."
     for response in (flagged, ordinary):
         assert response.status_code == 502, response.text
-        assert dead in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        # Any client sees it: in words; vLLM's address and the exception are the operator's.
+        assert message.startswith("Could not reach vLLM") and dead not in message
+    assert dead in log.read_text(errors="replace")
 
 
 def _garbage_rings(directory: Path) -> dict[str, bytes]:
