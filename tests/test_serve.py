@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.ring.helpers import directory_lock_held
+from tests.ring.helpers import directory_lock_held, ring_dir_of
 from vllm_hidden_state_proxy import serve
 from vllm_hidden_state_proxy.processes import free_port
 from vllm_hidden_state_proxy.protocol import (
@@ -321,23 +321,6 @@ def test_a_socket_of_the_users_for_vllm_is_refused_at_once(start: Starter) -> No
     assert not (server.pid_dir / "vllm").exists()
 
 
-def _ring_dir_case(tmp_path: Path, case: str) -> Path:
-    """A ``--ring-dir`` vLLM's hook would refuse (``held``: the caller holds its lock)."""
-    ring_dir = tmp_path / "rings"
-    if case == "symlink":
-        (tmp_path / "elsewhere").mkdir(mode=0o700)
-        ring_dir.symlink_to(tmp_path / "elsewhere")
-        return ring_dir
-    ring_dir.mkdir(mode=0o700)
-    if case == "sticky":
-        os.chmod(ring_dir, 0o1777)
-    elif case == "foreign":
-        if os.geteuid() != 0:
-            pytest.skip("chown to another user needs root")
-        os.chown(ring_dir, 65534, -1)
-    return ring_dir
-
-
 RING_DIR_CASES = [
     ("symlink", "is a symbolic link"),
     ("sticky", "/tmp-like"),
@@ -347,14 +330,14 @@ RING_DIR_CASES = [
 
 @pytest.mark.parametrize(("case", "why"), RING_DIR_CASES)
 def test_ring_dir_problem(tmp_path: Path, case: str, why: str) -> None:
-    problem = serve.ring_dir_problem(str(_ring_dir_case(tmp_path, case)))
+    problem = serve.ring_dir_problem(str(ring_dir_of(tmp_path, case)))
     assert problem is not None and why in problem and str(tmp_path / "rings") in problem
 
 
 def test_ring_dir_problem_of_a_held_lock_is_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ring_dir = _ring_dir_case(tmp_path, "held")
+    ring_dir = ring_dir_of(tmp_path, "held")
     monkeypatch.setattr(serve, "RING_LOCK_PROBE", 0.2)
     with directory_lock_held(ring_dir) as pid:
         started = time.monotonic()
@@ -370,7 +353,7 @@ def test_ring_dir_problem_accepts_what_the_hook_accepts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert serve.ring_dir_problem(str(tmp_path / "missing")) is None  # the hook makes it
-    ring_dir = _ring_dir_case(tmp_path, "own")
+    ring_dir = ring_dir_of(tmp_path, "own")
     assert serve.ring_dir_problem(str(ring_dir)) is None
     os.chmod(ring_dir, 0o2777)  # this user's own: repaired, as the hook would
     monkeypatch.setenv(RING_DIR_MODE_ENV, "0770")
@@ -384,7 +367,7 @@ def test_ring_dir_problem_accepts_what_the_hook_accepts(
 def test_a_ring_dir_the_hook_would_refuse_fails_before_vllm_starts(
     start: Starter, tmp_path: Path, case: str, why: str
 ) -> None:
-    ring_dir = _ring_dir_case(tmp_path, case)
+    ring_dir = ring_dir_of(tmp_path, case)
     server: Serve = start("--ring-dir", str(ring_dir))
     assert server.wait(timeout=30) == 1
     assert why in server.output

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.server import STARTUP_TIMEOUT, serve_command, stack_environment
-from tests.ring.helpers import directory_lock_held
+from tests.ring.helpers import NOBODY_UID, directory_lock_held, ring_dir_of
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time, stop_process_group
 from vllm_hidden_state_proxy.protocol import RING_LOCK_TIMEOUT_ENV
 
@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 
 #: Seconds serve may take to refuse a directory before starting vLLM (imports included).
 REFUSAL_TIMEOUT = 60.0
-NOBODY = 65534
 
 
 def _serve(
@@ -50,35 +49,19 @@ def _wait_printed(log_path: Path, text: str, process: subprocess.Popen[bytes]) -
         time.sleep(0.1)
 
 
-def _refused_ring_dir(tmp_path: Path, case: str) -> Path:
-    ring_dir = tmp_path / "rings"
-    if case == "symlink":
-        (tmp_path / "elsewhere").mkdir(mode=0o700)
-        ring_dir.symlink_to(tmp_path / "elsewhere")
-        return ring_dir
-    ring_dir.mkdir(mode=0o700)
-    if case == "foreign":
-        if os.geteuid() != 0:
-            pytest.skip("chown to another user needs root")
-        os.chown(ring_dir, NOBODY, -1)
-    elif case == "world-writable":
-        os.chmod(ring_dir, 0o1777)
-    return ring_dir
-
-
 @pytest.mark.parametrize(
     ("case", "why"),
     [
-        ("foreign", f"is owned by uid {NOBODY}, not by a trusted user"),
+        ("foreign", f"is owned by uid {NOBODY_UID}, not by a trusted user"),
         ("symlink", "is a symbolic link"),
-        ("world-writable", "is a shared /tmp-like directory"),
+        ("sticky", "is a shared /tmp-like directory"),
         ("held lock", "is held by pid"),
     ],
 )
 def test_serve_refuses_a_ring_directory_before_starting_vllm(
     tiny_model_dir: Path, tmp_path: Path, case: str, why: str
 ) -> None:
-    ring_dir = _refused_ring_dir(tmp_path, case)
+    ring_dir = ring_dir_of(tmp_path, case)
     log_path = tmp_path / "serve.log"
     with directory_lock_held(ring_dir) if case == "held lock" else contextlib.nullcontext():
         process = _serve(tiny_model_dir, ring_dir, log_path, stack_environment())

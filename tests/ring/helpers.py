@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
 from vllm_hidden_state_proxy.ring import Found, Record, RingWriter
 from vllm_hidden_state_proxy.ring.layout import (
     KEY_BYTES,
@@ -30,6 +32,8 @@ LOGGER = "vllm_hidden_state_proxy.ring"
 MODEL = "test/model-7b"
 HIDDEN = 8
 REPO = Path(__file__).resolve().parents[2]
+#: ``nobody``: another user, for directories the checks must refuse.
+NOBODY_UID = 65534
 
 
 def key_for(i: int) -> bytes:
@@ -236,3 +240,22 @@ def directory_lock_held(directory: Path) -> Iterator[int]:
             yield holder.pid
         finally:
             holder.kill()
+
+
+def ring_dir_of(tmp_path: Path, case: str) -> Path:
+    """``tmp_path / "rings"`` as a ring directory the hook would refuse: ``symlink``, ``sticky``
+    (a shared /tmp-like one) or ``foreign`` (another user's; needs root); any other case a
+    plain private directory (the caller may hold its lock)."""
+    ring_dir = tmp_path / "rings"
+    if case == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        ring_dir.symlink_to(tmp_path / "elsewhere")
+        return ring_dir
+    ring_dir.mkdir(mode=0o700)
+    if case == "sticky":
+        os.chmod(ring_dir, 0o1777)
+    elif case == "foreign":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(ring_dir, NOBODY_UID, -1)
+    return ring_dir

@@ -36,7 +36,7 @@ from vllm_hidden_state_proxy.proxy.sse_events import (
     with_data,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.upstream import transport_error
+from vllm_hidden_state_proxy.proxy.stream_rewrite import hold_until
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +143,10 @@ async def relay_responses_with_vectors(
     into its ``response.completed`` event. Raises ``ProxyError`` only before the head is out."""
     chunks = response.aiter_raw()
     limit = state.settings.max_answer_bytes
-    buffer = bytearray()
     cursor = EventCursor()
-    outcome: tuple[str, bytes | None] | None = None
-    try:
-        async for chunk in chunks:
-            buffer += chunk
-            outcome = _prelude_outcome(buffer, cursor)
-            if outcome is not None:
-                break
-            if len(buffer) > limit:
-                raise ProxyError(
-                    502,
-                    f"vLLM's stream had no output in its first {limit} bytes (the proxy's "
-                    "--max-answer-size).",
-                )
-    except httpx.HTTPError as exc:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, exc) from exc
+    buffer, outcome = await hold_until(
+        state, chunks, lambda held: _prelude_outcome(held, cursor), "no output"
+    )
     if outcome is None or outcome[0] != "output":
         error = None if outcome is None else outcome[1]
         await send_response(send, 502, _failed_before_output(error), b"application/json")

@@ -15,9 +15,9 @@ code as the status, and a stream without one a 502.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -33,6 +33,8 @@ from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
 #: The streamed body changes length where the vectors are joined in.
 _STREAM_DROP = frozenset({b"content-length"})
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,35 @@ def is_event_stream(response: httpx.Response) -> bool:
     return content_type.startswith("text/event-stream")
 
 
+async def hold_until(
+    state: ProxyState,
+    chunks: AsyncIterator[bytes],
+    scan: Callable[[bytearray], T | None],
+    missing: str,
+) -> tuple[bytearray, T | None]:
+    """Buffer a flagged stream until ``scan`` finds what the vectors wait for (``None``: the
+    stream ended first), within ``--max-answer-size`` (then a 502 saying the stream had
+    ``missing`` in that many bytes). Raises ``ProxyError``: nothing has been sent yet."""
+    limit = state.settings.max_answer_bytes
+    buffer = bytearray()
+    try:
+        async for chunk in chunks:
+            buffer += chunk
+            found = scan(buffer)
+            if found is not None:
+                return buffer, found
+            if len(buffer) > limit:
+                raise ProxyError(
+                    502,
+                    f"vLLM's stream had {missing} in its first {limit} bytes (the proxy's "
+                    "--max-answer-size).",
+                )
+    except httpx.HTTPError as exc:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, exc) from exc
+    return buffer, None
+
+
 async def relay_with_vectors(
     state: ProxyState,
     send: Send,
@@ -125,27 +156,10 @@ async def relay_with_vectors(
     Raises ``ProxyError`` only before the response has started.
     """
     chunks = response.aiter_raw()
-    limit = state.settings.max_answer_bytes
-    buffer = bytearray()
     scanner = FirstChoiceScanner()
-    found: ChoiceEvent | StreamEnded | None = None
-    try:
-        async for chunk in chunks:
-            buffer += chunk
-            found = scanner.scan(buffer)
-            if found is not None:
-                break
-            # vLLM's first choice is ~300 bytes, but it carries the whole prompt's echo,
-            # logprobs or token ids when asked for.
-            if len(buffer) > limit:
-                raise ProxyError(
-                    502,
-                    f"vLLM's stream had no choice in its first {limit} bytes (the proxy's "
-                    "--max-answer-size).",
-                )
-    except httpx.HTTPError as exc:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, exc) from exc
+    # vLLM's first choice is ~300 bytes, but it carries the whole prompt's echo, logprobs or
+    # token ids when asked for.
+    buffer, found = await hold_until(state, chunks, scanner.scan, "no choice")
     if not isinstance(found, ChoiceEvent):  # [DONE], or the end of the body, before a choice
         status, body = ended_before_a_choice(scanner.error)
         await send_response(send, status, body, b"application/json")
