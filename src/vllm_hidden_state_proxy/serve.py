@@ -258,10 +258,11 @@ def _error_message(body: bytes) -> str:
 
 def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
     """The engines of *this* vLLM (its process group; the directory may be shared) whose hook
-    refused the server's settings, e.g. layers its model cannot return."""
+    left a fatal note: it refused the server's settings (layers its model cannot return, say),
+    or this vLLM lacks what the hook reads."""
     mine = []
     for failure in live_notes(Path(ring_dir)):
-        if not failure.refused_settings:
+        if not failure.fatal:
             continue
         with contextlib.suppress(OSError):  # the engine just ended: not a refusal to report
             if os.getpgid(failure.pid) == vllm_group:

@@ -32,6 +32,7 @@ def test_a_note_names_its_engine_and_is_live_while_its_writer_is(tmp_path: Path)
         "pid": os.getpid(),
         "message": "no space",
         "refused_settings": False,
+        "fatal": False,
     }
     failure = read_live_note(note.path, None)
     assert failure == EngineFailure(INSTANCE, 3, os.getpid(), "no space")

@@ -22,6 +22,7 @@ this happens and nothing is paid.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -101,10 +102,20 @@ def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
             f"{getattr(speculative, 'method', None)!r}) yet: the drafter would be fed the "
             "captured layers instead of the final hidden states"
         )
-    pipeline = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    parallel_config = vllm_config.parallel_config
+    pipeline = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
     if pipeline > 1:
         raise LayerConfigError(
             f"{LAYERS_ENV} with pipeline parallelism ({pipeline} stages) is not supported yet"
+        )
+    if getattr(parallel_config, "use_ubatching", False):
+        # Micro-batching runs the forward per micro-batch and merges the outputs with
+        # torch.cat over zip(*outputs); whether the auxiliary list survives that merge (in
+        # both runners, with CUDA graphs) is unverified, so it is refused, not guessed at.
+        raise LayerConfigError(
+            f"{LAYERS_ENV} cannot be combined with micro-batching (--enable-dbo or "
+            "--ubatch-size > 1) yet: the per-micro-batch auxiliary outputs are not known to be "
+            "merged correctly; drop one of the two"
         )
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -115,5 +126,57 @@ def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
             f"SupportsEagle3 interface), so layers {', '.join(map(str, aux_ids))} of "
             f"{LAYERS_ENV} cannot be captured; only the final layer (-1) can be"
         )
+    problem = aux_capture_problem(model)
+    if problem is not None:
+        raise LayerConfigError(
+            f"{problem}, so its auxiliary outputs are not Transformers' hidden_states[k] and "
+            f"layers {', '.join(map(str, aux_ids))} of {LAYERS_ENV} cannot be captured; only the "
+            "final layer (-1) can be"
+        )
     model.set_aux_hidden_state_layers(aux_ids)
     runner.use_aux_hidden_state_outputs = True
+
+
+def aux_capture_problem(model: Any) -> str | None:
+    """Why ``model``'s auxiliary outputs may not be ``hidden_states + residual`` after ``k``
+    layers (``None`` if they are, as far as its structure shows).
+
+    vLLM's ``EagleModelMixin._maybe_add_hidden_state`` takes that sum; models that override it
+    (attention-residual models, whose ``residual`` is a bank of block states), build their aux
+    list another way in ``forward`` (DeepSeek V4 takes a mean of reconstructed streams), or set
+    ``attn_res_block_size`` capture something else, which the hook cannot check row by row.
+    So it requires, for every decoder stack in the model: the mixin, its method unchanged, and
+    a ``forward`` that calls it.
+    """
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    stacks = [module for module in modules if isinstance(module, EagleModelMixin)]
+    if not stacks:
+        return (
+            f"{type(model).__name__} keeps its decoder layers in no EagleModelMixin module "
+            "(vLLM's shared capture of auxiliary outputs)"
+        )
+    for stack in stacks:
+        problem = stack_problem(type(stack), getattr(stack, "config", None))
+        if problem is not None:
+            return problem
+    return None
+
+
+def stack_problem(cls: type, config: Any = None) -> str | None:
+    """Why the decoder stack class ``cls`` (an ``EagleModelMixin``) may capture something else
+    than ``hidden_states + residual`` (``None``: it does not, as far as its structure shows)."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    if getattr(cls, "_maybe_add_hidden_state", None) is not (
+        EagleModelMixin._maybe_add_hidden_state
+    ):
+        return f"{cls.__name__} overrides vLLM's _maybe_add_hidden_state"
+    if getattr(config, "attn_res_block_size", None) is not None:
+        return f"{cls.__name__} uses attention residuals (attn_res_block_size)"
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    if code is None or "_maybe_add_hidden_state" not in code.co_names:
+        return f"{cls.__name__}.forward builds its auxiliary outputs without vLLM's mixin"
+    return None
