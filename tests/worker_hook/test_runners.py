@@ -10,6 +10,7 @@ allocation and batch sorting in V2).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -173,7 +174,23 @@ class V1Harness:
 
 
 @pytest.fixture
-def v1() -> V1Harness:
+def unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's host buffers without pinned memory, which needs a GPU driver to allocate.
+
+    The CPU build of vLLM decides ``PIN_MEMORY`` is False by itself; the GPU build (vLLM 0.33's
+    own wheel, ``make test-vllm-next``) decides True even where no driver is found, and its
+    modules copied the flag at import. Only the allocation flag changes: the classes and their
+    state are vLLM's own.
+    """
+    import vllm.v1.worker.gpu_input_batch  # noqa: F401  (its flag is the one to change)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, "PIN_MEMORY", False) is True:
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
+
+
+@pytest.fixture
+def v1(unpinned: None) -> V1Harness:
     return V1Harness()
 
 
@@ -421,7 +438,7 @@ class V2Harness:
 
 
 @pytest.fixture
-def v2(cpu_uva: None) -> V2Harness:
+def v2(cpu_uva: None, unpinned: None) -> V2Harness:
     return V2Harness()
 
 
