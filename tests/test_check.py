@@ -68,14 +68,14 @@ class ScriptedProxy:
             text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
             return self.answer("stream", body, httpx.Response(200, text=text))
         if kv.get("last_hidden_state_pooling") == "mean":
-            fields = {"last_hidden_state": b64([0.5] * HIDDEN)}
+            fields: dict[str, Any] = {"last_hidden_state": b64([0.5] * HIDDEN)}
             return self.answer(
                 "mean", body, httpx.Response(200, json={"kv_transfer_params": fields})
             )
         by_layer = {
             str(k): b64([float(k)] * HIDDEN) for k in kv.get("last_hidden_state_layers", [2])
         }
-        fields: dict[str, Any] = {
+        fields = {
             "last_hidden_state": b64([2.0] * HIDDEN),
             "last_hidden_states_by_layer": by_layer,
         }

@@ -227,7 +227,7 @@ def check(client: httpx.Client, model: str | None, say: Callable[[str], None]) -
     return Deployment(model, layers, final, hidden_size)
 
 
-def canary(client: httpx.Client, model: str) -> str | None:
+def canary(client: httpx.Client, model: str | None = None) -> str | None:
     """An ordinary and a flagged request (``serve``'s startup check); the problem or ``None``.
 
     A 503 naming an engine without a ring is not a problem here: ``/health`` reports those,
@@ -235,12 +235,20 @@ def canary(client: httpx.Client, model: str) -> str | None:
     """
     probe = _Probe(client, lambda line: None)
     try:
+        if model is None:
+            models = probe.get("/v1/models")
+            data = models.json().get("data") if models.status_code == 200 else None
+            if not data:
+                return f"/v1/models answered {models.status_code} without a model"
+            model = str(data[0]["id"])
         probe.completion(model, None)
         probe.completion(model, {})
     except CheckFailed as failed:
         if "engine without a ring" in str(failed):
             return None
         return str(failed)
+    except ValueError as error:  # not JSON: whatever answers is not this proxy
+        return f"the proxy's answer was not JSON ({error})"
     return None
 
 

@@ -312,8 +312,21 @@ def _run(
     )
     if status is not None:
         return status
+    problem = startup_canary(proxy_url, settings)
+    if problem is not None:
+        _say(f"vLLM and the proxy are up, but a flagged request failed: {problem}")
+        return 1
     _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
     return _supervise(children, stop)
+
+
+def startup_canary(proxy_url: str, settings: ProxySettings) -> str | None:
+    """An ordinary and a flagged request through the proxy (``check.canary``): a hook that
+    wraps vLLM but never publishes fails the start, not the first user's request."""
+    from vllm_hidden_state_proxy.check import canary, client_for
+
+    with client_for(proxy_url, settings.api_key, settings.vector_timeout + 60.0) as client:
+        return canary(client)
 
 
 def _local_url(host: str, port: int) -> str:
