@@ -283,7 +283,7 @@ def test_an_engine_whose_hook_cannot_start_is_named_at_once(
         # `hidden-state-proxy check` stops at /health with the engine and the cause.
         with (
             httpx.Client(base_url=stack.proxy_url, timeout=120) as client,
-            pytest.raises(CheckFailed) as failed,
+            pytest.raises(CheckFailed) as refused,
         ):
             check(client, None, lambda line: None)
-        assert re.match(r"/health is 503: .*engine [01] .*No space left", str(failed.value))
+        assert re.match(r"/health is 503: .*engine [01] .*No space left", str(refused.value))

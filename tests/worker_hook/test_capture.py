@@ -37,7 +37,12 @@ from tests.worker_hook.fakes import (
     step,
     xargs,
 )
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV, RING_DIR_MODE_ENV, RING_SLOTS_ENV
+from vllm_hidden_state_proxy.protocol import (
+    HOOK_ENABLED_ENV,
+    LAYERS_ENV,
+    RING_DIR_MODE_ENV,
+    RING_SLOTS_ENV,
+)
 from vllm_hidden_state_proxy.ring import (
     RingDirectory,
     RingDirectoryConflict,
@@ -675,6 +680,20 @@ def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
         assert failure == note
         assert "engine 2 (data-parallel index)" in failure.describe()
         assert "num_prompt_tokens" in failure.describe()
+
+
+def test_a_required_hook_makes_every_note_fatal(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HIDDEN_STATE_PROXY_HOOK=1: the operator wants vectors, so even a ring that cannot be
+    created (not a refusal) keeps /health at 503 and stops serve."""
+    monkeypatch.setenv(HOOK_ENABLED_ENV, "1")
+    monkeypatch.setenv(RING_SLOTS_ENV, "0")
+    config = engine_config(1)
+    with pytest.raises(ValueError, match="slot_count must be in"):
+        for_runner(FakeV1Runner(vllm_config=config))
+    note = live_note(ring_env, config)
+    assert note.fatal and not note.refused_settings
 
 
 @pytest.mark.parametrize(
