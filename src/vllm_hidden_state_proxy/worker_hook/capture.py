@@ -276,10 +276,10 @@ def _create_ring(
             version,
         )
     logger.info(
-        "vllm-hidden-state-proxy: worker hook active (vLLM %s, %s runner), engine %d of "
+        "vllm-hidden-state-proxy: worker hook active (%s runner) on vLLM %s, engine %d of "
         "instance %016x, publishing %d-d vectors of layers %s to %s (%d slots)",
-        version,
         view.name,
+        version,
         identity.engine,
         identity.instance,
         hidden_size,
