@@ -33,6 +33,7 @@ from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import (
     CapturedLayers,
     LayerConfigError,
+    aux_capture_problem,
     configured_layers,
     enable_aux_outputs,
     parse_layers,
@@ -320,6 +321,34 @@ class AttnResStack(DecoderStack):
     config = SimpleNamespace(attn_res_block_size=4)
 
 
+class HandingOn(OwnWayStack):
+    """Like Plamo3's model: it keeps no layers itself, its decoder (a stack) captures them."""
+
+    def __init__(self) -> None:
+        self.decoder = DecoderStack()
+
+    def _set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.decoder._set_aux_hidden_state_layers(layers)
+
+
+def test_a_stack_that_hands_its_layers_on_is_judged_by_the_one_that_captures() -> None:
+    class Model(Eagle3Model):
+        stack_class = HandingOn
+
+        def modules(self) -> list[Any]:
+            return [self, self.model, self.model.decoder]
+
+    assert aux_capture_problem(Model()) is None
+
+    class Broken(Model):
+        def modules(self) -> list[Any]:
+            return [self, self.model, OwnWayStack()]
+
+    assert aux_capture_problem(Broken()) == (
+        "OwnWayStack.forward builds its auxiliary outputs without vLLM's mixin"
+    )
+
+
 @pytest.mark.parametrize(
     ("stack", "problem"),
     [
@@ -346,6 +375,14 @@ def test_models_whose_aux_outputs_are_not_transformers_hidden_states_are_refused
         ("vllm.model_executor.models.qwen2", "Qwen2Model", None),
         ("vllm.model_executor.models.qwen3", "Qwen3Model", None),
         ("vllm.model_executor.models.llama", "LlamaModel", None),
+        # Its forward is LlamaModel's, through super().forward.
+        ("vllm.model_executor.models.mistral", "MistralModel", None),
+        # Its own forward returns no auxiliary outputs at all.
+        (
+            "vllm.model_executor.models.mimo",
+            "MiMoModel",
+            "MiMoModel.forward builds its auxiliary outputs without vLLM's mixin",
+        ),
         (
             "vllm.models.kimi_k3.amd.linear",
             "KimiLinearModel",

@@ -29,6 +29,9 @@ from typing import Any
 
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV
 
+#: The mixin method through which a model's decoder stack receives the aux layer ids.
+SET_LAYERS = "_set_aux_hidden_state_layers"
+
 
 class LayerConfigError(Exception):
     """The configured layers cannot be captured (the message says why and what to change)."""
@@ -158,10 +161,25 @@ def aux_capture_problem(model: Any) -> str | None:
             "(vLLM's shared capture of auxiliary outputs)"
         )
     for stack in stacks:
+        if _hands_layers_on(type(stack)):
+            continue  # another module (itself in ``stacks``) captures them
         problem = stack_problem(type(stack), getattr(stack, "config", None))
         if problem is not None:
             return problem
     return None
+
+
+def _hands_layers_on(cls: type) -> bool:
+    """Whether ``cls`` passes its aux layers to a submodule instead of keeping them (Plamo3's
+    model gives them to its decoder): its ``_set_aux_hidden_state_layers`` is its own and
+    does not call the mixin's."""
+    own = next((c.__dict__[SET_LAYERS] for c in cls.__mro__ if SET_LAYERS in c.__dict__), None)
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    if own is None or own is EagleModelMixin.__dict__.get(SET_LAYERS):
+        return False
+    code = getattr(inspect.unwrap(own), "__code__", None)
+    return code is not None and "super" not in code.co_names
 
 
 def stack_problem(cls: type, config: Any = None) -> str | None:
@@ -175,8 +193,24 @@ def stack_problem(cls: type, config: Any = None) -> str | None:
         return f"{cls.__name__} overrides vLLM's _maybe_add_hidden_state"
     if getattr(config, "attn_res_block_size", None) is not None:
         return f"{cls.__name__} uses attention residuals (attn_res_block_size)"
-    forward = getattr(cls, "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    if code is None or "_maybe_add_hidden_state" not in code.co_names:
+    if not _forward_uses_the_mixin(cls):
         return f"{cls.__name__}.forward builds its auxiliary outputs without vLLM's mixin"
     return None
+
+
+def _forward_uses_the_mixin(cls: type) -> bool:
+    """Whether ``cls.forward`` calls ``_maybe_add_hidden_state``, itself or through the
+    ``super().forward`` it delegates to (MistralModel's, say): read from the byte code's
+    names, so no source file is needed."""
+    for owner in cls.__mro__:
+        forward = owner.__dict__.get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None:
+            return False
+        if "_maybe_add_hidden_state" in code.co_names:
+            return True
+        if not ("super" in code.co_names and "forward" in code.co_names):
+            return False
+    return False
