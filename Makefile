@@ -93,6 +93,10 @@ NEXT_STAMP := $(NEXT_VENV)/.install-stamp
 NEXT_TESTS := tests/worker_hook --ignore=tests/worker_hook/test_engine.py
 
 $(NEXT_STAMP):
+	@# 9.6 GB once installed, more while pip unpacks: say so before pip fails half-way.
+	@mkdir -p $(dir $(NEXT_VENV))
+	@$(PYTHON) -c "import shutil, sys; free = shutil.disk_usage('$(dir $(NEXT_VENV))').free / 2**30; \
+		sys.exit(0 if free >= 14 else f'[test-vllm-next] {free:.1f} GiB free under $(dir $(NEXT_VENV)); the vLLM $(NEXT_VLLM) venv needs about 14 GiB while it installs: free some, or set NEXT_VENV to a larger disk')"
 	@test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_PY) -m pip install --quiet --upgrade pip
 	@echo "[test-vllm-next] vllm==$(NEXT_VLLM) and its torch into $(NEXT_VENV); first run takes a few minutes"
