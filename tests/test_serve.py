@@ -116,6 +116,7 @@ def proxy_command(settings):
 
 
 serve.PROXY_STARTUP_TIMEOUT = 2.0
+serve.startup_canary = lambda url, settings: None  # the fake proxy serves no completions
 serve.vllm_command = vllm_command
 serve.proxy_command = proxy_command
 sys.exit(main(["serve", "fake-model", *sys.argv[3:]]))

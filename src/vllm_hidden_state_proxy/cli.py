@@ -1,4 +1,4 @@
-"""Command line: ``hidden-state-proxy serve|proxy|build-tiny-model|bench``.
+"""Command line: ``hidden-state-proxy serve|proxy|check|build-tiny-model|bench``.
 
 The proxy's options come from its settings table (``proxy/settings.py``); ``serve`` adds the
 few that concern vLLM and the pair of processes.
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, LAYERS_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 #: Proxy settings that ``serve`` decides itself: how the proxy reaches vLLM (its address and
@@ -107,6 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy_settings.add_arguments(proxy, required=("upstream_url",))
 
+    check = commands.add_parser(
+        "check",
+        allow_abbrev=False,
+        help="prove a running deployment returns hidden states, or name the fix",
+        description="Ask a running proxy for its health, vLLM's version, the engines' hooks "
+        "and captured layers, then send an ordinary request and flagged ones (every captured "
+        "layer, mean pooling, streamed) and check each vector's size and finiteness. Exits 1 "
+        "with one sentence naming the fix at the first failure.",
+    )
+    check.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8000")
+    check.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the proxy's API key, if it has one (default: ${API_KEY_ENV})",
+    )
+    check.add_argument(
+        "--model", default=None, help="the model name to send (default: the first of /v1/models)"
+    )
+    check.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="per request (default 120)",
+    )
+
     tiny = commands.add_parser(
         "build-tiny-model",
         help="build the tiny offline test model and print its directory",
@@ -145,6 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_hidden_state_proxy.serve import serve
 
         return serve(args, extra)
+    if args.command == "check":
+        from vllm_hidden_state_proxy.check import run_check
+
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        return run_check(args.url, api_key, args.model, args.timeout)
     if args.command == "build-tiny-model":
         from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 

@@ -378,9 +378,9 @@ def own_failures(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
 
 
 def refused_settings(ring_dir: str, vllm_group: int) -> list[EngineFailure]:
-    """The engines of *this* vLLM whose hook refused the server's settings, e.g. layers its
-    model cannot return."""
-    return [failure for failure in own_failures(ring_dir, vllm_group) if failure.refused_settings]
+    """The engines of *this* vLLM whose hook left a fatal note: it refused the server's
+    settings (layers its model cannot return, say), or this vLLM lacks what the hook reads."""
+    return [failure for failure in own_failures(ring_dir, vllm_group) if failure.fatal]
 
 
 def _supervise(children: _Children, stop: _StopRequest) -> int:
@@ -431,8 +431,21 @@ def _run(
     # The proxy's /health says why in words only (anyone may ask it); the operator gets it all.
     for failure in own_failures(ring_dir, process.pid):
         _say(f"flagged requests that reach it get 503: {failure.describe()}")
+    problem = startup_canary(proxy_url, settings)
+    if problem is not None:
+        _say(f"vLLM and the proxy are up, but a flagged request failed: {problem}")
+        return 1
     _say(f"ready: OpenAI-compatible API at {proxy_url}/v1 (Ctrl-C stops both)")
     return _supervise(children, stop)
+
+
+def startup_canary(proxy_url: str, settings: ProxySettings) -> str | None:
+    """An ordinary and a flagged request through the proxy (``check.canary``): a hook that
+    wraps vLLM but never publishes fails the start, not the first user's request."""
+    from vllm_hidden_state_proxy.check import canary, client_for
+
+    with client_for(proxy_url, settings.api_key, settings.vector_timeout + 60.0) as client:
+        return canary(client)
 
 
 def _local_url(host: str, port: int) -> str:

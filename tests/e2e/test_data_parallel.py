@@ -25,6 +25,7 @@ import pytest
 
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
+from vllm_hidden_state_proxy.check import CheckFailed, check
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time
 
 pytestmark = pytest.mark.own_server
@@ -284,3 +285,10 @@ def test_an_engine_whose_hook_cannot_start_is_named_at_once(
         )
         log = stack.log_path.read_text(errors="replace")
         assert len(re.findall(r"no ring for engine [01] ", log)) == 1, "one log line"
+        # `hidden-state-proxy check` stops at /health with the engine and the cause.
+        with (
+            httpx.Client(base_url=stack.proxy_url, timeout=120) as client,
+            pytest.raises(CheckFailed) as refused,
+        ):
+            check(client, None, lambda line: None)
+        assert re.match(r"/health is 503: .*engine [01] .*No space left", str(refused.value))

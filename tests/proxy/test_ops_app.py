@@ -88,6 +88,10 @@ async def test_health_is_503_when_vllm_is_unreachable_the_details_behind_the_key
 
 FAILURE = EngineFailure(instance=1, engine=1, pid=77, message="RingInUseError: held")
 REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not support", True)
+#: A vLLM that lacks what the hook reads: not the operator's settings, but fatal all the same.
+INCOMPATIBLE = EngineFailure(
+    1, 0, 77, "UnsupportedRunner: ExecuteModelState (V1) has no field hidden_states", fatal=True
+)
 
 
 @pytest.mark.parametrize(
@@ -97,8 +101,14 @@ REFUSED = EngineFailure(1, 0, 77, "LayerConfigError: GPT2LMHeadModel does not su
         (FakeRing(instance=1, failures=(FAILURE,)), 1, "RingInUseError: held"),
         # Layers the model cannot return: what the server was started for is not served at all.
         (FakeRing(present=False, failures=(REFUSED,)), 0, "GPT2LMHeadModel does not support"),
+        # A vLLM the hook does not fit: nothing it was started for can be served either.
+        (FakeRing(present=False, failures=(INCOMPATIBLE,)), 0, "has no field hidden_states"),
     ],
-    ids=["an-engine-of-a-publishing-vllm-has-no-ring", "the-hook-refused-the-servers-settings"],
+    ids=[
+        "an-engine-of-a-publishing-vllm-has-no-ring",
+        "the-hook-refused-the-servers-settings",
+        "the-hook-does-not-fit-this-vllm",
+    ],
 )
 async def test_health_is_503_naming_the_engine_the_cause_behind_the_key(
     ring: FakeRing, engine: int, cause: str

@@ -32,6 +32,7 @@ def test_a_note_names_its_engine_and_is_live_while_its_writer_is(tmp_path: Path)
         "pid": os.getpid(),
         "message": "no space",
         "refused_settings": False,
+        "fatal": False,
     }
     failure = read_live_note(note.path, None)
     assert failure == EngineFailure(INSTANCE, 3, os.getpid(), "no space")
@@ -76,6 +77,47 @@ def test_a_note_without_the_flag_is_not_a_refusal_and_a_malformed_flag_no_note(
         assert (failure if failure is None else failure.refused_settings) == read
     finally:
         note.close()
+
+
+@pytest.mark.parametrize(
+    ("written", "fatal"),
+    [
+        ({}, False),  # a hook that predates both flags
+        ({"refused_settings": True}, True),  # one that predates "fatal": a refusal is fatal
+        ({"refused_settings": False, "fatal": True}, True),  # an incompatible vLLM, say
+        ({"refused_settings": False, "fatal": False}, False),
+        ({"fatal": "yes"}, None),  # malformed: no note
+    ],
+)
+def test_a_note_says_whether_it_is_fatal(
+    tmp_path: Path, written: dict[str, object], fatal: bool | None
+) -> None:
+    note = FailureNote.write(tmp_path, instance=1, engine=0, message="m")
+    try:
+        document = {"instance": 1, "engine": 0, "pid": os.getpid(), "message": "m", **written}
+        os.truncate(note.path, 0)
+        note.path.write_bytes(json.dumps(document).encode())
+        failure = read_live_note(note.path, None)
+        assert (failure if failure is None else failure.fatal) == fatal
+    finally:
+        note.close()
+
+
+def test_the_writer_marks_refusals_fatal_and_fatal_notes_as_asked(tmp_path: Path) -> None:
+    for refused, fatal, expected in (
+        (True, False, True),
+        (False, True, True),
+        (False, False, False),
+    ):
+        note = FailureNote.write(
+            tmp_path, instance=1, engine=0, message="m", refused_settings=refused, fatal=fatal
+        )
+        try:
+            failure = read_live_note(note.path, None)
+            assert failure is not None and failure.fatal is expected
+            assert failure.refused_settings is refused
+        finally:
+            note.close()
 
 
 def test_live_notes_lists_the_live_ones_quietly(

@@ -11,6 +11,7 @@ import pytest
 
 from tests.worker_hook.fakes import CAPTURED, HIDDEN, MODEL
 from vllm_hidden_state_proxy.protocol import (
+    HOOK_ENABLED_ENV,
     LAYERS_ENV,
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
@@ -114,6 +115,7 @@ def ring_env(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(RING_SLOTS_ENV, "8")
     monkeypatch.delenv(RING_DIR_MODE_ENV, raising=False)
     monkeypatch.delenv(LAYERS_ENV, raising=False)
+    monkeypatch.delenv(HOOK_ENABLED_ENV, raising=False)  # auto: only refusals are fatal
     return ring_dir
 
 

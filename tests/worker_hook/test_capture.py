@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import vllm
 
 from tests.ring.helpers import directory_lock_held
 from tests.worker_hook.conftest import HookLog
@@ -41,6 +42,7 @@ from tests.worker_hook.fakes import (
     xargs,
 )
 from vllm_hidden_state_proxy.protocol import (
+    HOOK_ENABLED_ENV,
     LAYERS_ENV,
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
@@ -67,7 +69,11 @@ from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows, SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers, LayerConfigError
-from vllm_hidden_state_proxy.worker_hook.runners import UnsupportedRunner, V1RunnerView
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    RefusedSettings,
+    UnsupportedRunner,
+    V1RunnerView,
+)
 
 
 def v1_capture(
@@ -185,18 +191,18 @@ def test_finished_before_its_last_chunk_publishes_nothing(writer: RingWriter) ->
     assert writer.publish_count() == 0
 
 
-def test_step_without_hidden_states_keeps_the_request_pending(
+def test_a_step_without_hidden_states_answers_its_requests_with_an_error(
     writer: RingWriter, reader: RingReader
 ) -> None:
+    """A step that computed a flagged prompt but kept no state (a vLLM whose runner stopped
+    keeping it) is an error record at once, not a request left to time out at the proxy."""
     runner, capture = v1_capture(writer)
     batch = [("a", 3, 0, 3)]
     runner.load(batch)
-    runner.execute_model_state = None  # e.g. an empty step: execute_model() kept no state
+    runner.execute_model_state = None
     capture.after_execute_model(runner, sched(batch, new={"a": key(8)}))
-    assert writer.publish_count() == 0
-    assert pending_keys(capture) == {"a": key(8)}
-    step(capture, runner, batch)
-    assert_last_record(reader.lookup(key(8)), row=2, prompt_len=3)
+    assert error_of(reader.lookup(key(8))).message == STEP_FAILED
+    assert pending_keys(capture) == {}
 
 
 def test_a_malformed_key_does_not_cost_other_requests_their_vector(
@@ -675,8 +681,12 @@ def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
     assert not list(ring_env.glob("*.bin"))
     note = live_note(ring_env, runner.vllm_config)
     assert note.engine == 2
-    assert note.message == "UnsupportedRunner: the V1 input batch has no num_prompt_tokens"
-    assert not note.refused_settings  # the hook is merely off: ordinary serving goes on
+    assert note.message == (
+        "UnsupportedRunner: the V1 input batch has no num_prompt_tokens "
+        f"[vLLM {vllm.__version__}, V1 model runner]"
+    )
+    assert not note.refused_settings  # not the operator's settings, but this vLLM:
+    assert note.fatal  # it will not start working by itself (/health 503, serve exits)
     with RingDirectory(ring_env) as directory:
         [failure] = directory.failed_engines()
         assert failure == note
@@ -684,13 +694,28 @@ def test_an_unsupported_runner_leaves_a_failure_note_naming_engine_and_cause(
         assert "num_prompt_tokens" in failure.describe()
 
 
+def test_a_required_hook_makes_every_note_fatal(
+    ring_env: Path, for_runner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HIDDEN_STATE_PROXY_HOOK=1: the operator wants vectors, so even a ring that cannot be
+    created (not a refusal) keeps /health at 503 and stops serve."""
+    monkeypatch.setenv(HOOK_ENABLED_ENV, "1")
+    monkeypatch.setenv(RING_SLOTS_ENV, "0")
+    config = engine_config(1)
+    with pytest.raises(ValueError, match="slot_count must be in"):
+        for_runner(FakeV1Runner(vllm_config=config))
+    note = live_note(ring_env, config)
+    assert note.fatal and not note.refused_settings
+
+
 @pytest.mark.parametrize(
-    ("setup", "error", "cause"),
+    ("setup", "error", "cause", "refused"),
     [
-        ("slots", ValueError, "slot_count must be in"),
-        ("in use", RingInUseError, "is held by a live writer"),
-        ("context parallel", UnsupportedRunner, "prefill_context_parallel_size=2"),
-        ("mode", ValueError, f"{RING_DIR_MODE_ENV}='rw-r' is not an octal mode"),
+        ("slots", ValueError, "slot_count must be in", False),
+        ("in use", RingInUseError, "is held by a live writer", False),
+        ("context parallel", RefusedSettings, "prefill_context_parallel_size=2", True),
+        ("pooling", RefusedSettings, "runs this model as a pooling model", True),
+        ("mode", ValueError, f"{RING_DIR_MODE_ENV}='rw-r' is not an octal mode", False),
     ],
 )
 def test_a_ring_that_cannot_start_leaves_a_note(
@@ -700,6 +725,7 @@ def test_a_ring_that_cannot_start_leaves_a_note(
     setup: str,
     error: type[Exception],
     cause: str,
+    refused: bool,
 ) -> None:
     config = engine_config(1)
     held = None
@@ -716,6 +742,8 @@ def test_a_ring_that_cannot_start_leaves_a_note(
             instance=instance_of(config),
             engine=1,
         )
+    elif setup == "pooling":  # --runner pooling: no step keeps hidden states for the hook
+        config.model_config.runner_type = "pooling"
     else:
         config.parallel_config.prefill_context_parallel_size = 2
     try:
@@ -725,7 +753,8 @@ def test_a_ring_that_cannot_start_leaves_a_note(
         assert note.engine == 1
         assert note.message.startswith(error.__name__ + ": ")
         assert cause in note.message
-        assert not note.refused_settings
+        assert note.refused_settings is refused
+        assert note.fatal is refused  # a full disk, say, may pass: only refusals are fatal
     finally:
         if held is not None:
             held.close()

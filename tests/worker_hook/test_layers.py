@@ -15,7 +15,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    SupportsEagle3,
+    supports_eagle3,
+)
 
 from tests.worker_hook.conftest import HookLog
 from tests.worker_hook.fakes import FINAL, HIDDEN, FakeV1Runner, fake_vllm_config
@@ -29,9 +33,11 @@ from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import (
     CapturedLayers,
     LayerConfigError,
+    aux_capture_problem,
     configured_layers,
     enable_aux_outputs,
     parse_layers,
+    stack_problem,
 )
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
@@ -99,11 +105,28 @@ def test_configured_layers_read_the_env_and_the_models_layer_count(
 # -- enable_aux_outputs ---------------------------------------------------------------------------
 
 
+class DecoderStack(EagleModelMixin):  # type: ignore[misc]  # vLLM's types are not followed
+    """A decoder stack that captures its layers as vLLM's own models do (Qwen2Model,
+    LlamaModel): through the mixin's ``_maybe_add_hidden_state``."""
+
+    def forward(self, hidden_states: Any, residual: Any) -> Any:
+        aux: list[Any] = []
+        for layer_idx in range(FINAL):
+            aux = self._maybe_add_hidden_state(aux, layer_idx, hidden_states, residual)
+        return hidden_states, aux
+
+
 class Eagle3Model(SupportsEagle3):  # type: ignore[misc]  # vLLM's types are not followed
     """A model with vLLM's EAGLE-3 interface; records what it is asked for."""
 
+    stack_class: type = DecoderStack
+
     def __init__(self) -> None:
         self.aux_layers: tuple[int, ...] | None = None
+        self.model = self.stack_class()
+
+    def modules(self) -> list[Any]:  # as torch.nn.Module's: itself and every submodule
+        return [self, self.model]
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         self.aux_layers = layers
@@ -118,6 +141,10 @@ class ProtocolShapedModel:
 
     def __init__(self) -> None:
         self.aux_layers: tuple[int, ...] | None = None
+        self.stack = DecoderStack()
+
+    def modules(self) -> list[Any]:
+        return [self, self.stack]
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         self.aux_layers = layers
@@ -252,6 +279,130 @@ def test_speculative_decoding_is_refused(method: str) -> None:
     assert f"cannot be combined with speculative decoding (method {method!r})" in message
     assert model.aux_layers is None
     assert runner.use_aux_hidden_state_outputs is False
+
+
+@pytest.mark.parametrize("how", ["enable_dbo", "ubatch_size"])
+def test_micro_batching_is_refused(how: str) -> None:
+    """vLLM merges per-micro-batch outputs with torch.cat over zip(*outputs); whether the aux
+    list survives that is unverified, so layers and micro-batching are not combined."""
+    from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig(**({"enable_dbo": True} if how == "enable_dbo" else {}))
+    if how == "ubatch_size":
+        parallel.ubatch_size = 2
+    assert parallel.use_ubatching  # vLLM's own reading of both options
+    model = Eagle3Model()
+    runner = runner_with(model)
+    runner.vllm_config.parallel_config.use_ubatching = parallel.use_ubatching
+    message = refusal(runner)
+    assert "cannot be combined with micro-batching (--enable-dbo or --ubatch-size > 1)" in message
+    assert model.aux_layers is None
+    assert runner.use_aux_hidden_state_outputs is False
+
+
+class OverridingStack(DecoderStack):
+    """Like attention-residual models: ``residual`` is not what the mixin adds."""
+
+    def _maybe_add_hidden_state(
+        self, aux: list[Any], layer_idx: int, hidden_states: Any, residual: Any
+    ) -> list[Any]:
+        added: list[Any] = super()._maybe_add_hidden_state(aux, layer_idx, hidden_states, None)
+        return added
+
+
+class OwnWayStack(DecoderStack):
+    """Like DeepSeek V4: the aux list is built in forward without the mixin's method."""
+
+    def forward(self, hidden_states: Any, residual: Any) -> Any:
+        return hidden_states, [hidden_states.mean()]
+
+
+class AttnResStack(DecoderStack):
+    config = SimpleNamespace(attn_res_block_size=4)
+
+
+class HandingOn(OwnWayStack):
+    """Like Plamo3's model: it keeps no layers itself, its decoder (a stack) captures them."""
+
+    def __init__(self) -> None:
+        self.decoder = DecoderStack()
+
+    def _set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.decoder._set_aux_hidden_state_layers(layers)
+
+
+def test_a_stack_that_hands_its_layers_on_is_judged_by_the_one_that_captures() -> None:
+    class Model(Eagle3Model):
+        stack_class = HandingOn
+
+        def modules(self) -> list[Any]:
+            return [self, self.model, self.model.decoder]
+
+    assert aux_capture_problem(Model()) is None
+
+    class Broken(Model):
+        def modules(self) -> list[Any]:
+            return [self, self.model, OwnWayStack()]
+
+    assert aux_capture_problem(Broken()) == (
+        "OwnWayStack.forward builds its auxiliary outputs without vLLM's mixin"
+    )
+
+
+@pytest.mark.parametrize(
+    ("stack", "problem"),
+    [
+        (OverridingStack, "OverridingStack overrides vLLM's _maybe_add_hidden_state"),
+        (OwnWayStack, "OwnWayStack.forward builds its auxiliary outputs without vLLM's mixin"),
+        (AttnResStack, "AttnResStack uses attention residuals (attn_res_block_size)"),
+    ],
+)
+def test_models_whose_aux_outputs_are_not_transformers_hidden_states_are_refused(
+    stack: type, problem: str
+) -> None:
+    model = type("Model", (Eagle3Model,), {"stack_class": stack})()
+    runner = runner_with(model)
+    message = refusal(runner)
+    assert message.startswith(problem), message
+    assert "are not Transformers' hidden_states[k]" in message
+    assert model.aux_layers is None
+    assert runner.use_aux_hidden_state_outputs is False
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "problem"),
+    [
+        ("vllm.model_executor.models.qwen2", "Qwen2Model", None),
+        ("vllm.model_executor.models.qwen3", "Qwen3Model", None),
+        ("vllm.model_executor.models.llama", "LlamaModel", None),
+        # Its forward is LlamaModel's, through super().forward.
+        ("vllm.model_executor.models.mistral", "MistralModel", None),
+        # Its own forward returns no auxiliary outputs at all.
+        (
+            "vllm.model_executor.models.mimo",
+            "MiMoModel",
+            "MiMoModel.forward builds its auxiliary outputs without vLLM's mixin",
+        ),
+        (
+            "vllm.models.kimi_k3.amd.linear",
+            "KimiLinearModel",
+            "KimiLinearModel overrides vLLM's _maybe_add_hidden_state",
+        ),
+        (
+            "vllm.models.deepseek_v4.xpu.model",
+            "DeepseekV4Model",
+            "DeepseekV4Model.forward builds its auxiliary outputs without vLLM's mixin",
+        ),
+    ],
+)
+def test_vllms_own_decoder_stacks(module: str, name: str, problem: str | None) -> None:
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:  # a vLLM release without that model
+        pytest.skip(f"{module}.{name} is not in this vLLM: {error}")
+    assert stack_problem(cls) == problem
 
 
 # -- prepare_layers (run by the load_model wrapper) ----------------------------------------------

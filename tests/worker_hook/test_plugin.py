@@ -25,6 +25,7 @@ from vllm_hidden_state_proxy.ring.files import note_name, ring_name
 from vllm_hidden_state_proxy.ring.notes import read_live_note
 from vllm_hidden_state_proxy.worker_hook import plugin
 from vllm_hidden_state_proxy.worker_hook.capture import _LAYERS_ATTR, StepCapture
+from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerView
@@ -32,34 +33,7 @@ from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerVi
 ENTRY_POINT = "vllm_hidden_state_proxy.worker_hook.plugin:register"
 
 
-# -- version gate and register() ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("version", "supported"),
-    [
-        ("0.32", True),
-        ("0.32.0", True),
-        ("0.32.1", True),
-        ("0.32.1.dev12+gabcdef", True),
-        ("0.33.0", True),
-        ("0.33.0rc1", True),
-        ("0.33rc1", False),
-        ("0.31.9", False),
-        ("0.34.0", False),
-        ("0.320.0", False),
-        ("0.3", False),
-        ("1.32.0", False),
-        ("unknown", False),
-        ("", False),
-    ],
-)
-def test_is_supported_version(version: str, supported: bool) -> None:
-    assert plugin.is_supported_version(version) is supported
-
-
-def test_installed_vllm_is_supported() -> None:
-    assert plugin.is_supported_version(vllm.__version__)
+# -- register() ---------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -86,38 +60,25 @@ def test_register_disabled_by_env(
     assert HOOK_ENABLED_ENV in hook_log.records[0].getMessage()
 
 
-def test_register_unsupported_version_logs_one_line_and_patches_nothing(
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.40.0", "1.0.0", "unknown"])
+@pytest.mark.parametrize("value", [None, "", "auto", "1", "yes", "on", "something else"])
+def test_register_installs_the_patches_on_any_version_unless_turned_off(
     monkeypatch: pytest.MonkeyPatch,
     install_calls: list[Any],
     hook_log: HookLog,
-    clean_meta_path: None,
+    version: str,
+    value: str | None,
 ) -> None:
-    monkeypatch.delenv(HOOK_ENABLED_ENV, raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.29.1")
-    before = list(sys.meta_path)
-    plugin.register()
-    assert install_calls == []
-    assert sys.meta_path == before
-    [record] = hook_log.records
-    assert record.levelno == logging.WARNING
-    message = record.getMessage()
-    assert "\n" not in message
-    assert "0.29.1" in message
-    assert "not a supported" in message
-    assert "0.32.x" in message
-
-
-@pytest.mark.parametrize("value", [None, "1", "yes"])
-def test_register_on_supported_version_installs_the_patches(
-    monkeypatch: pytest.MonkeyPatch, install_calls: list[Any], value: str | None
-) -> None:
+    """The version number decides nothing here: the worker's structural checks do, where a
+    failure note can say so (a number checked here could only switch the hook off silently)."""
     if value is None:
         monkeypatch.delenv(HOOK_ENABLED_ENV, raising=False)
     else:
         monkeypatch.setenv(HOOK_ENABLED_ENV, value)
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    monkeypatch.setattr(vllm, "__version__", version)
     plugin.register()
     assert install_calls == [()]
+    assert hook_log.records == []  # register() runs in every vLLM process: it stays quiet
 
 
 def test_register_never_raises(monkeypatch: pytest.MonkeyPatch, hook_log: HookLog) -> None:
@@ -271,15 +232,16 @@ def test_patch_runner_class_wraps_and_is_idempotent(
     captures: list[FakeCapture], prepared: list[Any]
 ) -> None:
     cls = make_runner_class()
-    originals = {name: cls.__dict__[name] for name in plugin.ALL_METHODS}
+    originals = {name: cls.__dict__[name] for name in NEEDED_METHODS}
     plugin.patch_runner_class(cls, V1RunnerView())
-    wrappers = {name: cls.__dict__[name] for name in plugin.ALL_METHODS}
-    for name in plugin.ALL_METHODS:
+    wrappers = {name: cls.__dict__[name] for name in NEEDED_METHODS}
+    for name in NEEDED_METHODS:
         assert wrappers[name] is not originals[name]
         assert wrappers[name].__wrapped__ is originals[name]
         assert wrapped(wrappers[name])
+    assert "__init__" not in cls.__dict__  # not defined there: not wrapped there
     plugin.patch_runner_class(cls, V1RunnerView())
-    assert {name: cls.__dict__[name] for name in plugin.ALL_METHODS} == wrappers
+    assert {name: cls.__dict__[name] for name in NEEDED_METHODS} == wrappers
 
     runner = cls()
     assert runner.load_model() == "loaded"
@@ -329,20 +291,66 @@ def test_only_the_given_methods_the_class_defines_itself_are_wrapped(
     assert captures[0].calls == [(runner, "so")]
 
 
-def test_a_class_defining_some_methods_gets_those_wrapped(captures: list[FakeCapture]) -> None:
-    class Bare:
+def test_a_class_missing_a_wrapped_method_gets_no_capture_and_says_so(
+    captures: list[FakeCapture], hook_log: HookLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM whose runner lost ``sample_tokens`` (or moved it where the hook does not wrap
+    it) would publish late or never: the hook stays out, and the engine's note says why."""
+    refusals: list[tuple[Any, Exception]] = []
+    monkeypatch.setattr(
+        StepCapture, "refuse", staticmethod(lambda r, view, error: refusals.append((r, error)))
+    )
+
+    class Bare(FakeV1Runner):
         def execute_model(self, scheduler_output: Any) -> str:
             return "out"
 
     plugin.patch_runner_class(Bare, V1RunnerView())
     assert wrapped(Bare.__dict__["execute_model"])
-    for name in ("load_model", "initialize_kv_cache", "sample_tokens"):
-        assert not hasattr(Bare, name)
     runner = Bare()
     assert runner.execute_model("s1") == "out"
     assert runner.execute_model("s2") == "out"
-    assert len(captures) == 1  # created lazily by the first step
-    assert [so for _, so in captures[0].calls] == ["s1", "s2"]
+    assert captures == []
+    [(refused, error)] = refusals  # once, not every step
+    assert refused is runner
+    for name in ("load_model", "initialize_kv_cache", "sample_tokens"):
+        assert f"Bare has no method {name}" in str(error)
+    [record] = hook_log.records
+    assert record.levelno == logging.WARNING
+    assert "Bare has no method sample_tokens" in record.getMessage()
+
+
+def test_an_init_wrapper_checks_the_class_before_any_step(
+    captures: list[FakeCapture], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs in ``__init__`` (every vLLM constructs its runner), so a runner whose
+    ``initialize_kv_cache`` is gone is refused before its first request, not at it."""
+    refusals: list[Exception] = []
+    monkeypatch.setattr(
+        StepCapture, "refuse", staticmethod(lambda r, view, error: refusals.append(error))
+    )
+
+    class NoKvInit(FakeV1Runner):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def load_model(self) -> None:
+            return None
+
+        def execute_model(self, scheduler_output: Any) -> str:
+            return "out"
+
+        def sample_tokens(self, grammar_output: Any) -> None:
+            return None
+
+    plugin.patch_runner_class(NoKvInit, V1RunnerView())
+    assert wrapped(NoKvInit.__dict__["__init__"])
+    runner = NoKvInit()
+    [error] = refusals
+    assert str(error) == "NoKvInit has no method initialize_kv_cache"
+    assert runner.__dict__[plugin._CAPTURE_ATTR] is None
+    runner.execute_model("so")
+    assert captures == [] and len(refusals) == 1
 
 
 def test_sample_tokens_before_any_capture_is_left_alone(captures: list[FakeCapture]) -> None:
@@ -418,6 +426,9 @@ class Runner:
 
     def initialize_kv_cache(self, config):
         return None
+
+    def sample_tokens(self, grammar_output):
+        return "sampled"
 """
 
 

@@ -10,6 +10,7 @@ allocation and batch sorting in V2).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -173,7 +174,23 @@ class V1Harness:
 
 
 @pytest.fixture
-def v1() -> V1Harness:
+def unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's host buffers without pinned memory, which needs a GPU driver to allocate.
+
+    The CPU build of vLLM decides ``PIN_MEMORY`` is False by itself; the GPU build (vLLM 0.33's
+    own wheel, ``make test-vllm-next``) decides True even where no driver is found, and its
+    modules copied the flag at import. Only the allocation flag changes: the classes and their
+    state are vLLM's own.
+    """
+    import vllm.v1.worker.gpu_input_batch  # noqa: F401  (its flag is the one to change)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, "PIN_MEMORY", False) is True:
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
+
+
+@pytest.fixture
+def v1(unpinned: None) -> V1Harness:
     return V1Harness()
 
 
@@ -274,8 +291,11 @@ def layer_states(tokens: int, layers: Sequence[int]) -> dict[int, torch.Tensor]:
 
 
 def test_v1_layers_come_from_execute_model_state(v1: V1Harness) -> None:
-    assert step_layers(v1, 4, ()) is None  # between steps / after sample_tokens()
-    assert step_layers(v1, 4, (0, 2)) is None
+    # Between steps (after sample_tokens()) there is no state; the capture never asks then,
+    # so being asked is an error (a request left waiting would time out at the proxy).
+    for aux_ids in ((), (0, 2)):
+        with pytest.raises(RuntimeError, match="kept no hidden states"):
+            step_layers(v1, 4, aux_ids)
     states = layer_states(5, (0, 2, 4))
     v1.execute_model_state = v1_execute_model_state(states[4])
     assert step_layers(v1, 4, ()) == {4: states[4]}  # no auxiliary outputs asked for
@@ -418,7 +438,7 @@ class V2Harness:
 
 
 @pytest.fixture
-def v2(cpu_uva: None) -> V2Harness:
+def v2(cpu_uva: None, unpinned: None) -> V2Harness:
     return V2Harness()
 
 
@@ -497,7 +517,8 @@ def test_v2_mixed_batch_with_resumed_request(v2: V2Harness) -> None:
 
 def test_v2_layers_and_no_state(v2: V2Harness) -> None:
     view = V2RunnerView()
-    assert step_layers(v2, 4, ()) is None
+    with pytest.raises(RuntimeError, match="kept no hidden states"):
+        step_layers(v2, 4, ())
     assert view.scheduled(v2, None, ["a"]) == []
     v2.step(scheduler_output(new=[new_request("a", 3)], scheduled={"a": 3}))
     assert step_layers(v2, 4, ()) == {4: v2.execute_model_state.hidden_states}
@@ -524,13 +545,26 @@ def test_v2_auxiliary_layers(v2: V2Harness) -> None:
 def test_v2_non_last_pipeline_stage_has_no_layers(v2: V2Harness) -> None:
     v2.step(scheduler_output(new=[new_request("a", 3)], scheduled={"a": 3}), last_stage=False)
     assert v2.execute_model_state is not None  # V2 keeps the state, without hidden states
-    assert step_layers(v2, 4, ()) is None
-    assert step_layers(v2, 4, (0, 2)) is None
+    # Such a rank does not publish (engine.is_publishing_rank); were it asked, it would say so.
+    for aux_ids in ((), (0, 2)):
+        with pytest.raises(RuntimeError, match="kept no hidden states"):
+            step_layers(v2, 4, aux_ids)
 
 
 def test_v2_view_check_accepts_vllms_real_v2_classes(v2: V2Harness) -> None:
     V2RunnerView().check(v2)
     with pytest.raises(UnsupportedRunner, match="prompt_len"):
-        V2RunnerView().check(SimpleNamespace(vllm_config=object(), req_states=object()))
+        V2RunnerView().check(
+            SimpleNamespace(vllm_config=object(), req_states=object(), execute_model_state=None)
+        )
     with pytest.raises(UnsupportedRunner, match="req_states"):
-        V2RunnerView().check(SimpleNamespace(vllm_config=object()))
+        V2RunnerView().check(SimpleNamespace(vllm_config=object(), execute_model_state=None))
+    with pytest.raises(UnsupportedRunner, match="V2 model runner has no execute_model_state"):
+        V2RunnerView().check(SimpleNamespace(vllm_config=object(), req_states=v2.req_states))
+    prompt_len = v2.req_states.prompt_len
+    v2.req_states.prompt_len = SimpleNamespace(np=[3, 4])  # a list where vLLM had an array
+    try:
+        with pytest.raises(UnsupportedRunner, match=r"prompt_len\.np is a list, not an array"):
+            V2RunnerView().check(v2)
+    finally:
+        v2.req_states.prompt_len = prompt_len

@@ -32,8 +32,9 @@ def not_ready_failures(state: ProxyState) -> list[EngineFailure]:
 
     - some engine of a vLLM whose other engines publish has no ring, so a share of flagged
       requests would fail (routing decides which);
-    - no ring is live and a live engine's hook refused the server's own settings (layers its
-      model cannot return, say): what the operator asked for is not served at all.
+    - no ring is live and a live engine's note is fatal (its hook refused the server's own
+      settings, or this vLLM lacks what the hook reads): what the operator asked for is not
+      served at all.
 
     A vLLM whose hook is merely off everywhere is neither: every flagged request gets a clear
     503, and ordinary traffic should keep flowing.
@@ -46,7 +47,7 @@ def not_ready_failures(state: ProxyState) -> list[EngineFailure]:
     return [
         failure
         for failure in failures
-        if failure.instance in publishing or (failure.refused_settings and not publishing)
+        if failure.instance in publishing or (failure.fatal and not publishing)
     ]
 
 

@@ -9,8 +9,11 @@ at once (instead of waiting out the vector timeout), and reports it in ``/metric
 other engines of the same vLLM do publish, in ``/health``.
 
 A note that says ``refused_settings`` is the hook refusing what the operator configured (layers
-the model cannot return, say), not a hook that is merely off: ``serve`` stops at startup on such
-a note of its own vLLM, and a proxy with no live ring is not ready while one lives.
+the model cannot return, say), not a hook that is merely off. A note that says ``fatal`` is one
+that will not go away by itself: refused settings, a vLLM that lacks what the hook reads, or any
+failure of a hook the operator required. ``serve`` stops at startup on a fatal note of its own
+vLLM, and a proxy with no live ring is not ready while one lives. (A note without ``fatal``, as
+older hooks wrote them, is fatal when it says ``refused_settings``.)
 """
 
 from __future__ import annotations
@@ -47,8 +50,15 @@ class EngineFailure:
     engine: int
     pid: int
     message: str
-    #: The hook refused the server's own settings (``serve`` exits, ``/health`` is 503).
+    #: The hook refused the server's own settings.
     refused_settings: bool = False
+    #: The hook will not start on this engine until the operator acts (``serve`` exits,
+    #: ``/health`` is 503 while no ring is live): implied by ``refused_settings``.
+    fatal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.refused_settings and not self.fatal:
+            object.__setattr__(self, "fatal", True)
 
     def summary(self) -> str:
         """In words only (no pid, path or exception text): for whoever asks ``/health``."""
@@ -56,6 +66,11 @@ class EngineFailure:
             return (
                 f"the worker hook of engine {self.engine} (data-parallel index) refused the "
                 "settings vLLM was started with"
+            )
+        if self.fatal:  # an incompatible vLLM, or a hook the operator required
+            return (
+                f"engine {self.engine} (data-parallel index) has no ring: its worker hook "
+                "cannot run there until vLLM is restarted or changed"
             )
         return (
             f"engine {self.engine} (data-parallel index) has no ring: its worker hook could "
@@ -86,6 +101,7 @@ class FailureNote:
         engine: int,
         message: str,
         refused_settings: bool = False,
+        fatal: bool = False,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
     ) -> FailureNote:
@@ -99,6 +115,7 @@ class FailureNote:
                 "pid": os.getpid(),
                 "message": message[:4000],
                 "refused_settings": refused_settings,
+                "fatal": fatal or refused_settings,
             }
         ).encode("utf-8")
         fd, tmp_name = new_locked_temp(d, final.stem, file_mode)
@@ -147,15 +164,17 @@ def read_live_note(path: Path, owner_uids: Owners) -> EngineFailure | None:
     instance, engine = document.get("instance"), document.get("engine")
     pid, message = document.get("pid"), document.get("message")
     refused = document.get("refused_settings", False)
+    fatal = document.get("fatal", refused)
     if not (
         type(instance) is int
         and type(engine) is int
         and type(pid) is int
         and type(message) is str
         and type(refused) is bool
+        and type(fatal) is bool
     ):
         return None
-    return EngineFailure(instance, engine, pid, message, refused)
+    return EngineFailure(instance, engine, pid, message, refused, fatal)
 
 
 def live_notes(directory: Path, owner_uids: Owners = None) -> list[EngineFailure]:

@@ -84,6 +84,12 @@ from vllm_hidden_state_proxy.ring.files import (
     directory_locked,
     ring_modes,
 )
+from vllm_hidden_state_proxy.worker_hook.compat import (
+    describe_vllm,
+    hook_mode,
+    is_tested_version,
+    vllm_version,
+)
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import (
     EngineIdentity,
@@ -98,7 +104,12 @@ from vllm_hidden_state_proxy.worker_hook.layers import (
 )
 from vllm_hidden_state_proxy.worker_hook.pooling import MeanPooling
 from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
-from vllm_hidden_state_proxy.worker_hook.runners import RunnerView, UnsupportedRunner, step_layers
+from vllm_hidden_state_proxy.worker_hook.runners import (
+    RefusedSettings,
+    RunnerView,
+    UnsupportedRunner,
+    step_layers,
+)
 from vllm_hidden_state_proxy.worker_hook.selection import (
     MeanGap,
     ScheduledRequest,
@@ -131,13 +142,22 @@ class _LogOnce:
         )
 
 
-def _check_parallelism(vllm_config: Any) -> None:
-    """Refuse layouts where a rank's step state is not the whole batch."""
+def _check_settings(vllm_config: Any) -> None:
+    """Refuse servers whose steps do not give the hook a generative batch's hidden states."""
     size = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
     if size > 1:
-        raise UnsupportedRunner(
+        raise RefusedSettings(
             f"prefill_context_parallel_size={size}: prefill context parallelism splits each "
             "step's batch across ranks, which this hook does not support yet"
+        )
+    runner_type = getattr(vllm_config.model_config, "runner_type", "generate")
+    if runner_type == "pooling":
+        # V1 returns the pooler's output before keeping any step state, V2's pool() never
+        # reaches the hook: no vector could ever be published.
+        raise RefusedSettings(
+            "vLLM runs this model as a pooling model (--runner pooling / --convert), whose "
+            "steps keep no hidden states for the hook; serve it with --runner generate, or use "
+            "vLLM's own /v1/embeddings of the pooling server"
         )
 
 
@@ -183,12 +203,24 @@ def _layers_of(runner: Any) -> CapturedLayers:
 _NOTES: list[FailureNote] = []
 
 
-#: Errors that are the hook refusing what the operator configured (``serve`` exits on them).
-_REFUSALS = (LayerConfigError, RingDirectoryConflict, DirectoryLocked)
+#: Errors that are the operator's settings (the note says ``refused_settings``).
+_REFUSED = (LayerConfigError, RingDirectoryConflict, RefusedSettings, DirectoryLocked)
 
 
-def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
-    """Tell proxies that this engine has no ring, and why (best effort: never raises)."""
+def note_message(error: BaseException, view: RunnerView) -> str:
+    """The note's text: the error, then on which vLLM and which of its runners (what a
+    reader needs to tell a vLLM the hook does not fit from a setting it refused)."""
+    where = f"{describe_vllm()}, {view.name.upper()} model runner"
+    return f"{type(error).__name__}: {error} [{where}]"
+
+
+def _leave_note(identity: EngineIdentity, error: BaseException, view: RunnerView) -> None:
+    """Tell proxies that this engine has no ring, and why (best effort: never raises).
+
+    Fatal (``/health`` 503 while no ring is live, ``serve`` exits) when the operator's
+    settings were refused, when this vLLM lacks what the hook reads (it will not start working
+    by itself), and for any failure when the hook is required (``HIDDEN_STATE_PROXY_HOOK=1``).
+    """
     if isinstance(error, UntrustedDirectory):
         # A note there could be replaced or forged by whoever controls the directory, and
         # proxies refuse the directory for the same reason: this log line is the one place
@@ -206,13 +238,15 @@ def _leave_note(identity: EngineIdentity, error: BaseException) -> None:
             dir_mode, file_mode = _ring_modes()
         except ValueError:  # a malformed mode: the note (private) says so, the ring could not
             dir_mode, file_mode = _DEFAULT_MODES
+        refused = isinstance(error, _REFUSED)
         _NOTES.append(
             FailureNote.write(
                 ring_dir_from_env(),
                 instance=identity.instance,
                 engine=identity.engine,
-                message=f"{type(error).__name__}: {error}",
-                refused_settings=isinstance(error, _REFUSALS),
+                message=note_message(error, view),
+                refused_settings=refused,
+                fatal=refused or isinstance(error, UnsupportedRunner) or hook_mode() == "on",
                 dir_mode=dir_mode,
                 file_mode=file_mode,
             )
@@ -229,7 +263,7 @@ def _create_ring(
 ) -> tuple[RingWriter, CapturedLayers]:
     view.check(runner)  # raises UnsupportedRunner before any ring file exists
     vllm_config = runner.vllm_config
-    _check_parallelism(vllm_config)
+    _check_settings(vllm_config)
     captured = _layers_of(runner)
     dir_mode, file_mode = _ring_modes()
     slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
@@ -257,10 +291,18 @@ def _create_ring(
             dir_mode=dir_mode,
             file_mode=file_mode,
         )
+    version = vllm_version()
+    if not is_tested_version(version):
+        logger.warning(
+            "vllm-hidden-state-proxy: vLLM %s is not a version this hook was tested with; its "
+            "startup checks passed, so it runs (run `hidden-state-proxy check` against it)",
+            version,
+        )
     logger.info(
-        "vllm-hidden-state-proxy: worker hook active (%s runner), engine %d of instance %016x, "
-        "publishing %d-d vectors of layers %s to %s (%d slots)",
+        "vllm-hidden-state-proxy: worker hook active (%s runner) on vLLM %s, engine %d of "
+        "instance %016x, publishing %d-d vectors of layers %s to %s (%d slots)",
         view.name,
+        version,
         identity.engine,
         identity.instance,
         hidden_size,
@@ -340,9 +382,23 @@ class StepCapture:
         try:
             writer, captured = _create_ring(runner, view, identity, model_name)
         except Exception as error:
-            _leave_note(identity, error)
+            _leave_note(identity, error, view)
             raise
         return cls(view, writer, model_name, captured=captured)
+
+    @staticmethod
+    def refuse(runner: Any, view: RunnerView, error: BaseException) -> None:
+        """No capture for ``runner``: on the publishing worker, its engine's note says why.
+        Never raises."""
+        try:
+            vllm_config = runner.vllm_config
+            if is_publishing_rank(vllm_config.parallel_config):
+                _leave_note(engine_identity(vllm_config), error, view)
+        except Exception as note_error:
+            logger.warning(
+                "vllm-hidden-state-proxy: could not leave a failure note for proxies: %s",
+                note_error,
+            )
 
     @property
     def publishing(self) -> bool:
@@ -418,8 +474,6 @@ class StepCapture:
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
         captured = self.captured
         layers = step_layers(runner, captured.num_hidden_layers, captured.aux_ids)
-        if layers is None:
-            return
         rows: list[Any] = []
         targets: list[RecordTarget] = []
         try:

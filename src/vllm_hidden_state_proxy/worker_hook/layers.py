@@ -22,11 +22,15 @@ this happens and nothing is paid.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+
+#: The mixin method through which a model's decoder stack receives the aux layer ids.
+SET_LAYERS = "_set_aux_hidden_state_layers"
 
 
 class LayerConfigError(Exception):
@@ -101,10 +105,20 @@ def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
             f"{getattr(speculative, 'method', None)!r}) yet: the drafter would be fed the "
             "captured layers instead of the final hidden states"
         )
-    pipeline = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    parallel_config = vllm_config.parallel_config
+    pipeline = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
     if pipeline > 1:
         raise LayerConfigError(
             f"{LAYERS_ENV} with pipeline parallelism ({pipeline} stages) is not supported yet"
+        )
+    if getattr(parallel_config, "use_ubatching", False):
+        # Micro-batching runs the forward per micro-batch and merges the outputs with
+        # torch.cat over zip(*outputs); whether the auxiliary list survives that merge (in
+        # both runners, with CUDA graphs) is unverified, so it is refused, not guessed at.
+        raise LayerConfigError(
+            f"{LAYERS_ENV} cannot be combined with micro-batching (--enable-dbo or "
+            "--ubatch-size > 1) yet: the per-micro-batch auxiliary outputs are not known to be "
+            "merged correctly; drop one of the two"
         )
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -115,5 +129,88 @@ def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
             f"SupportsEagle3 interface), so layers {', '.join(map(str, aux_ids))} of "
             f"{LAYERS_ENV} cannot be captured; only the final layer (-1) can be"
         )
+    problem = aux_capture_problem(model)
+    if problem is not None:
+        raise LayerConfigError(
+            f"{problem}, so its auxiliary outputs are not Transformers' hidden_states[k] and "
+            f"layers {', '.join(map(str, aux_ids))} of {LAYERS_ENV} cannot be captured; only the "
+            "final layer (-1) can be"
+        )
     model.set_aux_hidden_state_layers(aux_ids)
     runner.use_aux_hidden_state_outputs = True
+
+
+def aux_capture_problem(model: Any) -> str | None:
+    """Why ``model``'s auxiliary outputs may not be ``hidden_states + residual`` after ``k``
+    layers (``None`` if they are, as far as its structure shows).
+
+    vLLM's ``EagleModelMixin._maybe_add_hidden_state`` takes that sum; models that override it
+    (attention-residual models, whose ``residual`` is a bank of block states), build their aux
+    list another way in ``forward`` (DeepSeek V4 takes a mean of reconstructed streams), or set
+    ``attn_res_block_size`` capture something else, which the hook cannot check row by row.
+    So it requires, for every decoder stack in the model: the mixin, its method unchanged, and
+    a ``forward`` that calls it.
+    """
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    stacks = [module for module in modules if isinstance(module, EagleModelMixin)]
+    if not stacks:
+        return (
+            f"{type(model).__name__} keeps its decoder layers in no EagleModelMixin module "
+            "(vLLM's shared capture of auxiliary outputs)"
+        )
+    for stack in stacks:
+        if _hands_layers_on(type(stack)):
+            continue  # another module (itself in ``stacks``) captures them
+        problem = stack_problem(type(stack), getattr(stack, "config", None))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _hands_layers_on(cls: type) -> bool:
+    """Whether ``cls`` passes its aux layers to a submodule instead of keeping them (Plamo3's
+    model gives them to its decoder): its ``_set_aux_hidden_state_layers`` is its own and
+    does not call the mixin's."""
+    own = next((c.__dict__[SET_LAYERS] for c in cls.__mro__ if SET_LAYERS in c.__dict__), None)
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    if own is None or own is EagleModelMixin.__dict__.get(SET_LAYERS):
+        return False
+    code = getattr(inspect.unwrap(own), "__code__", None)
+    return code is not None and "super" not in code.co_names
+
+
+def stack_problem(cls: type, config: Any = None) -> str | None:
+    """Why the decoder stack class ``cls`` (an ``EagleModelMixin``) may capture something else
+    than ``hidden_states + residual`` (``None``: it does not, as far as its structure shows)."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    if getattr(cls, "_maybe_add_hidden_state", None) is not (
+        EagleModelMixin._maybe_add_hidden_state
+    ):
+        return f"{cls.__name__} overrides vLLM's _maybe_add_hidden_state"
+    if getattr(config, "attn_res_block_size", None) is not None:
+        return f"{cls.__name__} uses attention residuals (attn_res_block_size)"
+    if not _forward_uses_the_mixin(cls):
+        return f"{cls.__name__}.forward builds its auxiliary outputs without vLLM's mixin"
+    return None
+
+
+def _forward_uses_the_mixin(cls: type) -> bool:
+    """Whether ``cls.forward`` calls ``_maybe_add_hidden_state``, itself or through the
+    ``super().forward`` it delegates to (MistralModel's, say): read from the byte code's
+    names, so no source file is needed."""
+    for owner in cls.__mro__:
+        forward = owner.__dict__.get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None:
+            return False
+        if "_maybe_add_hidden_state" in code.co_names:
+            return True
+        if not ("super" in code.co_names and "forward" in code.co_names):
+            return False
+    return False

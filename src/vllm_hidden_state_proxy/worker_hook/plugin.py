@@ -3,8 +3,13 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers). The
 hook must act only where a model runner exists, so it does not import the runner modules itself:
 it installs an import hook that wraps the runner classes when (and only when) a process imports
-them. Four methods are wrapped on each runner class (on the CPU runner, which inherits the
-others, only its own ``load_model``):
+them. It does so on any vLLM version: whether the hook can run is decided in the worker by the
+runner's structure (:mod:`.compat`). Five methods are wrapped on each runner class (on the CPU
+runner, which inherits the others, only its own ``load_model``):
+
+- ``__init__``: checks that every method below is reached through its wrapper and that vLLM's
+  classes have the fields the hook reads; if not, the engine's failure note names the vLLM
+  version and the missing piece, and the hook stays out of this runner;
 
 - ``load_model``: asks the model for the configured intermediate layers as auxiliary outputs,
   before warm-up, compilation and graph capture (see :mod:`.layers`);
@@ -25,7 +30,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -33,56 +37,39 @@ from typing import Any
 
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
+from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS, WRAPPED_ATTR, hook_mode
 from vllm_hidden_state_proxy.worker_hook.runners import (
+    RefusedSettings,
     RunnerView,
     UnsupportedRunner,
     V1RunnerView,
     V2RunnerView,
+    structure_problems,
 )
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
-#: vLLM minor versions whose runner internals this hook was written and tested against.
-SUPPORTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33")
-
 #: The methods wrapped on a runner class that defines them itself.
-ALL_METHODS = ("load_model", "initialize_kv_cache", "execute_model", "sample_tokens")
+ALL_METHODS = ("__init__", *NEEDED_METHODS)
 
 #: module -> (runner class name, how to read it, methods to wrap)
 RUNNER_MODULES: dict[str, tuple[str, RunnerView, tuple[str, ...]]] = {
     "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", V1RunnerView(), ALL_METHODS),
     "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner", V2RunnerView(), ALL_METHODS),
-    # A subclass of the V1 runner with its own load_model (it does not call the base one).
+    # A subclass of the V1 runner with its own load_model (it does not call the base one); its
+    # __init__ calls the V1 one, whose wrapper checks the CPU runner class.
     "vllm.v1.worker.cpu_model_runner": ("CPUModelRunner", V1RunnerView(), ("load_model",)),
 }
 
 _CAPTURE_ATTR = "_hidden_state_proxy_capture"
-_WRAPPED_ATTR = "_hidden_state_proxy_wrapped"
-
-
-def is_supported_version(version: str) -> bool:
-    return any(
-        version == minor or version.startswith(minor + ".")
-        for minor in SUPPORTED_VLLM_MINOR_VERSIONS
-    )
+_WRAPPED_ATTR = WRAPPED_ATTR
 
 
 def register() -> None:
     """Entry point. Never raises: a broken hook must not stop vLLM from starting."""
     try:
-        if os.environ.get(HOOK_ENABLED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        if hook_mode() == "off":
             logger.info("vllm-hidden-state-proxy: worker hook disabled by %s", HOOK_ENABLED_ENV)
-            return
-        import vllm
-
-        version = str(getattr(vllm, "__version__", "unknown"))
-        if not is_supported_version(version):
-            logger.warning(
-                "vllm-hidden-state-proxy: worker hook disabled: vLLM %s is not a supported "
-                "version (supported: %s). Flagged requests will get 503 from the proxy.",
-                version,
-                ", ".join(v + ".x" for v in SUPPORTED_VLLM_MINOR_VERSIONS),
-            )
             return
         install_runner_patches()
     except Exception:
@@ -110,8 +97,13 @@ def install_runner_patches(modules: dict[str, Target] | None = None) -> None:
 
 
 def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_METHODS) -> None:
-    """Wrap ``methods`` where ``cls`` defines them itself (idempotent per method)."""
+    """Wrap ``methods`` where ``cls`` defines them itself (idempotent per method).
+
+    A method ``cls`` does not define is not wrapped here; the wrapped ``__init__`` (or, without
+    one, the capture's start) finds it missing and leaves a failure note.
+    """
     wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+        "__init__": lambda method: _wrap_init(method, view),
         "load_model": _wrap_load_model,
         "initialize_kv_cache": lambda method: _wrap_initialize_kv_cache(method, view),
         "execute_model": lambda method: _wrap_execute_model(method, view),
@@ -126,14 +118,36 @@ def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_
         setattr(cls, name, wrapped)
 
 
+def _refuse_if_misshapen(runner: Any, view: RunnerView) -> bool:
+    """Whether ``runner``'s class fails the structural startup checks; if it does, the hook
+    stays out of it (logged once, and the engine's failure note says why). Never raises."""
+    try:
+        problems = structure_problems(type(runner), view)
+    except Exception as import_error:  # a vLLM class the checks import is gone
+        problems = [f"{type(import_error).__name__}: {import_error}"]
+    if not problems:
+        return False
+    refusal = UnsupportedRunner("; ".join(problems))
+    logger.warning(
+        "vllm-hidden-state-proxy: worker hook disabled: this vLLM lacks what it reads: %s. "
+        "Flagged requests get 503 from the proxy; ordinary traffic is unaffected.",
+        refusal,
+    )
+    StepCapture.refuse(runner, view, refusal)
+    runner.__dict__[_CAPTURE_ATTR] = None
+    return True
+
+
 def capture_for(runner: Any, view: RunnerView) -> StepCapture | None:
     """The runner's capture, created on first use; None (and logged once) if that fails."""
     if _CAPTURE_ATTR in runner.__dict__:
         existing: StepCapture | None = runner.__dict__[_CAPTURE_ATTR]
         return existing
+    if _refuse_if_misshapen(runner, view):
+        return None
     try:
         capture = StepCapture.for_runner(runner, view)
-    except UnsupportedRunner as error:
+    except (UnsupportedRunner, RefusedSettings) as error:
         logger.warning(
             "vllm-hidden-state-proxy: worker hook disabled: %s. Flagged requests get 503 from "
             "the proxy; ordinary traffic is unaffected.",
@@ -186,6 +200,21 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
         return output
 
     return sample_tokens
+
+
+def _wrap_init(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # Once per runner, at the one call every vLLM makes: a method the hook cannot wrap
+        # would otherwise be found (if ever) only by a flagged request timing out.
+        if _CAPTURE_ATTR not in self.__dict__:
+            try:
+                _refuse_if_misshapen(self, view)
+            except Exception:
+                logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+
+    return __init__
 
 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:

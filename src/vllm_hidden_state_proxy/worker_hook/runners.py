@@ -18,9 +18,14 @@ that produced those rows.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
+from vllm_hidden_state_proxy.worker_hook.compat import (
+    missing_fields,
+    scheduler_problems,
+    unwrapped_methods,
+)
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest
 
 
@@ -28,6 +33,11 @@ class RunnerView(Protocol):
     """How the capture reads one runner kind."""
 
     name: str
+
+    def class_problems(self) -> list[str]:
+        """What the vLLM classes this view reads lack (empty if nothing); run when a runner is
+        constructed, before any step."""
+        ...
 
     def check(self, runner: Any) -> None:
         """Raise ``UnsupportedRunner`` if the runner lacks what this view reads.
@@ -46,31 +56,50 @@ class UnsupportedRunner(Exception):
     """The model runner does not have the state this hook reads (another vLLM version?)."""
 
 
+class RefusedSettings(Exception):
+    """The server runs in a way the hook cannot serve vectors for (a pooling model, prefill
+    context parallelism): the operator's settings, not vLLM's internals, must change."""
+
+
 def _require(obj: Any, where: str, names: Collection[str]) -> None:
     missing = [name for name in names if not hasattr(obj, name)]
     if missing:
         raise UnsupportedRunner(f"{where} has no {', '.join(missing)}")
 
 
-def _require_fields(cls: Any, where: str, names: Collection[str]) -> None:
-    fields = set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "_fields", ()))
-    missing = [name for name in names if name not in fields]
-    if missing:
-        raise UnsupportedRunner(f"{where} has no field {', '.join(missing)}")
+def _require_type(value: Any, where: str, kind: type | tuple[type, ...], what: str) -> None:
+    if not isinstance(value, kind):
+        raise UnsupportedRunner(f"{where} is a {type(value).__name__}, not {what}")
 
 
-def step_layers(runner: Any, final_layer: int, aux_ids: Sequence[int]) -> dict[int, Any] | None:
+def _field_problems(cls: Any, where: str, names: Collection[str]) -> list[str]:
+    missing = missing_fields(cls, names)
+    return [f"{where} has no field {', '.join(missing)}"] if missing else []
+
+
+def structure_problems(runner_cls: type, view: RunnerView) -> list[str]:
+    """What ``runner_cls`` and the vLLM classes ``view`` reads lack (empty: nothing): the
+    class-level half of the startup checks (see :mod:`.compat`)."""
+    return [*unwrapped_methods(runner_cls), *scheduler_problems(), *view.class_problems()]
+
+
+def step_layers(runner: Any, final_layer: int, aux_ids: Sequence[int]) -> dict[int, Any]:
     """The last step's full hidden states by layer: the final layer (``final_layer``, after the
     final norm) and the auxiliary outputs of ``aux_ids``. Both runners keep them in
     ``execute_model_state`` between ``execute_model()`` and ``sample_tokens()``.
 
-    ``None`` when ``execute_model()`` returned early (nothing scheduled, pooling), since then no
-    state is kept, and on a non-last pipeline stage (V1 keeps no state there, V2 one without
-    hidden states). Raises ``RuntimeError`` if the auxiliary outputs are not the ones asked for.
+    Called only for a step that computed tokens of a flagged request on the publishing rank,
+    where both runners keep that state (``RunnerView.check`` required the attribute at
+    startup, and pooling runners, which keep none, are refused then). So a missing state is
+    an error, not a step to skip: skipping would leave the request to time out at the proxy.
+    Raises ``RuntimeError`` then, and if the auxiliary outputs are not the ones asked for.
     """
-    state = getattr(runner, "execute_model_state", None)
+    state = runner.execute_model_state
     if state is None or state.hidden_states is None:
-        return None
+        raise RuntimeError(
+            "vLLM kept no hidden states (execute_model_state) for a step that computed a "
+            "flagged request's prompt"
+        )
     layers = {final_layer: state.hidden_states}
     if aux_ids:
         aux = state.aux_hidden_states
@@ -86,17 +115,32 @@ def step_layers(runner: Any, final_layer: int, aux_ids: Sequence[int]) -> dict[i
 class V1RunnerView:
     name = "v1"
 
+    def class_problems(self) -> list[str]:
+        return _field_problems(
+            _v1_state_class(), "ExecuteModelState (V1)", ["hidden_states", "aux_hidden_states"]
+        )
+
     def check(self, runner: Any) -> None:
-        _require(runner, "the V1 model runner", ["input_batch", "query_start_loc", "vllm_config"])
-        _require(runner.query_start_loc, "query_start_loc", ["np"])
+        import numpy as np
+
         _require(
-            runner.input_batch,
+            runner,
+            "the V1 model runner",
+            ["input_batch", "query_start_loc", "vllm_config", "execute_model_state"],
+        )
+        _require(runner.query_start_loc, "query_start_loc", ["np"])
+        batch = runner.input_batch
+        _require(
+            batch,
             "the V1 input batch",
             ["req_id_to_index", "num_computed_tokens_cpu", "num_prompt_tokens"],
         )
-        _require_fields(
-            _v1_state_class(), "ExecuteModelState (V1)", ["hidden_states", "aux_hidden_states"]
-        )
+        _require_type(runner.query_start_loc.np, "query_start_loc.np", np.ndarray, "an array")
+        _require_type(batch.req_id_to_index, "input_batch.req_id_to_index", Mapping, "a mapping")
+        for name in ("num_computed_tokens_cpu", "num_prompt_tokens"):
+            _require_type(getattr(batch, name), f"input_batch.{name}", np.ndarray, "an array")
+        for problem in self.class_problems():
+            raise UnsupportedRunner(problem)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]
@@ -125,14 +169,11 @@ class V1RunnerView:
 class V2RunnerView:
     name = "v2"
 
-    def check(self, runner: Any) -> None:
-        _require(runner, "the V2 model runner", ["req_states", "vllm_config"])
-        _require(runner.req_states, "the V2 request states", ["prompt_len"])
-        _require(runner.req_states.prompt_len, "req_states.prompt_len", ["np"])
+    def class_problems(self) -> list[str]:
         from vllm.v1.worker.gpu.input_batch import InputBatch
         from vllm.v1.worker.gpu.model_runner import ExecuteModelState
 
-        _require_fields(
+        return _field_problems(
             InputBatch,
             "InputBatch (V2)",
             [
@@ -143,12 +184,25 @@ class V2RunnerView:
                 "num_computed_tokens_np",
                 "num_scheduled_tokens",
             ],
-        )
-        _require_fields(
+        ) + _field_problems(
             ExecuteModelState,
             "ExecuteModelState (V2)",
             ["input_batch", "hidden_states", "aux_hidden_states"],
         )
+
+    def check(self, runner: Any) -> None:
+        import numpy as np
+
+        _require(
+            runner, "the V2 model runner", ["req_states", "vllm_config", "execute_model_state"]
+        )
+        _require(runner.req_states, "the V2 request states", ["prompt_len"])
+        _require(runner.req_states.prompt_len, "req_states.prompt_len", ["np"])
+        _require_type(
+            runner.req_states.prompt_len.np, "req_states.prompt_len.np", np.ndarray, "an array"
+        )
+        for problem in self.class_problems():
+            raise UnsupportedRunner(problem)
 
     def scheduled(
         self, runner: Any, scheduler_output: Any, wanted: Collection[str]

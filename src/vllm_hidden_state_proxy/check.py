@@ -1,0 +1,269 @@
+"""``hidden-state-proxy check --url URL``: prove a deployment's path end to end, or name the fix.
+
+Run against any proxy (``serve``, compose, a Helm pod). In order, each step printed as one
+line:
+
+1. ``/health`` (the proxy's: vLLM's, and every engine's hook, from the rings and the failure
+   notes), ``/version`` (vLLM's) and ``/metrics`` (live rings, engines without one);
+2. the layers the server captures: a flagged request for a layer no server captures is
+   answered 400 with the list, before it reaches vLLM;
+3. an ordinary request, then flagged ones: every captured layer at the last position, the
+   final layer's mean, and a streamed one; each vector must have the same size and be finite.
+
+It stops at the first failure and exits 1 with one sentence that names the fix (mostly the
+proxy's own error text, which is written to name it); 0 if all passed. The runner (V1/V2) is
+not visible from outside: it is named in an engine's failure note when the hook refused one.
+
+``serve`` runs :func:`canary` (an ordinary and a flagged request) once its proxy is up, so a
+hook that wraps vLLM but never publishes fails the start instead of the first user's request.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from vllm_hidden_state_proxy.worker_hook.compat import describe_vllm
+
+KV = "kv_transfer_params"
+PROMPT = "The hidden-state proxy check: a short prompt."
+#: A layer no model has: the proxy's 400 for it lists the layers the server captures.
+NO_SUCH_LAYER = 1_000_000
+_CAPTURED = re.compile(r"It captures layers ([0-9, ]+) \(the model has (\d+) decoder layers")
+
+
+class CheckFailed(Exception):
+    """A step failed; the message is the one sentence that names the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What the check learned."""
+
+    model: str
+    layers: tuple[int, ...]
+    num_hidden_layers: int
+    hidden_size: int
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500] or f"HTTP {response.status_code}"
+
+
+def _vector(value: Any, where: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    if not isinstance(value, str):
+        raise CheckFailed(
+            f"{where} is not the base64 vector asked for ({type(value).__name__}): the proxy is "
+            "not vllm-hidden-state-proxy, or of another release than this command; install one "
+            "release for both."
+        )
+    vector = np.frombuffer(base64.b64decode(value), dtype="<f4")
+    if not vector.size:
+        raise CheckFailed(f"{where} is empty: reinstall one release of the package for both sides.")
+    if not np.isfinite(vector).all():
+        bad = int((~np.isfinite(vector)).sum())
+        raise CheckFailed(
+            f"{where} has {bad} non-finite values of {vector.size}: the model overflows in its "
+            "dtype; serve it with --dtype bfloat16 or float32."
+        )
+    return vector
+
+
+class _Probe:
+    def __init__(self, client: httpx.Client, say: Callable[[str], None]) -> None:
+        self.client = client
+        self.say = say
+
+    def get(self, path: str) -> httpx.Response:
+        try:
+            response = self.client.get(path)
+        except httpx.HTTPError as error:
+            raise CheckFailed(
+                f"Cannot reach the proxy at {self.client.base_url} ({error!r}): start it "
+                "(hidden-state-proxy serve or proxy) or correct --url."
+            ) from None
+        if response.status_code == 401:
+            raise CheckFailed("The proxy asks for an API key: pass --api-key.")
+        return response
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return self.client.post(path, json=body)
+        except httpx.HTTPError as error:
+            raise CheckFailed(
+                f"The proxy broke off {path} ({error!r}): see the proxy's and vLLM's logs."
+            ) from None
+
+    def completion(self, model: str, kv: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "prompt": PROMPT, "max_tokens": 1, **extra}
+        if kv is not None:
+            body[KV] = {
+                "return_last_hidden_state": True,
+                "last_hidden_state_format": "base64",
+                **kv,
+            }
+        response = self.post("/v1/completions", body)
+        if response.status_code != 200:
+            what = "A flagged request" if kv is not None else "An ordinary request"
+            raise CheckFailed(f"{what} got {response.status_code}: {_error_text(response)}")
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    def stream(self, model: str) -> Iterator[dict[str, Any]]:
+        body = {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "stream": True,
+            KV: {"return_last_hidden_state": True, "last_hidden_state_format": "base64"},
+        }
+        try:
+            with self.client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise CheckFailed(
+                        f"A streamed flagged request got {response.status_code}: "
+                        f"{_error_text(response)}"
+                    )
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        yield json.loads(line[len("data: ") :])
+        except httpx.HTTPError as error:
+            raise CheckFailed(f"The proxy broke off a streamed request ({error!r}).") from None
+
+
+def _metric(text: str, name: str) -> int | None:
+    match = re.search(rf"^hidden_state_proxy_{name} (\d+)", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _overview(probe: _Probe, model: str | None) -> str:
+    health = probe.get("/health")
+    if health.status_code != 200:
+        raise CheckFailed(f"/health is {health.status_code}: {_error_text(health)}")
+    probe.say("ok: /health is 200 (vLLM healthy, no engine reports a hook failure)")
+    version = probe.get("/version")
+    if version.status_code == 200:
+        probe.say(f"ok: {describe_vllm(str(version.json().get('version')))}")
+    metrics = probe.get("/metrics")
+    if metrics.status_code == 200:
+        rings = _metric(metrics.text, "live_rings")
+        without = _metric(metrics.text, "engines_without_ring")
+        probe.say(f"ok: engines publishing: {rings}; engines without a ring: {without}")
+    if model is not None:
+        return model
+    models = probe.get("/v1/models")
+    if models.status_code != 200 or not models.json().get("data"):
+        raise CheckFailed(f"/v1/models gave no model ({models.status_code}): pass --model.")
+    return str(models.json()["data"][0]["id"])
+
+
+def _captured(probe: _Probe, model: str) -> tuple[tuple[int, ...], int]:
+    response = probe.post(
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 1,
+            KV: {"return_last_hidden_state": True, "last_hidden_state_layers": [NO_SUCH_LAYER]},
+        },
+    )
+    match = _CAPTURED.search(_error_text(response)) if response.status_code == 400 else None
+    if match is None:
+        raise CheckFailed(
+            f"A flagged request got {response.status_code}: {_error_text(response)}"
+            if response.status_code != 400
+            else f"The proxy did not list its layers ({_error_text(response)}): install one "
+            "release of vllm-hidden-state-proxy for the proxy and this command."
+        )
+    layers = tuple(int(part) for part in match.group(1).split(","))
+    return layers, int(match.group(2))
+
+
+def check(client: httpx.Client, model: str | None, say: Callable[[str], None]) -> Deployment:
+    """Every step, in order; raises :class:`CheckFailed` at the first failure."""
+    probe = _Probe(client, say)
+    model = _overview(probe, model)
+    layers, final = _captured(probe, model)
+    say(f"ok: model {model!r}, {final} decoder layers; captured layers {layers}")
+    probe.completion(model, None)
+    say("ok: an ordinary request is answered")
+    answer = probe.completion(model, {"last_hidden_state_layers": list(layers)})
+    by_layer = answer.get(KV, {}).get("last_hidden_states_by_layer")
+    if not isinstance(by_layer, dict) or sorted(map(int, by_layer)) != sorted(layers):
+        raise CheckFailed(
+            f"A flagged request came back without the vectors of layers {layers} ({KV} holds "
+            f"{sorted(answer.get(KV) or {})}): install one release for the proxy and the hook."
+        )
+    sizes = {_vector(value, f"layer {key}'s vector").size for key, value in by_layer.items()}
+    if len(sizes) != 1:
+        raise CheckFailed(f"The layers' vectors differ in size ({sorted(sizes)}): a hook bug.")
+    [hidden_size] = sizes
+    say(f"ok: a flagged request: {len(layers)} layers of {hidden_size} finite values each")
+    mean = probe.completion(model, {"last_hidden_state_pooling": "mean"})
+    if _vector(mean.get(KV, {}).get("last_hidden_state"), "the mean").size != hidden_size:
+        raise CheckFailed("The mean-pooled vector has another size than the last-position one.")
+    say("ok: a mean-pooled flagged request")
+    streamed = [chunk[KV] for chunk in probe.stream(model) if KV in chunk]
+    if len(streamed) != 1:
+        raise CheckFailed(
+            f"A streamed flagged request carried {len(streamed)} vectors, not 1: put nothing "
+            "between the client and the proxy that rewrites server-sent events."
+        )
+    if _vector(streamed[0].get("last_hidden_state"), "the streamed vector").size != hidden_size:
+        raise CheckFailed("The streamed vector has another size than the unstreamed one.")
+    say("ok: a streamed flagged request")
+    return Deployment(model, layers, final, hidden_size)
+
+
+def canary(client: httpx.Client, model: str | None = None) -> str | None:
+    """An ordinary and a flagged request (``serve``'s startup check); the problem or ``None``.
+
+    A 503 naming an engine without a ring is not a problem here: ``/health`` reports those,
+    and ``serve`` keeps serving the other engines and ordinary traffic.
+    """
+    probe = _Probe(client, lambda line: None)
+    try:
+        if model is None:
+            models = probe.get("/v1/models")
+            data = models.json().get("data") if models.status_code == 200 else None
+            if not data:
+                return f"/v1/models answered {models.status_code} without a model"
+            model = str(data[0]["id"])
+        probe.completion(model, None)
+        probe.completion(model, {})
+    except CheckFailed as failed:
+        if "engine without a ring" in str(failed):
+            return None
+        return str(failed)
+    except ValueError as error:  # not JSON: whatever answers is not this proxy
+        return f"the proxy's answer was not JSON ({error})"
+    return None
+
+
+def client_for(url: str, api_key: str | None, timeout: float) -> httpx.Client:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def run_check(url: str, api_key: str | None, model: str | None, timeout: float) -> int:
+    """The ``check`` command: 0 when every step passed, 1 with the fix on stderr otherwise."""
+    with client_for(url, api_key, timeout) as client:
+        try:
+            check(client, model, lambda line: print(line, flush=True))
+        except CheckFailed as failed:
+            print(f"FAILED: {failed}", file=sys.stderr, flush=True)
+            return 1
+    print(f"passed: {url} returns hidden states", flush=True)
+    return 0

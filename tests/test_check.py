@@ -1,0 +1,214 @@
+"""check.py: the doctor's steps and the one sentence it ends with, against a scripted proxy
+(httpx.MockTransport). The real deployments it is run against are in tests/e2e/test_check.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from vllm_hidden_state_proxy import check as check_module
+from vllm_hidden_state_proxy.check import CheckFailed, Deployment, canary, check
+
+HIDDEN = 8
+LAYERS = (0, 1, 2)
+CAPTURED_400 = (
+    "Layer 1000000 is not captured by this server. It captures layers 0, 1, 2 (the model has "
+    "2 decoder layers; -1 means 2, the final layer after the final norm). Choose from those."
+)
+METRICS = "hidden_state_proxy_live_rings 2\nhidden_state_proxy_engines_without_ring 0\n"
+
+
+def b64(values: Any) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
+def error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "code": status}})
+
+
+class ScriptedProxy:
+    """Answers as a healthy proxy does; ``overrides[name]`` replaces one answer."""
+
+    def __init__(self, **overrides: Callable[[dict[str, Any]], httpx.Response]) -> None:
+        self.overrides = overrides
+        self.seen: list[str] = []
+
+    def answer(self, name: str, body: dict[str, Any], default: httpx.Response) -> httpx.Response:
+        self.seen.append(name)
+        override = self.overrides.get(name)
+        return override(body) if override is not None else default
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET":
+            defaults = {
+                "/health": httpx.Response(200),
+                "/version": httpx.Response(200, json={"version": "0.32.0"}),
+                "/metrics": httpx.Response(200, text=METRICS),
+                "/v1/models": httpx.Response(200, json={"data": [{"id": "tiny"}]}),
+            }
+            return self.answer(path, {}, defaults[path])
+        body = json.loads(request.content)
+        kv = body.get("kv_transfer_params")
+        if kv is None:
+            return self.answer("ordinary", body, httpx.Response(200, json={"choices": []}))
+        if kv.get("last_hidden_state_layers") == [1_000_000]:
+            return self.answer("layers", body, error(400, CAPTURED_400))
+        if body.get("stream"):
+            chunks = [
+                {"choices": [], "kv_transfer_params": {"last_hidden_state": b64([1.0] * HIDDEN)}},
+                {"choices": [{"text": "x"}]},
+            ]
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return self.answer("stream", body, httpx.Response(200, text=text))
+        if kv.get("last_hidden_state_pooling") == "mean":
+            fields: dict[str, Any] = {"last_hidden_state": b64([0.5] * HIDDEN)}
+            return self.answer(
+                "mean", body, httpx.Response(200, json={"kv_transfer_params": fields})
+            )
+        by_layer = {
+            str(k): b64([float(k)] * HIDDEN) for k in kv.get("last_hidden_state_layers", [2])
+        }
+        fields = {
+            "last_hidden_state": b64([2.0] * HIDDEN),
+            "last_hidden_states_by_layer": by_layer,
+        }
+        return self.answer(
+            "flagged", body, httpx.Response(200, json={"kv_transfer_params": fields})
+        )
+
+
+def run(proxy: ScriptedProxy, lines: list[str] | None = None) -> Deployment:
+    client = httpx.Client(transport=httpx.MockTransport(proxy), base_url="http://proxy.test")
+    return check(client, None, (lines if lines is not None else []).append)
+
+
+def failure(proxy: ScriptedProxy) -> str:
+    with pytest.raises(CheckFailed) as raised:
+        run(proxy)
+    return str(raised.value)
+
+
+def test_a_healthy_deployment_passes_every_step() -> None:
+    lines: list[str] = []
+    proxy = ScriptedProxy()
+    assert run(proxy, lines) == Deployment("tiny", LAYERS, 2, HIDDEN)
+    assert proxy.seen == [
+        "/health", "/version", "/metrics", "/v1/models", "layers", "ordinary", "flagged", "mean",
+        "stream",
+    ]  # fmt: skip
+    assert "ok: vLLM 0.32.0" in lines
+    assert "ok: engines publishing: 2; engines without a ring: 0" in lines
+    assert f"ok: a flagged request: 3 layers of {HIDDEN} finite values each" in lines
+
+
+def test_an_untested_vllm_is_said_to_be() -> None:
+    lines: list[str] = []
+    run(
+        ScriptedProxy(**{"/version": lambda b: httpx.Response(200, json={"version": "0.40.1"})}),
+        lines,
+    )
+    assert "ok: vLLM 0.40.1 (untested by this hook)" in lines
+
+
+def test_health_503_is_the_fix_named_by_the_proxy() -> None:
+    text = (
+        "vLLM at http://x is healthy, but engine 1 ...: its worker hook could not start: no space"
+    )
+    message = failure(ScriptedProxy(**{"/health": lambda b: error(503, text)}))
+    assert message == f"/health is 503: {text}"
+
+
+def test_an_unreachable_proxy_names_the_url() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    client = httpx.Client(transport=httpx.MockTransport(refuse), base_url="http://proxy.test")
+    with pytest.raises(CheckFailed, match=r"Cannot reach the proxy at http://proxy\.test"):
+        check(client, None, print)
+
+
+def test_an_api_key_is_asked_for() -> None:
+    message = failure(ScriptedProxy(**{"/health": lambda b: error(401, "missing key")}))
+    assert message == "The proxy asks for an API key: pass --api-key."
+
+
+def test_a_hook_that_is_not_active_fails_with_the_proxys_fix() -> None:
+    not_active = "The hidden-state worker hook is not active in the vLLM environment: install it"
+    message = failure(ScriptedProxy(layers=lambda b: error(503, not_active)))
+    assert message == f"A flagged request got 503: {not_active}"
+
+
+def test_a_hook_that_never_publishes_fails() -> None:
+    timeout = "The hidden state did not arrive within 30 s of vLLM's answer"
+    message = failure(ScriptedProxy(flagged=lambda b: error(504, timeout)))
+    assert message == f"A flagged request got 504: {timeout}"
+
+
+def test_a_non_finite_vector_names_the_dtype_fix() -> None:
+    def nan(body: dict[str, Any]) -> httpx.Response:
+        by_layer = {str(k): b64([float("nan")] * HIDDEN) for k in LAYERS}
+        return httpx.Response(
+            200, json={"kv_transfer_params": {"last_hidden_states_by_layer": by_layer}}
+        )
+
+    message = failure(ScriptedProxy(flagged=nan))
+    assert "has 8 non-finite values of 8" in message
+    assert "--dtype bfloat16 or float32" in message
+
+
+def test_a_stream_without_its_vector_fails() -> None:
+    def bare(body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, text='data: {"choices": []}\n\ndata: [DONE]\n\n')
+
+    assert "carried 0 vectors, not 1" in failure(ScriptedProxy(stream=bare))
+
+
+def test_a_mean_of_another_size_fails() -> None:
+    def short(body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, json={"kv_transfer_params": {"last_hidden_state": b64([1.0])}})
+
+    assert "mean-pooled vector has another size" in failure(ScriptedProxy(mean=short))
+
+
+def test_an_ordinary_failure_is_vllms() -> None:
+    message = failure(ScriptedProxy(ordinary=lambda b: error(500, "engine dead")))
+    assert message == "An ordinary request got 500: engine dead"
+
+
+def test_the_canary_passes_over_an_engine_the_proxy_already_names() -> None:
+    def client(proxy: ScriptedProxy) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(proxy), base_url="http://proxy.test")
+
+    assert canary(client(ScriptedProxy()), "tiny") is None
+    note = (
+        "The hidden state was not published: this request may have been served by an engine "
+        "without a ring. engine 1"
+    )
+    assert canary(client(ScriptedProxy(flagged=lambda b: error(503, note))), "tiny") is None
+    timeout = "The hidden state did not arrive within 30 s"
+    assert canary(client(ScriptedProxy(flagged=lambda b: error(504, timeout))), "tiny") == (
+        f"A flagged request got 504: {timeout}"
+    )
+
+
+def test_the_command_exits_1_with_the_fix_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = ScriptedProxy(flagged=lambda b: error(504, "never published"))
+
+    def scripted(url: str, api_key: str | None, timeout: float) -> httpx.Client:
+        assert api_key == "k"
+        return httpx.Client(transport=httpx.MockTransport(proxy), base_url=url)
+
+    monkeypatch.setattr(check_module, "client_for", scripted)
+    from vllm_hidden_state_proxy.cli import main
+
+    assert main(["check", "--url", "http://proxy.test", "--api-key", "k"]) == 1
+    assert capsys.readouterr().err == "FAILED: A flagged request got 504: never published\n"
