@@ -71,6 +71,8 @@ SANDBOX_VOLUMES = "/pod-volumes"
 
 #: (phase, seconds) of the Helm pod test, printed at the end of the session (conftest).
 POD_PHASES: list[tuple[str, float]] = []
+#: The pod's events (seconds since its start, what happened), printed the same way.
+POD_EVENTS: list[str] = []
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T|m)?$")
 _FACTORS = {
@@ -235,6 +237,12 @@ class Pod:
         """The pod's Ready condition: every container ready."""
         with self._lock:
             return bool(self._states) and all(s.ready for s in self._states.values())
+
+    def container_ready(self, container: str) -> bool:
+        """The container's Ready condition: its readiness probe's verdict (or, without one,
+        started and past its startup probe)."""
+        with self._lock:
+            return self._states[container].ready
 
     def restarts(self, container: str) -> int:
         with self._lock:

@@ -37,7 +37,7 @@ from tests.compose.checks import (
     RING_STAT,
     expected_vector,
 )
-from tests.compose.pod import POD_PHASES, Pod, run_to_completion
+from tests.compose.pod import POD_EVENTS, POD_PHASES, Pod, run_to_completion
 from tests.compose.stack import PROXY_IMAGE, VLLM_CPU_IMAGE, build_project
 from tests.deploy.commands import CHART_DIR, chart_manifests
 from tests.e2e.reference import Reference, assert_matches
@@ -133,10 +133,16 @@ def helm_pod(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         service_port=int(port["port"]),
         service_target=port["targetPort"],
     )
-    with one_vllm_at_a_time(), pod.running():
-        ready = _wait_for(pod.ready, READY_TIMEOUT, "pod Ready", pod)
-        POD_PHASES.append(("pod started -> Ready (startup probe, then readiness)", ready))
-        yield HelmPod(pod, manifests)
+    waited = time.monotonic()
+    with one_vllm_at_a_time():
+        POD_PHASES.append(("waited for the machine-wide vLLM lock", time.monotonic() - waited))
+        start = time.monotonic()
+        with pod.running():
+            ready = _wait_for(pod.ready, READY_TIMEOUT, "pod Ready", pod)
+            POD_PHASES.append(("pod started -> Ready (startup probe, then readiness)", ready))
+            yield HelmPod(pod, manifests)
+        POD_PHASES.append(("the pod run, start to removal", time.monotonic() - start))
+        POD_EVENTS.extend(f"{e.seconds:6.1f} s {e.text}" for e in pod.events)
 
 
 def test_flagged_chat_through_the_service_matches_transformers(
@@ -251,12 +257,19 @@ def test_killed_engine_makes_the_pod_unready_until_vllm_is_restarted(
     assert pod.ready()
     killed = pod.exec("vllm", ["python3", "-c", KILL_ENGINE]).split()
     assert len(killed) == 1, f"expected one engine process, killed {killed}"
-    unready = _wait_for(lambda: not pod.ready(), 120, "pod not Ready", pod)
-    restarted = _wait_for(lambda: pod.restarts("vllm") >= 1, 300, "vLLM restarted", pod)
-    ready = _wait_for(pod.ready, READY_TIMEOUT, "pod Ready again", pod)
-    POD_PHASES.append(("engine killed -> pod not Ready (readiness probe)", unready))
-    POD_PHASES.append(("-> vLLM container restarted", restarted))
-    POD_PHASES.append(("-> pod Ready again", ready))
+    start = time.monotonic()
+    # The proxy's own readiness probe must fail failureThreshold times: the pod's Ready alone
+    # would also follow vLLM's container being replaced.
+    _wait_for(lambda: not pod.container_ready("proxy"), 120, "proxy not Ready", pod)
+    unready = time.monotonic() - start
+    assert not pod.ready()
+    _wait_for(lambda: pod.restarts("vllm") >= 1, 300, "vLLM restarted", pod)
+    restarted = time.monotonic() - start
+    _wait_for(pod.ready, READY_TIMEOUT, "pod Ready again", pod)
+    ready = time.monotonic() - start
+    POD_PHASES.append(("engine killed -> the proxy's readiness probe failed (not Ready)", unready))
+    POD_PHASES.append(("engine killed -> vLLM container restarted", restarted))
+    POD_PHASES.append(("engine killed -> pod Ready again", ready))
     text = "Is the sky blue?"
     assert_matches(helm_pod.flagged_vector(text), expected_vector(reference, text))
     assert pod.restarts("proxy") == 0
