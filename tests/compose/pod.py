@@ -212,6 +212,7 @@ class Pod:
     service_name: str = ""
     service_port: int = 0
     service_target: str | int = "http"
+    service_port_name: str = "http"
     events: list[PodEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -285,6 +286,9 @@ class Pod:
             self.remove()
 
     def start(self) -> None:
+        if self.spec.get("restartPolicy", "Always") != "Always":
+            # A Deployment's pods always restart; the node here knows no other policy.
+            raise ValueError(f"restartPolicy {self.spec['restartPolicy']} is not simulated")
         self._t0 = time.monotonic()
         run(["docker", "network", "create", self._network], timeout=60)
         self._start_sandbox()
@@ -454,7 +458,7 @@ for path, medium in {paths!r}.items():
         return {
             f"{prefix}_SERVICE_HOST": address,
             f"{prefix}_SERVICE_PORT": str(port),
-            f"{prefix}_SERVICE_PORT_HTTP": str(port),
+            f"{prefix}_SERVICE_PORT_{self.service_port_name.upper().replace('-', '_')}": str(port),
             f"{prefix}_PORT": url,
             f"{prefix}_PORT_{port}_TCP": url,
             f"{prefix}_PORT_{port}_TCP_PROTO": "tcp",

@@ -132,6 +132,7 @@ def helm_pod(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         service_name=service["metadata"]["name"],
         service_port=int(port["port"]),
         service_target=port["targetPort"],
+        service_port_name=port["name"],
     )
     waited = time.monotonic()
     with one_vllm_at_a_time():
