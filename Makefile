@@ -67,7 +67,8 @@ test-e2e: install
 test-own-server: install
 	$(VENV)/bin/pytest -q -m own_server $(PYTEST_ARGS)
 
-# The compose stack in Docker (part of test-own-server): builds both images, runs compose.yaml.
+# The compose stack and the Helm chart's pod in Docker (part of test-own-server): builds both
+# images, runs compose.yaml, then the rendered pod.
 test-compose: install
 	$(VENV)/bin/pytest -q tests/compose $(PYTEST_ARGS)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.compose import docker_host
+from tests.compose.pod import POD_EVENTS, POD_PHASES
 from tests.compose.stack import PHASES, VERSIONS, ComposeStack, leftovers, run_compose_stack, timed
 from tests.e2e.reference import Reference
 from vllm_hidden_state_proxy.tiny_model import build_tiny_model
@@ -20,6 +21,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
     for phase, seconds in PHASES:
         terminalreporter.write_line(f"compose stack: {phase}: {seconds:.0f} s")
+    for phase, seconds in POD_PHASES:
+        terminalreporter.write_line(f"helm pod: {phase}: {seconds:.0f} s")
+    for event in POD_EVENTS:
+        terminalreporter.write_line(f"helm pod event: {event}")
 
 
 @pytest.fixture(scope="module")

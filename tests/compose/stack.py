@@ -241,14 +241,23 @@ def leftovers(project: str) -> dict[str, list[str]]:
     return found
 
 
-@contextlib.contextmanager
-def run_compose_stack(model_dir: Path, work: Path) -> Iterator[ComposeStack]:
-    """Build the images, bring the CPU stack up (holding the machine-wide vLLM lock until it is
-    down again) and yield it; ``down -v`` at the end."""
+@dataclass(frozen=True)
+class BuiltProject:
+    """A compose project whose images are built (the CPU profile's), not yet up."""
+
+    project: str
+    compose: list[str]
+    env: dict[str, str]
+    proxy_port: int
+
+
+def build_project(model_dir: Path, work: Path, project: str) -> BuiltProject:
+    """The base image, then ``docker compose build`` of the CPU profile: the proxy image
+    (:data:`PROXY_IMAGE`) and the CPU vLLM image (:data:`VLLM_CPU_IMAGE`). The Helm pod test runs
+    the same two images, so both tests build them here (the second build is all cache)."""
     VERSIONS.update(docker_host.versions())
     with timed("local base image (debootstrap, cached by tag)"):
         base_image = docker_host.ensure_base_image(docker_host.host_pip().cert)
-    project = f"hsp-compose-test-{os.getpid()}"
     proxy_port = free_port()
     env_file = work / "empty.env"
     env_file.write_text("")
@@ -259,11 +268,20 @@ def run_compose_stack(model_dir: Path, work: Path) -> Iterator[ComposeStack]:
         env = compose_environment(base_image, proxy_port, torch_index_url)
         with timed("docker compose build (proxy + CPU vLLM images)"):
             build_images(compose, env, work / "build.log")
+    return BuiltProject(project=project, compose=compose, env=env, proxy_port=proxy_port)
+
+
+@contextlib.contextmanager
+def run_compose_stack(model_dir: Path, work: Path) -> Iterator[ComposeStack]:
+    """Build the images, bring the CPU stack up (holding the machine-wide vLLM lock until it is
+    down again) and yield it; ``down -v`` at the end."""
+    built = build_project(model_dir, work, f"hsp-compose-test-{os.getpid()}")
+    compose, env = built.compose, built.env
     stack = ComposeStack(
-        project=project,
+        project=built.project,
         compose=compose,
         env=env,
-        proxy_url=f"http://127.0.0.1:{proxy_port}",
+        proxy_url=f"http://127.0.0.1:{built.proxy_port}",
     )
     with one_vllm_at_a_time():
         try:

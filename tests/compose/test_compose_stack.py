@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import signal
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +22,17 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.compose.checks import (
+    FLAG,
+    KILL_ENGINE,
+    PROXY_GID,
+    PROXY_UID,
+    RING_DIR,
+    RING_DIR_MODE,
+    RING_FILE_MODE,
+    RING_STAT,
+    expected_vector,
+)
 from tests.compose.stack import (
     LAYERS,
     PHASES,
@@ -37,18 +46,6 @@ from vllm_hidden_state_proxy.processes import healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server, pytest.mark.timeout(1800)]
 
-FLAG: dict[str, Any] = {
-    "chat_template_kwargs": {"enable_thinking": False},
-    "kv_transfer_params": {"return_last_hidden_state": True},
-}
-#: The proxy's user and the ring volume's group (proxy.Dockerfile, compose.yaml, the Helm chart).
-PROXY_UID = PROXY_GID = 10001
-#: What docs/deploy.md promises for the ring on the tmpfs: drwxrws--- and -rw-r-----, root:10001.
-RING_DIR_MODE = stat.S_ISGID | 0o770
-RING_FILE_MODE = 0o640
-RING_DIR = "/run/vllm-hidden-states"
-#: vLLM's engine process names itself so (setproctitle; /proc/PID/comm keeps 15 characters).
-ENGINE_TITLE = "VLLM::EngineCor"
 RECOVERY_TIMEOUT = 600.0
 
 
@@ -58,12 +55,6 @@ def _client(stack: ComposeStack) -> OpenAI:
 
 def _messages(text: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": text}]
-
-
-def _expected(reference: Reference, text: str) -> list[float]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
-    ids = reference.chat_token_ids(messages, enable_thinking=False)
-    return reference.last_hidden_state(ids)
 
 
 def _flagged_vector(stack: ComposeStack, text: str) -> list[float]:
@@ -81,7 +72,7 @@ def test_flagged_chat_matches_transformers(
     compose_stack: ComposeStack, reference: Reference
 ) -> None:
     text = "Summarize this text in one word: A yellow bicycle beside a stone wall."
-    assert_matches(_flagged_vector(compose_stack, text), _expected(reference, text))
+    assert_matches(_flagged_vector(compose_stack, text), expected_vector(reference, text))
 
 
 def test_layers_set_through_compose_match_transformers(
@@ -120,7 +111,9 @@ def test_streamed_flagged_chat(compose_stack: ComposeStack, reference: Reference
     with_choice = [chunk for chunk in stream if chunk.choices]
     assert with_choice
     extra = with_choice[0].model_extra or {}
-    assert_matches(extra["kv_transfer_params"]["last_hidden_state"], _expected(reference, text))
+    assert_matches(
+        extra["kv_transfer_params"]["last_hidden_state"], expected_vector(reference, text)
+    )
     later = [(c.model_extra or {}).get("kv_transfer_params") or {} for c in with_choice[1:]]
     assert not any("last_hidden_state" in params for params in later)  # one vector, at the start
 
@@ -132,7 +125,7 @@ def test_concurrent_flagged_requests_get_their_own_vectors(
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
         vectors = list(pool.map(lambda text: _flagged_vector(compose_stack, text), texts))
     for text, vector in zip(texts, vectors, strict=True):
-        assert_matches(vector, _expected(reference, text))
+        assert_matches(vector, expected_vector(reference, text))
 
 
 def test_metrics_answer(compose_stack: ComposeStack) -> None:
@@ -161,34 +154,12 @@ def test_proxy_runs_as_10001(compose_stack: ComposeStack) -> None:
     assert {int(x) for x in status["Gid"].split()} == {PROXY_GID}
 
 
-_RING_STAT = f"""
-import glob, json, os
-def describe(path):
-    s = os.stat(path)
-    return [s.st_mode & 0o7777, s.st_uid, s.st_gid, os.path.isdir(path)]
-print(json.dumps({{p: describe(p) for p in ["{RING_DIR}", *glob.glob("{RING_DIR}/ring-*.bin")]}}))
-"""
-
-
 def test_ring_files_have_the_documented_modes(compose_stack: ComposeStack) -> None:
-    found: dict[str, list[Any]] = json.loads(compose_stack.python(VLLM_SERVICE, _RING_STAT))
+    found: dict[str, list[Any]] = json.loads(compose_stack.python(VLLM_SERVICE, RING_STAT))
     assert found.pop(RING_DIR) == [RING_DIR_MODE, 0, PROXY_GID, True]
     assert found, "no ring-*.bin file in the ring volume"
     for path, described in found.items():
         assert described == [RING_FILE_MODE, 0, PROXY_GID, False], path
-
-
-_KILL_ENGINE = f"""
-import os, signal
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        comm = open(f"/proc/{{pid}}/comm").read().strip()
-    except OSError:
-        continue
-    if comm == "{ENGINE_TITLE}":
-        os.kill(int(pid), {int(signal.SIGKILL)})
-        print(pid)
-"""
 
 
 def _wait_for(
@@ -213,7 +184,7 @@ def test_vllm_crash_turns_health_red_and_the_restart_policy_brings_vectors_back(
     health = compose_stack.proxy_url + "/health"
     assert healthy(health)
     proxy_restarts = compose_stack.inspect(PROXY_SERVICE)["RestartCount"]
-    killed = compose_stack.python(VLLM_SERVICE, _KILL_ENGINE).split()
+    killed = compose_stack.python(VLLM_SERVICE, KILL_ENGINE).split()
     assert len(killed) == 1, f"expected one engine process, killed {killed}"
     red = _wait_for(lambda: not healthy(health), 120, "proxy /health non-200", compose_stack)
     restarted = _wait_for(
@@ -229,5 +200,5 @@ def test_vllm_crash_turns_health_red_and_the_restart_policy_brings_vectors_back(
     PHASES.append(("-> vLLM container restarted", restarted))
     PHASES.append(("-> proxy /health 200 again", green))
     text = "Is the sky blue?"
-    assert_matches(_flagged_vector(compose_stack, text), _expected(reference, text))
+    assert_matches(_flagged_vector(compose_stack, text), expected_vector(reference, text))
     assert compose_stack.inspect(PROXY_SERVICE)["RestartCount"] == proxy_restarts

@@ -5,8 +5,10 @@ In both compose and the chart, vLLM runs as root and the proxy as the proxy imag
 group 10001 with the setgid bit (compose: tmpfs `mode=2770,gid=10001`; Kubernetes: an emptyDir with
 `fsGroup: 10001`, which kubelet makes group-owned and setgid). The ring files vLLM creates there
 inherit group 10001, and HIDDEN_STATE_PROXY_RING_DIR_MODE=0770 makes them 0640 (and allows the
-group-writable volume; kubelet's world-writable emptyDir loses its write bit for others to the
-hook). This test plays both users (it needs root) and reads a published vector as the proxy's user.
+group-writable volume; a world-writable default-medium emptyDir loses its write bit for others to
+the hook, and the chart's init container makes kubelet's sticky memory emptyDir drwxrws---, which
+the hook would refuse as it comes). This test plays both users (it needs root) and reads a
+published vector as the proxy's user.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from tests.deploy.commands import (
     DOCKER_DIR,
     REPO,
     chart_commands,
+    chart_manifests,
     compose_commands,
     image_config,
 )
+from tests.deploy.deploy_helpers import objects_of, only
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as two users"
@@ -146,17 +150,44 @@ def read_as_proxy(python: str, ring_dir: Path, key: str) -> subprocess.Completed
     return _as_proxy([python, "-c", _READER, str(ring_dir), key])
 
 
+def run_chart_init(ring_dir: Path) -> None:
+    """The chart's ``ring-permissions`` init container, run here on ``ring_dir`` (root, as in the
+    pod): its exact argv, with the ring directory's path and the interpreter made local."""
+    spec = only(objects_of(chart_manifests(CHART_DIR / "ci" / "cpu-values.yaml")), "Deployment")
+    (init,) = spec["spec"]["template"]["spec"]["initContainers"]
+    ring_mount = next(m["mountPath"] for m in init["volumeMounts"] if m["name"] == "ring")
+    argv = [str(arg) for arg in init["command"] + init.get("args", [])]
+    assert argv[0] == "python3"
+    local = [sys.executable] + [str(ring_dir) if arg == ring_mount else arg for arg in argv[1:]]
+    subprocess.run(local, check=True, timeout=60)
+
+
 @pytest.mark.parametrize(
-    "volume_mode",
-    [pytest.param(0o2770, id="compose-tmpfs"), pytest.param(0o2777, id="k8s-emptydir-fsgroup")],
+    ("volume_mode", "init"),
+    [
+        pytest.param(0o2770, False, id="compose-tmpfs"),
+        # kubelet: a default-medium emptyDir is a directory made 0777, fsGroup adds setgid.
+        pytest.param(0o2777, False, id="k8s-disk-emptydir-fsgroup"),
+        # kubelet: a memory emptyDir is a tmpfs mounted without a mode (root 1777, sticky), then
+        # fsGroup; the chart's init container makes it drwxrws--- before vLLM starts.
+        pytest.param(0o3777, True, id="k8s-memory-emptydir-fsgroup-chart-init"),
+    ],
 )
 def test_proxy_user_reads_what_root_vllm_writes(
-    shared_base: Path, monkeypatch: pytest.MonkeyPatch, proxy_python: str, volume_mode: int
+    shared_base: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    proxy_python: str,
+    volume_mode: int,
+    init: bool,
 ) -> None:
     ring_dir = shared_base / "ring"
     ring_dir.mkdir()
     os.chown(ring_dir, 0, proxy_ids()[1])
     os.chmod(ring_dir, volume_mode)
+    if init:
+        run_chart_init(ring_dir)
+        assert stat.S_IMODE(ring_dir.stat().st_mode) == 0o2770
+        volume_mode = 0o2770
     key, vector = publish_as_vllm(ring_dir, monkeypatch)
     (ring_file,) = [p for p in ring_dir.iterdir() if not p.name.startswith(".")]
     assert ring_file.name == "ring-0000000000005eed-dp0.bin"
@@ -167,6 +198,21 @@ def test_proxy_user_reads_what_root_vllm_writes(
     result = read_as_proxy(proxy_python, ring_dir, key)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"vector": vector, "live": False}  # the writer closed
+
+
+def test_memory_emptydir_without_the_chart_init_is_refused(
+    shared_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why the chart has its init container: the hook will not take over kubelet's memory
+    emptyDir as it comes (sticky and world-writable, like /tmp)."""
+    from vllm_hidden_state_proxy.ring.files import UntrustedDirectory
+
+    ring_dir = shared_base / "ring"
+    ring_dir.mkdir()
+    os.chown(ring_dir, 0, proxy_ids()[1])
+    os.chmod(ring_dir, 0o3777)
+    with pytest.raises(UntrustedDirectory, match="sticky"):
+        publish_as_vllm(ring_dir, monkeypatch)
 
 
 def test_without_the_shared_group_the_proxy_reads_nothing(
