@@ -8,8 +8,9 @@ a dictionary probe, see :mod:`.reader`). The directory follows engines that star
 The directory itself is checked first (:func:`.files.open_directory`: a real directory, owned
 by a trusted user, not world-writable) on every rescan and liveness probe: a refused directory
 is not read at all (its rings are dropped), the reason is logged once and given by
-:meth:`RingDirectory.refusal`, and it is checked again until it passes (a Kubernetes emptyDir is
-world-writable until vLLM's hook, its owner, fixes it).
+:meth:`RingDirectory.refusal`, and it is checked again until it passes (a disk-backed Kubernetes
+emptyDir is world-writable until vLLM's hook, its owner, fixes it; a memory-backed one is
+sticky too, and the chart's init container fixes it).
 
 A ring is *live* while its writer holds the file's lock. Rings whose writer is gone stay mapped
 and searchable until their file is removed (a record published just before a crash can still

@@ -18,9 +18,10 @@ directory, sticky or not, lets any local user plant, rename or lock names), by i
 where the settings ask for it (the hook's ``HIDDEN_STATE_PROXY_RING_DIR_MODE`` with group
 write, e.g. ``0770``; the proxy allows it: a shared group is a deployment's choice it cannot
 tell from a mistake, and it checks each file's owner anyway). The hook *repairs* a directory it
-owns itself that grants more (a Kubernetes ``emptyDir`` is created ``0777``): it removes the
-extra write permissions, and logs that; it never touches a sticky world-writable directory
-(``/tmp``-like: shared by design, give the rings their own directory inside it).
+owns itself that grants more (a disk-backed Kubernetes ``emptyDir`` is created ``0777``; a
+memory-backed one ``1777``, sticky, which the chart's init container sets to ``2770``): it
+removes the extra write permissions, and logs that; it never touches a sticky world-writable
+directory (``/tmp``-like: shared by design, give the rings their own directory inside it).
 
 **The directory lock.** The hooks of servers sharing a directory add their rings one at a
 time under an exclusive ``flock`` on the directory itself (:func:`directory_locked`). Anyone who
