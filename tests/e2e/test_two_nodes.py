@@ -491,6 +491,18 @@ def each_node_serves_its_own(
             stop_process_group(process.popen, process.name, grace=10)
 
 
+@contextlib.contextmanager
+def vllm_lock_timed(label: str) -> Iterator[None]:
+    """The machine-wide vLLM lock (both nodes are one server's worth of this machine); how long
+    it was held goes in the run's report: a test's run time without its wait for the lock."""
+    with one_vllm_at_a_time():
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            COUNTED.append(f"{label}: {time.monotonic() - started:.0f} s with the vLLM lock held")
+
+
 #: How vLLM 0.32 fails this layout (CPU, tiny dense model), the same with the hook disabled: with
 #: one engine per node, ``--data-parallel-hybrid-lb`` turns into external load balancing
 #: (arg_utils: "not eligible when data_parallel_size_local = 1"); a dense model then gets no DP
@@ -541,7 +553,7 @@ def test_two_nodes_fail_at_startup_with_the_hook_disabled_too(
     """
     tag = f"hsp{os.getpid() % 100000}"
     with (
-        one_vllm_at_a_time(),
+        vllm_lock_timed("two simulated nodes, hook disabled"),
         concurrent.futures.ThreadPoolExecutor(
             4, initializer=in_network_namespace(f"{tag}-lan")
         ) as pool,
@@ -567,7 +579,7 @@ def test_two_nodes_each_proxy_serves_its_own_engines_vectors(
     """
     tag = f"hsp{os.getpid() % 100000}"
     with (
-        one_vllm_at_a_time(),
+        vllm_lock_timed("two simulated nodes, hook enabled"),
         concurrent.futures.ThreadPoolExecutor(
             32, initializer=in_network_namespace(f"{tag}-lan")
         ) as pool,
@@ -593,7 +605,7 @@ def test_two_nodes_of_independent_servers_each_proxy_serves_its_own(
     that test's scenario is known to work the day vLLM starts its layout."""
     tag = f"hsp{os.getpid() % 100000}"
     with (
-        one_vllm_at_a_time(),
+        vllm_lock_timed("two simulated nodes, independent servers"),
         concurrent.futures.ThreadPoolExecutor(
             32, initializer=in_network_namespace(f"{tag}-lan")
         ) as pool,
