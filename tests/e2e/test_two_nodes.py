@@ -12,6 +12,11 @@ vector would have found it in its own node's memory. The clients run in a third 
 "LAN", which holds the bridge), so every request crosses a veth as it would cross a network.
 Only addresses inside these namespaces are used (10.213.0.0/24), never the host's.
 
+vLLM 0.32 itself fails that layout at startup, with the hook disabled too (:data:`VLLM_FAILURE`):
+two tests assert exactly that failure, and the one with the hook goes on to the whole scenario
+once vLLM starts. The same scenario runs today with an ordinary one-engine vLLM on each node, so
+the harness and every check of it are proven on real servers.
+
 Root only (namespaces and mounts); everything is removed in ``finally``. Runs in the second
 pytest session (``own_server``) and holds the machine-wide vLLM lock for both nodes at once.
 """
