@@ -1,8 +1,8 @@
 """Data parallel across two nodes with hybrid load balancing, simulated on one machine (#29).
 
-docs/deploy.md's layout: each node runs its own vLLM API server in front of its local engine
-(``--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-hybrid-lb``, node 1 with
-``--data-parallel-start-rank 1``, both given node 0's ``--data-parallel-address`` and
+docs/deploy.md's layout: each node runs its own vLLM API server in front of its local engines
+(``--data-parallel-size-local N --data-parallel-hybrid-lb``, node 1 with
+``--data-parallel-start-rank N``, both given node 0's ``--data-parallel-address`` and
 ``--data-parallel-rpc-port``), and one proxy per node in front of that node's API server, reading
 that node's ring directory.
 
@@ -12,10 +12,12 @@ vector would have found it in its own node's memory. The clients run in a third 
 "LAN", which holds the bridge), so every request crosses a veth as it would cross a network.
 Only addresses inside these namespaces are used (10.213.0.0/24), never the host's.
 
-vLLM 0.32 itself fails that layout at startup, with the hook disabled too (:data:`VLLM_FAILURE`):
-two tests assert exactly that failure, and the one with the hook goes on to the whole scenario
-once vLLM starts. The same scenario runs today with an ordinary one-engine vLLM on each node, so
-the harness and every check of it are proven on real servers.
+With one engine per node (``--data-parallel-size 2 --data-parallel-size-local 1``), vLLM 0.32
+itself fails at startup, with the hook disabled too (:data:`VLLM_FAILURE`): a test asserts
+exactly that failure, hook disabled and enabled, so it flips when vLLM fixes it. With two
+engines per node (``--data-parallel-size 4 --data-parallel-size-local 2``, where vLLM keeps
+hybrid load balancing) the whole scenario runs: flagged requests to both proxies at once, each
+node's requests finished by its own engines, node 1's engines killed and node 0 still serving.
 
 Root only (namespaces and mounts); everything is removed in ``finally``. Runs in the second
 pytest session (``own_server``) and holds the machine-wide vLLM lock for both nodes at once.
@@ -205,22 +207,10 @@ def _cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
-def vllm_command(model_dir: Path, node: Node, *, data_parallel: bool = True) -> list[str]:
-    """docs/deploy.md's hybrid-LB command line for ``node`` (two nodes, one engine each); without
-    ``data_parallel``, an ordinary one-engine server on that node."""
-    start_rank = ["--data-parallel-start-rank", str(node.index)] if node.index else []
-    hybrid_lb = [
-        "--data-parallel-size",
-        "2",
-        "--data-parallel-size-local",
-        "1",
-        "--data-parallel-hybrid-lb",
-        "--data-parallel-address",
-        f"{SUBNET_PREFIX}1",
-        "--data-parallel-rpc-port",
-        str(DP_RPC_PORT),
-        *start_rank,
-    ]
+def vllm_command(model_dir: Path, node: Node, engines_per_node: int) -> list[str]:
+    """docs/deploy.md's hybrid-LB command line for ``node`` of two, ``engines_per_node`` engines
+    each (node 1's ranks start after node 0's)."""
+    start_rank = ["--data-parallel-start-rank", str(node.index * engines_per_node)]
     return [
         sys.executable,
         "-m",
@@ -240,14 +230,24 @@ def vllm_command(model_dir: Path, node: Node, *, data_parallel: bool = True) -> 
         str(MAX_MODEL_LEN),
         "--max-num-seqs",
         "32",
-        *(hybrid_lb if data_parallel else []),
+        "--data-parallel-size",
+        str(2 * engines_per_node),
+        "--data-parallel-size-local",
+        str(engines_per_node),
+        "--data-parallel-hybrid-lb",
+        "--data-parallel-address",
+        f"{SUBNET_PREFIX}1",
+        "--data-parallel-rpc-port",
+        str(DP_RPC_PORT),
+        *(start_rank if node.index else []),
     ]
 
 
-def vllm_environment(node: Node, hook: bool) -> dict[str, str]:
+def vllm_environment(node: Node, hook: bool, engines_per_node: int) -> dict[str, str]:
     env = offline_environment()
-    # One core and a small KV cache per node's engine: the two nodes share this machine.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = str(node.index)
+    # One core and a small KV cache per engine: one engine per node, node i on core i; two per
+    # node, each node's on cores 0 and 1 (the two nodes share this machine's two cores).
+    env["VLLM_CPU_OMP_THREADS_BIND"] = str(node.index) if engines_per_node == 1 else "0|1"
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env[RING_DIR_ENV] = NODE_RING_DIR
@@ -408,7 +408,7 @@ def engine_core_pids(api_server: int) -> list[int]:
 
 @contextlib.contextmanager
 def two_node_cluster(
-    model_dir: Path, work_dir: Path, tag: str, *, hook: bool, data_parallel: bool = True
+    model_dir: Path, work_dir: Path, tag: str, *, hook: bool, engines_per_node: int
 ) -> Iterator[tuple[list[Node], list[Process]]]:
     """Both nodes' vLLMs started (not waited for); stopped and removed at the end."""
     processes: list[Process] = []
@@ -420,8 +420,9 @@ def two_node_cluster(
         ]
         try:
             for each in nodes:
-                command = vllm_command(model_dir, each, data_parallel=data_parallel)
-                processes.append(each.start("vllm", command, vllm_environment(each, hook)))
+                command = vllm_command(model_dir, each, engines_per_node)
+                env = vllm_environment(each, hook, engines_per_node)
+                processes.append(each.start("vllm", command, env))
             yield nodes, processes
         finally:
             # Node 1 first: an API server whose engine's peers are gone may wait on them.
@@ -434,17 +435,18 @@ def each_node_serves_its_own(
     reference: Reference,
     nodes: Sequence[Node],
     vllms: Sequence[Process],
-    *,
-    data_parallel: bool,
+    engines_per_node: int,
 ) -> None:
     """The scenario, once both nodes' vLLMs are healthy: a proxy per node; flagged requests to
-    both at once, each with its own vector; each node's requests finished by its own engine;
-    node 1's engine killed, node 0 still serving."""
-    layout = "DP=2, hybrid LB" if data_parallel else "one independent server each"
+    both at once, each with its own vector; each node's requests finished by its own engines,
+    each of which publishes into its own node's ring directory only; node 1's engines killed,
+    node 0 still serving."""
+    layout = f"DP={2 * engines_per_node}, {engines_per_node} engines per node, hybrid LB"
 
-    def engine(node: Node) -> str:
-        # vLLM's engine label and the ring's data-parallel index: the node's DP rank, or 0.
-        return str(node.index) if data_parallel else "0"
+    def engines(node: Node) -> set[str]:
+        # vLLM's engine label and the ring's data-parallel index: the node's DP ranks.
+        first = node.index * engines_per_node
+        return {str(rank) for rank in range(first, first + engines_per_node)}
 
     proxies = [each.start("proxy", proxy_command(each), dict(os.environ)) for each in nodes]
     try:
@@ -454,42 +456,46 @@ def each_node_serves_its_own(
             [*vllms, *proxies],
             60,
         )
-        # Each node's ring directory holds its own engine's ring only.
         for each in nodes:
             names = sorted(path.name for path in each.ring_dir.glob("ring-*"))
-            assert len(names) == 1 and names[0].endswith(f"-dp{engine(each)}.bin"), names
+            indices = {name.rsplit("-dp", 1)[1].removesuffix(".bin") for name in names}
+            assert len(names) == engines_per_node and indices == engines(each), names
         per_node = 16
         sent = check_vectors(pool, reference, nodes, per_node)
         for each in nodes:
             text = pool.submit(metrics, each.proxy_url).result()
             served = served_by_engine(text)
-            # The node's API server knows only its own engine, which served all its requests.
-            assert set(served) == {engine(each)}, served
-            assert served[engine(each)] >= per_node, served
-            assert gauge(text, "live_rings") == 1
+            # A node's API server knows only its own engines, and balances over all of them.
+            assert set(served) == engines(each), served
+            assert all(count > 0 for count in served.values()), served
+            assert sum(served.values()) >= per_node, served
+            assert gauge(text, "live_rings") == engines_per_node
         COUNTED.append(
-            f"two simulated nodes ({layout}): {sent} concurrent flagged requests, "
-            "half to each node's proxy, all 200 with their own vectors, each node's "
-            "requests served by its own engine"
+            f"two simulated nodes ({layout}): {sent} concurrent flagged requests, half to each "
+            "node's proxy, all 200 with their own vectors, each node's requests finished by "
+            f"its own engines ({', '.join(sorted(engines(nodes[0])))} and "
+            f"{', '.join(sorted(engines(nodes[1])))})"
         )
 
-        # Node 1's engine dies; node 0 keeps serving flagged requests.
-        engines = engine_core_pids(vllms[1].popen.pid)
-        assert len(engines) == 1, f"node 1's engine core: {engines}"
-        os.kill(engines[0], signal.SIGKILL)
+        # Node 1's engines die (a node failure); node 0 keeps serving flagged requests.
+        before = sum(served_by_engine(pool.submit(metrics, nodes[0].proxy_url).result()).values())
+        killed = engine_core_pids(vllms[1].popen.pid)
+        assert len(killed) == engines_per_node, f"node 1's engine cores: {killed}"
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
         wait_for(
             lambda: pool.submit(status, f"http://{nodes[1].address}:{VLLM_PORT}").result() != 200,
-            "node 1's vLLM noticed its engine's death",
+            "node 1's vLLM noticed its engines' death",
             [vllms[0], proxies[0]],
             120,
         )
         after = check_vectors(pool, reference, nodes[:1], AFTER_KILL)
         text = pool.submit(metrics, nodes[0].proxy_url).result()
-        assert served_by_engine(text)[engine(nodes[0])] >= per_node + after
+        assert sum(served_by_engine(text).values()) >= before + after
         assert pool.submit(status, nodes[0].proxy_url).result() == 200
         COUNTED.append(
-            f"two simulated nodes ({layout}), node 1's engine killed: {after} flagged requests to "
-            "node 0, all 200 with their own vectors"
+            f"two simulated nodes ({layout}), node 1's engines killed: {after} flagged requests "
+            "to node 0, all 200 with their own vectors"
         )
     finally:
         for process in proxies:
@@ -548,76 +554,55 @@ def assert_documented_failure(logs: str, vllms: Sequence[Process]) -> None:
         )
 
 
-def test_two_nodes_fail_at_startup_with_the_hook_disabled_too(
-    tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("hook", [False, True], ids=["hook-disabled", "hook-enabled"])
+def test_two_nodes_of_one_engine_each_fail_at_vllm_startup(
+    tiny_model_dir: Path, tmp_path: Path, hook: bool
 ) -> None:
-    """vLLM itself fails docs/deploy.md's two-node layout, without this project's hook.
+    """vLLM itself fails docs/deploy.md's two-node layout with one engine per node, with or
+    without this project's hook: exactly :data:`VLLM_FAILURE`, on both nodes.
 
-    When a vLLM release fixes it, this test fails: then drop it, and update docs/deploy.md and
-    the README's Limits (the test below then runs the whole two-node scenario).
+    When a vLLM release fixes it, this test fails: then drop it, run
+    :func:`test_two_nodes_each_proxy_serves_its_own_engines_vectors` with one engine per node
+    too, and update docs/deploy.md and the README's Limits.
     """
     tag = f"hsp{os.getpid() % 100000}"
+    hook_state = "enabled" if hook else "disabled"
     with (
-        vllm_lock_timed("two simulated nodes, hook disabled"),
+        vllm_lock_timed(f"two simulated nodes, one engine each, hook {hook_state}"),
         concurrent.futures.ThreadPoolExecutor(
             4, initializer=in_network_namespace(f"{tag}-lan")
         ) as pool,
-        two_node_cluster(tiny_model_dir, tmp_path, tag, hook=False) as (nodes, vllms),
+        two_node_cluster(tiny_model_dir, tmp_path, tag, hook=hook, engines_per_node=1) as (
+            nodes,
+            vllms,
+        ),
     ):
         logs = vllm_failure(pool, nodes, vllms)
-        assert logs is not None, "vLLM now runs two nodes with hybrid LB: see the docstring"
+        assert logs is not None, "vLLM now runs one engine per node: see the docstring"
         assert_documented_failure(logs, vllms)
         COUNTED.append(
-            "two simulated nodes, hook disabled: both vLLM API servers exit at startup on "
-            "vLLM's own assertion (stats_update_address), as documented"
+            f"two simulated nodes, one engine each, hook {hook_state}: "
+            "both vLLM API servers exit at startup on vLLM's own assertion "
+            "(stats_update_address), as documented"
         )
 
 
 def test_two_nodes_each_proxy_serves_its_own_engines_vectors(
     tiny_model_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
-    """Flagged requests to both nodes' proxies at once each get their own vector from their own
-    node's engine; with node 1's engine killed, node 0 keeps serving.
-
-    Today vLLM fails at startup first (:data:`VLLM_FAILURE`, hook disabled or not): the test
-    asserts that failure, exactly, and stops there. Once vLLM starts, the rest runs.
-    """
+    """Two engines per node (DP=4, ``--data-parallel-size-local 2``): flagged requests to both
+    nodes' proxies at once each get their own vector from their own node's engines; with node
+    1's engines killed, node 0 keeps serving."""
     tag = f"hsp{os.getpid() % 100000}"
     with (
-        vllm_lock_timed("two simulated nodes, hook enabled"),
+        vllm_lock_timed("two simulated nodes, two engines each"),
         concurrent.futures.ThreadPoolExecutor(
             32, initializer=in_network_namespace(f"{tag}-lan")
         ) as pool,
-        two_node_cluster(tiny_model_dir, tmp_path, tag, hook=True) as (nodes, vllms),
-    ):
-        logs = vllm_failure(pool, nodes, vllms)
-        if logs is not None:
-            assert_documented_failure(logs, vllms)
-            COUNTED.append(
-                "two simulated nodes, hook enabled: both vLLM API servers exit at startup on "
-                "vLLM's own assertion (stats_update_address), as documented; no request sent"
-            )
-            return
-        each_node_serves_its_own(pool, reference, nodes, vllms, data_parallel=True)
-
-
-def test_two_nodes_of_independent_servers_each_proxy_serves_its_own(
-    tiny_model_dir: Path, tmp_path: Path, reference: Reference
-) -> None:
-    """The same two simulated nodes and the same scenario with an ordinary vLLM on each node
-    (no data parallelism), which vLLM 0.32 runs: the namespaces, the per-node /dev/shm, the
-    LAN clients and every check of the data-parallel test above, proven on real servers, so
-    that test's scenario is known to work the day vLLM starts its layout."""
-    tag = f"hsp{os.getpid() % 100000}"
-    with (
-        vllm_lock_timed("two simulated nodes, independent servers"),
-        concurrent.futures.ThreadPoolExecutor(
-            32, initializer=in_network_namespace(f"{tag}-lan")
-        ) as pool,
-        two_node_cluster(tiny_model_dir, tmp_path, tag, hook=True, data_parallel=False) as (
+        two_node_cluster(tiny_model_dir, tmp_path, tag, hook=True, engines_per_node=2) as (
             nodes,
             vllms,
         ),
     ):
         assert vllm_failure(pool, nodes, vllms) is None
-        each_node_serves_its_own(pool, reference, nodes, vllms, data_parallel=False)
+        each_node_serves_its_own(pool, reference, nodes, vllms, engines_per_node=2)
