@@ -40,7 +40,11 @@ def test_check_fails_naming_the_fix_where_vllm_has_no_hook(
     """A proxy whose ring directory no hook publishes into: what it sees of a vLLM whose hook is
     off (``HIDDEN_STATE_PROXY_HOOK=0``) or not installed -- no ring and no note."""
     log = tmp_path / "proxy.log"
-    with proxy_process(stack.vllm_url, tmp_path / "no-hook-here", log) as (url, process):
+    upstream = stack.upstream_environment()  # the shared stack's vLLM wants its key
+    with proxy_process(stack.vllm_url, tmp_path / "no-hook-here", log, env_overrides=upstream) as (
+        url,
+        process,
+    ):
         wait_healthy(url + "/health", process, 30, log)
         command = [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "check", "--url", url]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
