@@ -291,4 +291,7 @@ def test_an_engine_whose_hook_cannot_start_is_named_at_once(
             pytest.raises(CheckFailed) as refused,
         ):
             check(client, None, lambda line: None)
-        assert re.match(r"/health is 503: .*engine [01] .*No space left", str(refused.value))
+        # (In words: /health without the API key names the engine, not the exception.)
+    assert re.match(
+        r"/health is 503: .*engine [01] \(data-parallel index\) has no ring", str(refused.value)
+    ), str(refused.value)
