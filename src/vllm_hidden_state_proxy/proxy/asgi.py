@@ -133,9 +133,7 @@ async def read_body(
     except asyncio.CancelledError:
         if not expired:
             raise  # not ours: the server is shutting down
-        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11
-        if uncancel is not None:
-            uncancel()
+        _uncancel(task)
         raise BodyTimeout from None
     finally:
         timer.cancel()
@@ -242,10 +240,16 @@ async def run_until_disconnect(receive: Receive, exchange: Awaitable[None]) -> b
     except asyncio.CancelledError:
         if not disconnected:
             raise  # not ours: the server is shutting down
-        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11
-        if uncancel is not None:
-            uncancel()
+        _uncancel(task)
         return False
     finally:
         watcher.cancel()
     return True
+
+
+def _uncancel(task: asyncio.Task[Any]) -> None:
+    """Take back a cancellation this module made (a timer's or a disconnect's), so the task
+    runs on as if uncancelled (Python >= 3.11; earlier ones keep no count)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
