@@ -131,6 +131,25 @@ def metric(text: str, name: str, label: str = "") -> float:
     return total
 
 
+def served_per_engine(text: str) -> dict[str, float]:
+    """vLLM's completed requests per engine label (``vllm:request_success_total{engine=...}``)
+    in Prometheus text (vLLM's own /metrics, or a proxy's, which carries vLLM's)."""
+    served: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine:
+                served[engine[1]] = served.get(engine[1], 0.0) + float(line.rsplit(" ", 1)[1])
+    return served
+
+
+def proxy_gauge_in(text: str, name: str) -> float:
+    """The proxy's own gauge ``hidden_state_proxy_<name>`` in its /metrics text."""
+    match = re.search(rf"^hidden_state_proxy_{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"no {name} in the proxy's metrics"
+    return float(match[1])
+
+
 def vllm_metrics(stack: RunningStack) -> str:
     """vLLM's own /metrics (asked directly, not through the proxy). Its API server answers
     late while it pushes megabytes of streams on a loaded machine: a generous timeout."""

@@ -25,6 +25,7 @@ import pytest
 
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
+from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
 from vllm_hidden_state_proxy.check import CheckFailed, check
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time
 
@@ -107,22 +108,11 @@ def every_request_gets_its_own_vector(stack: RunningStack, reference: Reference)
 
 
 def served_by_engine(stack: RunningStack) -> dict[str, float]:
-    """vLLM's completed requests per engine (``vllm:request_success_total{engine=...}``)."""
-    text = httpx.get(stack.proxy_url + "/metrics", timeout=60).text
-    served: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine:
-                served[engine[1]] = served.get(engine[1], 0.0) + float(line.rsplit(" ", 1)[1])
-    return served
+    return served_per_engine(httpx.get(stack.proxy_url + "/metrics", timeout=60).text)
 
 
 def proxy_gauge(stack: RunningStack, name: str) -> float:
-    text = httpx.get(stack.proxy_url + "/metrics", timeout=60).text
-    match = re.search(rf"^hidden_state_proxy_{name} (\S+)$", text, re.MULTILINE)
-    assert match, f"no {name} in the proxy's metrics"
-    return float(match[1])
+    return proxy_gauge_in(httpx.get(stack.proxy_url + "/metrics", timeout=60).text, name)
 
 
 def ring_names(ring_dir: Path) -> list[str]:

@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +45,7 @@ import pytest
 
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, SERVED_MODEL_NAME, STARTUP_TIMEOUT
+from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
 from vllm_hidden_state_proxy.processes import (
     offline_environment,
     one_vllm_at_a_time,
@@ -372,23 +372,6 @@ def metrics(url: str) -> str:
         return client.get("/metrics").text
 
 
-def served_by_engine(text: str) -> dict[str, float]:
-    """vLLM's finished requests per engine label, from a proxy's /metrics (which has vLLM's)."""
-    served: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine:
-                served[engine[1]] = served.get(engine[1], 0.0) + float(line.rsplit(" ", 1)[1])
-    return served
-
-
-def gauge(text: str, name: str) -> float:
-    match = re.search(rf"^hidden_state_proxy_{name} (\S+)$", text, re.MULTILINE)
-    assert match, f"no {name} in the proxy's metrics"
-    return float(match[1])
-
-
 def engine_core_pids(api_server: int) -> list[int]:
     """The engine-core processes among a vLLM API server's descendants (by their title,
     ``VLLM::EngineCore...``)."""
@@ -464,12 +447,12 @@ def each_node_serves_its_own(
         sent = check_vectors(pool, reference, nodes, per_node)
         for each in nodes:
             text = pool.submit(metrics, each.proxy_url).result()
-            served = served_by_engine(text)
+            served = served_per_engine(text)
             # A node's API server knows only its own engines, and balances over all of them.
             assert set(served) == engines(each), served
             assert all(count > 0 for count in served.values()), served
             assert sum(served.values()) >= per_node, served
-            assert gauge(text, "live_rings") == engines_per_node
+            assert proxy_gauge_in(text, "live_rings") == engines_per_node
         COUNTED.append(
             f"two simulated nodes ({layout}): {sent} concurrent flagged requests, half to each "
             "node's proxy, all 200 with their own vectors, each node's requests finished by "
@@ -478,7 +461,7 @@ def each_node_serves_its_own(
         )
 
         # Node 1's engines die (a node failure); node 0 keeps serving flagged requests.
-        before = sum(served_by_engine(pool.submit(metrics, nodes[0].proxy_url).result()).values())
+        before = sum(served_per_engine(pool.submit(metrics, nodes[0].proxy_url).result()).values())
         killed = engine_core_pids(vllms[1].popen.pid)
         assert len(killed) == engines_per_node, f"node 1's engine cores: {killed}"
         for pid in killed:
@@ -491,7 +474,7 @@ def each_node_serves_its_own(
         )
         after = check_vectors(pool, reference, nodes[:1], AFTER_KILL)
         text = pool.submit(metrics, nodes[0].proxy_url).result()
-        assert sum(served_by_engine(text).values()) >= before + after
+        assert sum(served_per_engine(text).values()) >= before + after
         assert pool.submit(status, nodes[0].proxy_url).result() == 200
         COUNTED.append(
             f"two simulated nodes ({layout}), node 1's engines killed: {after} flagged requests "
