@@ -21,7 +21,13 @@ CAPTURED_400 = (
     "Layer 1000000 is not captured by this server. It captures layers 0, 1, 2 (the model has "
     "2 decoder layers; -1 means 2, the final layer after the final norm). Choose from those."
 )
-METRICS = "hidden_state_proxy_live_rings 2\nhidden_state_proxy_engines_without_ring 0\n"
+METRICS = (
+    "hidden_state_proxy_live_rings 2\n"
+    'hidden_state_proxy_ring_info{instance="00000000000000ab",engine="0",'
+    'runner="vLLM 0.33.0 V2 GPUModelRunner"} 1\n'
+    'hidden_state_proxy_ring_info{instance="00000000000000ab",engine="1",runner=""} 1\n'
+    "hidden_state_proxy_engines_without_ring 0\n"
+)
 
 
 def b64(values: Any) -> str:
@@ -105,6 +111,8 @@ def test_a_healthy_deployment_passes_every_step() -> None:
     ]  # fmt: skip
     assert "ok: vLLM 0.32.0" in lines
     assert "ok: engines publishing: 2; engines without a ring: 0" in lines
+    assert "ok: engine 0 of vLLM instance 00000000000000ab: vLLM 0.33.0 V2 GPUModelRunner" in lines
+    assert "ok: engine 1 of vLLM instance 00000000000000ab: runner not named" in lines
     assert f"ok: a flagged request: 3 layers of {HIDDEN} finite values each" in lines
 
 

@@ -11,8 +11,10 @@ line:
    final layer's mean, and a streamed one; each vector must have the same size and be finite.
 
 It stops at the first failure and exits 1 with one sentence that names the fix (mostly the
-proxy's own error text, which is written to name it); 0 if all passed. The runner (V1/V2) is
-not visible from outside: it is named in an engine's failure note when the hook refused one.
+proxy's own error text, which is written to name it); 0 if all passed. Each publishing
+engine's vLLM version and model runner (V1/V2 and its class) come from its ring's header, which
+the proxy's ``/metrics`` shows as ``hidden_state_proxy_ring_info``; an engine whose hook refused
+its runner names it in its failure note.
 
 ``serve`` runs :func:`canary` (an ordinary and a flagged request) once its proxy is up, so a
 hook that wraps vLLM but never publishes fails the start instead of the first user's request.
@@ -148,6 +150,20 @@ def _metric(text: str, name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+_RING_INFO = re.compile(
+    r'^hidden_state_proxy_ring_info\{instance="([0-9a-f]+)",engine="(\d+)",runner="([^"]*)"\} 1',
+    re.MULTILINE,
+)
+
+
+def runners(metrics_text: str) -> list[str]:
+    """One line per live ring in ``/metrics``: its engine and what its hook wraps."""
+    return [
+        f"engine {engine} of vLLM instance {instance}: {runner or 'runner not named'}"
+        for instance, engine, runner in _RING_INFO.findall(metrics_text)
+    ]
+
+
 def _overview(probe: _Probe, model: str | None) -> str:
     health = probe.get("/health")
     if health.status_code != 200:
@@ -161,6 +177,8 @@ def _overview(probe: _Probe, model: str | None) -> str:
         rings = _metric(metrics.text, "live_rings")
         without = _metric(metrics.text, "engines_without_ring")
         probe.say(f"ok: engines publishing: {rings}; engines without a ring: {without}")
+        for line in runners(metrics.text):
+            probe.say(f"ok: {line}")
     if model is not None:
         return model
     models = probe.get("/v1/models")

@@ -26,6 +26,8 @@ def test_check_passes_on_the_shared_stack(stack: RunningStack) -> None:
     assert deployment.num_hidden_layers == 2
     assert deployment.hidden_size > 0
     assert any(line.startswith("ok: vLLM 0.32") for line in lines), lines
+    # The CPU runner is the V1 runner's subclass; its ring's header says so.
+    assert any(line.endswith(": vLLM 0.32.0 V1 CPUModelRunner") for line in lines), lines
     assert "ok: a streamed flagged request" in lines
     # The command itself, as a user runs it.
     command = [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "check", "--url"]

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.ring import (
     Found,
     PublishMarks,
     Record,
+    RingHeader,
     RingShape,
     RingWriter,
     slot_size_for,
@@ -147,6 +148,8 @@ class FakeRing:
     overwritten: bool = False
     lookups: int = 0
     closed: bool = False
+    #: What the live ring's header says its hook wraps.
+    runner: str = "vLLM 0.32.0 V1 CPUModelRunner"
 
     def publish(self, found: Found) -> None:
         self.records[found.key] = found
@@ -165,6 +168,10 @@ class FakeRing:
 
     def live_shapes(self) -> tuple[RingShape, ...]:
         return (ring_shape(self.layers, self.slots),) if self.present else ()
+
+    def live_headers(self) -> tuple[RingHeader, ...]:
+        shapes = self.live_shapes()
+        return tuple(RingHeader(shape, 1, 1, 0, self.instance, self.runner) for shape in shapes)
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         return self.failures

@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 
 from vllm_hidden_state_proxy.proxy.metrics import KINDS, MISS_REASONS, MetricsTable, ProxyMetrics
+from vllm_hidden_state_proxy.ring import RingHeader, RingShape
+
+SHAPE = RingShape(8, 4096, 8, 4, (4,))
+
+
+def headers(count: int, runner: str = "vLLM 0.32.0 V1 CPUModelRunner") -> list[RingHeader]:
+    return [RingHeader(SHAPE, 1, 1, engine, 0xAB, runner) for engine in range(count)]
 
 
 def samples(text: bytes) -> dict[str, float]:
@@ -28,7 +35,7 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     metrics.flagged_received += 3
     metrics.vector_misses["engine_without_ring"] += 1
     metrics.upstream_errors += 4
-    text = metrics.render(live_rings=8, engines_without_ring=2)
+    text = metrics.render(live_rings=headers(8), engines_without_ring=2)
     values = samples(text)
     assert {k: values[f'hidden_state_proxy_requests_total{{kind="{k}"}}'] for k in KINDS} == {
         "ordinary": 0,
@@ -45,6 +52,8 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     }
     assert values["hidden_state_proxy_upstream_errors_total"] == 4
     assert values["hidden_state_proxy_live_rings"] == 8
+    info = 'hidden_state_proxy_ring_info{instance="00000000000000ab",engine="7",'
+    assert values[info + 'runner="vLLM 0.32.0 V1 CPUModelRunner"}'] == 1
     assert values["hidden_state_proxy_engines_without_ring"] == 2
     lines = text.decode().splitlines()
     assert "# TYPE hidden_state_proxy_live_rings gauge" in lines
@@ -53,11 +62,16 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     assert text.endswith(b"\n")
 
 
+def test_a_runner_label_is_escaped() -> None:
+    text = ProxyMetrics().render(live_rings=headers(1, 'a "b" \\ c'), engines_without_ring=0)
+    assert b'runner="a \\"b\\" \\\\ c"} 1' in text
+
+
 def test_histogram_buckets_are_cumulative() -> None:
     metrics = ProxyMetrics()
     for value in (0.00005, 0.0001, 0.003, 0.003, 7.0, 60.0):
         metrics.vector_wait.observe(value)
-    values = samples(metrics.render(live_rings=1, engines_without_ring=0))
+    values = samples(metrics.render(live_rings=headers(1), engines_without_ring=0))
     prefix = 'hidden_state_proxy_vector_wait_seconds_bucket{le="'
     bucket = {k[len(prefix) : -2]: v for k, v in values.items() if k.startswith(prefix)}
     assert bucket["0.0001"] == 2  # le is inclusive

@@ -201,6 +201,8 @@ async def test_metrics_are_vllms_then_the_proxys(ring_dir: str, writer: RingWrit
         'hidden_state_proxy_vector_misses_total{reason="engine_without_ring"} 0',
         "hidden_state_proxy_upstream_errors_total 0",
         "hidden_state_proxy_live_rings 1",
+        f'hidden_state_proxy_ring_info{{instance="{writer.header.instance:016x}",engine="0",'
+        'runner=""} 1',
         "hidden_state_proxy_engines_without_ring 0",
         'hidden_state_proxy_vector_wait_seconds_bucket{le="+Inf"} 1',
         "hidden_state_proxy_vector_wait_seconds_count 1",

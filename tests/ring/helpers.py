@@ -60,6 +60,7 @@ def make_writer(
     num_hidden_layers: int = 1,
     layers: Sequence[int] | None = None,
     model: str = MODEL,
+    runner: str = "",
 ) -> RingWriter:
     return RingWriter.create(
         directory,
@@ -70,6 +71,7 @@ def make_writer(
         engine=engine,
         num_hidden_layers=num_hidden_layers,
         layers=layers,
+        runner=runner,
     )
 
 

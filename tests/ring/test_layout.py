@@ -51,6 +51,7 @@ from vllm_hidden_state_proxy.ring.layout import (
     pack_error,
     pack_record,
     parse_header,
+    runner_field,
     slot_size_for,
 )
 
@@ -61,7 +62,7 @@ from vllm_hidden_state_proxy.ring.layout import (
 
 def test_the_layout_constants_agree() -> None:
     check_layout()
-    assert layout.FIXED_HEADER.size == layout.FIXED_HEADER_SIZE == 72
+    assert layout.FIXED_HEADER.size == layout.FIXED_HEADER_SIZE == 120
     assert layout.SLOT_META.size + layout.SLOT_KEY_OFFSET == layout.SLOT_PAYLOAD_OFFSET == 32
 
 
@@ -70,7 +71,7 @@ def test_the_layout_constants_agree() -> None:
     [
         ("HDR_ENGINE_OFFSET", 45, "does not end at"),
         ("SLOT_LEN_OFFSET", 28, "does not end at"),
-        ("FIXED_HEADER", struct.Struct("<8sIIIIIIQIIQQI"), "fixed header packs"),
+        ("FIXED_HEADER", struct.Struct("<8sIIIIIIQIIQQII"), "fixed header packs"),
         ("SLOT_META", struct.Struct(f"<{KEY_BYTES}sI"), "do not end at the payload"),
     ],
 )
@@ -109,11 +110,12 @@ def test_the_layout_proof_survives_python_dash_o() -> None:
 
 
 @pytest.mark.parametrize(
-    ("layer_count", "header_size"), [(1, 128), (14, 128), (15, 192), (MAX_LAYERS, 4224)]
+    ("layer_count", "header_size"),
+    [(1, 128), (2, 128), (3, 192), (18, 192), (19, 256), (MAX_LAYERS, 4224)],
 )
 def test_header_size_grows_with_the_captured_layers(layer_count: int, header_size: int) -> None:
     shape = RingShape(3, 256, HIDDEN, MAX_NUM_HIDDEN_LAYERS, tuple(range(layer_count)))
-    assert shape.header_size == header_size == align(72 + 4 * layer_count)
+    assert shape.header_size == header_size == align(120 + 4 * layer_count)
     assert shape.index_offset == header_size
     assert shape.index_end == header_size + 3 * KEY_BYTES
     assert shape.slots_offset == align(shape.index_end)
@@ -140,6 +142,7 @@ def test_header_and_slot_bytes_match_the_ruler(tmp_path: Path) -> None:
         num_hidden_layers=12,
         layers=(12, 0, 4),
         slot_count=5,
+        runner="vLLM 9.9 V1 TestRunner",
     )
     key = publish_index(writer, 0, layers=(4, 12), pooling="mean")
     data = writer.path.read_bytes()
@@ -154,9 +157,9 @@ def test_header_and_slot_bytes_match_the_ruler(tmp_path: Path) -> None:
         return value
 
     assert data[0:8] == b"VHSRING\x00"
-    assert u32(8) == LAYOUT_VERSION == 2
+    assert u32(8) == LAYOUT_VERSION == 3
     header_size = u32(12)
-    assert header_size == 128  # align64(72 + 4 * 3)
+    assert header_size == 192  # align64(120 + 4 * 3)
     slot_size = u32(16)
     assert slot_size % 64 == 0 and slot_size == slot_size_for(HIDDEN, 3, MODEL)
     assert u32(20) == 5
@@ -169,8 +172,9 @@ def test_header_and_slot_bytes_match_the_ruler(tmp_path: Path) -> None:
     assert u64(56) == 0x0123456789ABCDEF
     assert u32(64) == 12
     assert u32(68) == 3
-    assert struct.unpack_from("<3I", data, 72) == (0, 4, 12)  # ascending
-    assert data[84:header_size] == bytes(header_size - 84)
+    assert data[72:120] == b"vLLM 9.9 V1 TestRunner".ljust(48, b"\x00")
+    assert struct.unpack_from("<3I", data, 120) == (0, 4, 12)  # ascending
+    assert data[132:header_size] == bytes(header_size - 132)
 
     index = header_size
     assert data[index : index + 16] == key
@@ -216,14 +220,21 @@ def test_a_good_header_parses() -> None:
     assert header.shape == GOOD_SHAPE
     assert (header.epoch, header.writer_pid, header.engine, header.instance) == (1, 1, 0, 7)
     assert fixed_header_fields(GOOD) == (128, 2)
+    assert header.runner == ""
+
+
+def test_the_runner_field_keeps_printable_ascii_and_is_cut_to_fit() -> None:
+    assert runner_field("vLLM 0.33.0 V2 GPUModelRunner") == b"vLLM 0.33.0 V2 GPUModelRunner"
+    assert runner_field("é\n" + "x" * 60) == b"??" + b"x" * 46
 
 
 HEADER_PROBLEMS = {
     "bad-magic": (b"NOTRING\x00" + GOOD[8:], SIZE, "bad magic"),
     "not-ready": (with_u32(GOOD, 8, 0), SIZE, r"not ready \(layout version 0"),
-    "empty": (b"", SIZE, r"truncated header \(0 of 72 bytes\)"),
+    "empty": (b"", SIZE, r"truncated header \(0 of 120 bytes\)"),
     "truncated-fixed": (GOOD[:40], SIZE, "truncated header"),
-    "truncated-layers": (GOOD[:100], SIZE, r"truncated header \(100 of 128 bytes\)"),
+    "truncated-layers": (GOOD[:124], SIZE, r"truncated header \(124 of 128 bytes\)"),
+    "runner-not-ascii": (GOOD[:72] + b"\x80" + GOOD[73:], SIZE, "runner field"),
     "key-size": (with_u32(GOOD, 24, 8), SIZE, "key size 8"),
     "slot-count-0": (with_u32(GOOD, 20, 0), SIZE, "slot count 0 out of range"),
     "slot-count-huge": (with_u32(GOOD, 20, MAX_SLOT_COUNT + 1), SIZE, "slot count"),
@@ -248,7 +259,7 @@ def test_header_problems_are_refused(raw: bytes, file_size: int, message: str) -
         parse_header(raw, file_size)
 
 
-@pytest.mark.parametrize("version", [1, 3, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [1, 2, 4, 0xFFFFFFFF])
 def test_another_layout_version_names_different_releases(version: int) -> None:
     with pytest.raises(RingFormatError) as caught:
         parse_header(with_u32(GOOD, 8, version), SIZE)

@@ -655,6 +655,8 @@ def test_the_publishing_rank_creates_its_engines_ring(ring_env: Path, for_runner
         assert ring.hidden_size == HIDDEN
         assert ring.slot_count == 8
         assert ring.layers == (FINAL,)  # HIDDEN_STATE_PROXY_LAYERS unset: the final layer only
+        # What `check` and /metrics show: the vLLM and the runner the hook wraps.
+        assert ring.header.runner == f"vLLM {vllm.__version__} V1 FakeV1Runner"
     assert capture.captured == CapturedLayers(FINAL, (FINAL,))
     # The same engine of another instance (vLLM server) in the same directory: a second ring.
     other = FakeV1Runner(vllm_config=engine_config(3))

@@ -16,8 +16,10 @@ import mmap
 import os
 import tempfile
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+
+from vllm_hidden_state_proxy.ring import RingHeader
 
 PREFIX = "hidden_state_proxy_"
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -219,6 +221,11 @@ class _RowCell:
         metrics.row[self.cell] = value
 
 
+def _label(value: str) -> str:
+    """``value`` as a Prometheus label value (the text format's escapes)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class ProxyMetrics:
     """This process's counters (a row of ``table``) and the rendering of all rows."""
 
@@ -237,13 +244,14 @@ class ProxyMetrics:
     #: vLLM unreachable, or its answer broke off.
     upstream_errors = _RowCell(_UPSTREAM_ERRORS)
 
-    def render(self, *, live_rings: int, engines_without_ring: int) -> bytes:
+    def render(self, *, live_rings: Sequence[RingHeader], engines_without_ring: int) -> bytes:
         totals = self.table.totals()
         requests = f"{PREFIX}requests_total"
         flagged = f"{PREFIX}flagged_requests_total"
         misses = f"{PREFIX}vector_misses_total"
         errors = f"{PREFIX}upstream_errors_total"
         rings = f"{PREFIX}live_rings"
+        ring_info = f"{PREFIX}ring_info"
         without = f"{PREFIX}engines_without_ring"
         wait = f"{PREFIX}vector_wait_seconds"
         lines = [
@@ -272,7 +280,15 @@ class ProxyMetrics:
             f"{errors} {totals[_UPSTREAM_ERRORS]}",
             f"# HELP {rings} Rings whose worker hook is alive (one per publishing vLLM engine).",
             f"# TYPE {rings} gauge",
-            f"{rings} {live_rings}",
+            f"{rings} {len(live_rings)}",
+            f"# HELP {ring_info} One per live ring: its vLLM instance and engine, and the vLLM "
+            "version and model runner its worker hook wraps.",
+            f"# TYPE {ring_info} gauge",
+            *(
+                f'{ring_info}{{instance="{header.instance:016x}",engine="{header.engine}",'
+                f'runner="{_label(header.runner)}"}} 1'
+                for header in live_rings
+            ),
             f"# HELP {without} vLLM engines whose worker hook could not start its ring (see the "
             "proxy's log and /health).",
             f"# TYPE {without} gauge",

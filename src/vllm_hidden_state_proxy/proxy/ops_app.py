@@ -107,7 +107,7 @@ class MetricsApp:
             upstream += b"\n"
         rings = self.state.rings
         own = self.state.metrics.render(
-            live_rings=rings.live_ring_count(), engines_without_ring=len(rings.failed_engines())
+            live_rings=rings.live_headers(), engines_without_ring=len(rings.failed_engines())
         )
         await send_response(send, 200, upstream + own, CONTENT_TYPE)
 

@@ -36,6 +36,7 @@ from vllm_hidden_state_proxy.ring import (
     Found,
     PublishMarks,
     Record,
+    RingHeader,
     RingShape,
 )
 
@@ -59,6 +60,8 @@ class RingSource(Protocol):
     def live_ring_count(self) -> int: ...
 
     def live_shapes(self) -> tuple[RingShape, ...]: ...
+
+    def live_headers(self) -> tuple[RingHeader, ...]: ...
 
     def failed_engines(self) -> tuple[EngineFailure, ...]: ...
 

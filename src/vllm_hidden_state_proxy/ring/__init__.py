@@ -28,6 +28,7 @@ from vllm_hidden_state_proxy.ring.layout import (
     Found,
     Record,
     RingFormatError,
+    RingHeader,
     RingShape,
     slot_size_for,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "RingDirectory",
     "RingDirectoryConflict",
     "RingFormatError",
+    "RingHeader",
     "RingInUseError",
     "RingReader",
     "RingShape",

@@ -41,7 +41,7 @@ from vllm_hidden_state_proxy.ring.files import (
     parse_name,
     self_and_root,
 )
-from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingShape
+from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingHeader, RingShape
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
 from vllm_hidden_state_proxy.ring.reader import RingReader
 
@@ -371,6 +371,20 @@ class RingDirectory(ClosesOnExit):
                 return ()
             self._probe()
             return tuple(reader.shape for reader in self._live)
+
+    def live_headers(self) -> tuple[RingHeader, ...]:
+        """The headers of the live rings (engine, instance, runner, shape), by engine."""
+        with self._lock:
+            if self._closed:
+                return ()
+            self._maybe_refresh()
+            self._probe()
+            return tuple(
+                sorted(
+                    (reader.header for reader in self._live),
+                    key=lambda header: (header.instance, header.engine),
+                )
+            )
 
     def refusal(self) -> str | None:
         """Why the directory itself is refused (nothing in it is read), or ``None``."""

@@ -19,8 +19,10 @@ File ``<directory>/ring-<instance>-dp<engine>.bin`` (one per engine), little-end
         56 | instance u64 (same for one vLLM's engines)    | HDR_INSTANCE_OFFSET / ..._FMT
         64 | num hidden layers u32 (the model's N)         | HDR_NUM_LAYERS_OFFSET / ..._FMT
         68 | captured layer count u32 (L)                  | HDR_LAYER_COUNT_OFFSET / ..._FMT
-        72 | captured layers u32 x L (ascending, 0..N)     | HDR_LAYERS_OFFSET / LAYER_FMT
-           | zero padding up to H = align64(72 + 4 L)      |
+        72 | runner: ASCII, NUL-padded            48 bytes | HDR_RUNNER_OFFSET / ..._FMT
+           |   "vLLM <version> <V1|V2> <runner class>"     |
+       120 | captured layers u32 x L (ascending, 0..N)     | HDR_LAYERS_OFFSET / LAYER_FMT
+           | zero padding up to H = align64(120 + 4 L)     |
          H +-----------------------------------------------+ index offset (= H)
            | request key of slot 0                16 bytes | INDEX_ENTRY_SIZE (= KEY_BYTES)
            | request key of slot 1  (all zeros when empty) |
@@ -75,7 +77,7 @@ import msgpack
 from vllm_hidden_state_proxy.protocol import POOLINGS, REQUEST_KEY_BYTES
 
 MAGIC = b"VHSRING\x00"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 KEY_BYTES = REQUEST_KEY_BYTES
 
 #: Native 8-byte format (a single memcpy in CPython's struct) where native == little-endian;
@@ -110,12 +112,14 @@ HDR_NUM_LAYERS_OFFSET = 64
 HDR_NUM_LAYERS_FMT = "<I"
 HDR_LAYER_COUNT_OFFSET = 68
 HDR_LAYER_COUNT_FMT = "<I"
-HDR_LAYERS_OFFSET = 72
+HDR_RUNNER_OFFSET = 72
+HDR_RUNNER_FMT = "<48s"
+HDR_LAYERS_OFFSET = 120
 LAYER_FMT = "<I"
 #: The fixed part of the header, before the captured layers.
 FIXED_HEADER_SIZE = HDR_LAYERS_OFFSET
 #: The fixed part in one format (version included; the writer rewrites it last).
-FIXED_HEADER_FMT = "<8sIIIIIIQIIQQII"
+FIXED_HEADER_FMT = "<8sIIIIIIQIIQQII48s"
 
 INDEX_ENTRY_SIZE = KEY_BYTES
 
@@ -178,6 +182,7 @@ def check_layout() -> None:
         (HDR_INSTANCE_OFFSET, HDR_INSTANCE_FMT),
         (HDR_NUM_LAYERS_OFFSET, HDR_NUM_LAYERS_FMT),
         (HDR_LAYER_COUNT_OFFSET, HDR_LAYER_COUNT_FMT),
+        (HDR_RUNNER_OFFSET, HDR_RUNNER_FMT),
         (HDR_LAYERS_OFFSET, ""),
     ]
     slot_fields = [
@@ -257,6 +262,9 @@ class RingHeader:
     engine: int
     #: Shared by the engines of one vLLM server (from vLLM's ``instance_id``).
     instance: int
+    #: Which vLLM and model runner the writer's hook wraps ("vLLM 0.32.0 V1 CPUModelRunner");
+    #: empty if the writer did not say. Shown by ``/metrics`` and ``check``.
+    runner: str = ""
 
 
 def check_layers(layers: tuple[int, ...], num_hidden_layers: int) -> None:
@@ -292,9 +300,16 @@ def pack_header(header: RingHeader) -> bytes:
         header.instance,
         shape.num_hidden_layers,
         len(shape.layers),
+        runner_field(header.runner),
     )
     layers = struct.pack(f"<{len(shape.layers)}I", *shape.layers)
     return (fixed + layers).ljust(shape.header_size, b"\x00")
+
+
+def runner_field(runner: str) -> bytes:
+    """``runner`` as the header's field: printable ASCII (others become ``?``), cut to fit."""
+    text = "".join(c if c.isascii() and c.isprintable() else "?" for c in runner)
+    return text.encode("ascii")[: struct.calcsize(HDR_RUNNER_FMT)]
 
 
 def fixed_header_fields(raw: bytes) -> tuple[int, int]:
@@ -325,6 +340,7 @@ def parse_header(raw: bytes, file_size: int) -> RingHeader:
         instance,
         num_hidden_layers,
         layer_count,
+        runner,
     ) = FIXED_HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise RingFormatError(f"bad magic {magic!r} (expected {MAGIC!r})")
@@ -365,7 +381,11 @@ def parse_header(raw: bytes, file_size: int) -> RingHeader:
             f"file is {file_size} bytes but the header describes {shape.file_size} "
             f"({slot_count} slots x {slot_size} bytes)"
         )
-    return RingHeader(shape, epoch, writer_pid, engine, instance)
+    raw_runner = runner.rstrip(b"\x00")
+    text = raw_runner.decode("ascii", "replace")
+    if not raw_runner.isascii() or not text.isprintable():
+        raise RingFormatError(f"runner field {raw_runner!r} is not printable ASCII")
+    return RingHeader(shape, epoch, writer_pid, engine, instance, text)
 
 
 # ---------------------------------------------------------------------------------------------

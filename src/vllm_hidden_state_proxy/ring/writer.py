@@ -124,13 +124,15 @@ class RingWriter(ClosesOnExit):
         layers: Sequence[int] | None = None,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
+        runner: str = "",
     ) -> RingWriter:
         """Make ``<directory>/ring-<instance>-dp<engine>.bin`` and hold its liveness lock.
 
         ``layers`` (absolute indices, default: the final layer ``num_hidden_layers`` only) are
-        what records of this ring may hold. Sweeps files of writers that are gone; raises
-        :class:`RingInUseError` (and leaves everything as it was) if a live writer holds the
-        name.
+        what records of this ring may hold; ``runner`` says which vLLM and model runner the
+        hook wraps (the header keeps 48 ASCII characters of it). Sweeps files of writers that
+        are gone; raises :class:`RingInUseError` (and leaves everything as it was) if a live
+        writer holds the name.
         """
         if not isinstance(model, str):
             raise TypeError("model must be a str")
@@ -157,6 +159,7 @@ class RingWriter(ClosesOnExit):
             writer_pid=os.getpid(),
             engine=engine,
             instance=instance,
+            runner=runner,
         )
         d = Path(directory)
         create_directory(d, dir_mode)

@@ -290,6 +290,7 @@ def _create_ring(
             slot_count=slots,
             dir_mode=dir_mode,
             file_mode=file_mode,
+            runner=f"vLLM {vllm_version()} {view.name.upper()} {type(runner).__name__}",
         )
     version = vllm_version()
     if not is_tested_version(version):
