@@ -44,6 +44,14 @@ REQUEST_KEY_BYTES = 16
 #: The two poolings a record can hold.
 POOLINGS = ("last", "mean")
 
+# -- the proxy's /v1/embeddings ---------------------------------------------------------------
+
+#: Where an input's text goes in an embeddings prompt template.
+PLACEHOLDER = "{text}"
+#: PromptEOL-style (Jiang et al., 2023): ask for a one-word summary, so that the state predicting
+#: the answer's first token has to carry the meaning of the whole text.
+DEFAULT_TEMPLATE = 'This sentence: "{text}" means in one word:'
+
 # -- environment variables -------------------------------------------------------------------
 # Deliberately not VLLM_*: vLLM warns about every VLLM_* variable it does not know.
 

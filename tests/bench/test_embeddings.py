@@ -11,9 +11,14 @@ import pytest
 
 from tests.bench.fakes import HIDDEN, FakeServers
 from vllm_hidden_state_proxy.bench.client import BenchError
-from vllm_hidden_state_proxy.bench.embeddings import check_embeddings, measure_embeddings
+from vllm_hidden_state_proxy.bench.embeddings import (
+    FAN_OUT_LIMIT,
+    check_embeddings,
+    measure_embeddings,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 
 def run(fake: FakeServers, batches: tuple[int, ...], per_round: int, limit: int = 64) -> Table:
@@ -75,3 +80,7 @@ def test_a_whole_answer_is_checked_item_by_item() -> None:
     ):
         with pytest.raises(BenchError):
             check_embeddings(bad, batch)
+
+
+def test_the_direct_arm_keeps_as_many_chats_in_flight_as_the_proxy_by_default() -> None:
+    assert ProxySettings.fan_out_limit == FAN_OUT_LIMIT

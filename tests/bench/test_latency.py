@@ -11,9 +11,9 @@ import pytest
 
 from tests.bench.fakes import FakeServers
 from vllm_hidden_state_proxy.bench.client import BenchError
-from vllm_hidden_state_proxy.bench.interleave import round_robin
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
 from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.turns import round_robin
 
 ARMS = ["direct", "passthrough", "flagged_float", "flagged_base64"]
 

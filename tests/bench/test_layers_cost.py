@@ -13,11 +13,11 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
     KINDS,
     VISITS,
     WARMUP,
-    Tally,
     layers_table,
     measure_visit,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.turns import Tally
 
 
 def test_each_visit_sends_both_kinds_and_the_table_compares_the_servers() -> None:
@@ -52,6 +52,6 @@ def test_each_visit_sends_both_kinds_and_the_table_compares_the_servers() -> Non
 
 def test_a_server_on_another_machine_has_no_cpu_column() -> None:
     tally = Tally()
-    tally.add(10, 1.0, None)
-    tally.add(10, 1.0, 0.5)
+    tally.add(10, 1.0, [], None)
+    tally.add(10, 1.0, [], 0.5)
     assert tally.cpu_ms is None and tally.rate == 10.0

@@ -105,7 +105,7 @@ def _only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def helm_pod(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmPod]:
+def helm_pod(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmPod]:
     reason = docker_host.ensure_engine()
     if reason is not None:
         pytest.skip(reason)
@@ -114,9 +114,11 @@ def helm_pod(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     images = values["image"]
     assert f"{images['proxy']['repository']}:{images['proxy']['tag']}" == PROXY_IMAGE
     assert f"{images['vllm']['repository']}:{images['vllm']['tag']}" == VLLM_CPU_IMAGE
-    assert Path(values["model"]).name == model_dir.name
+    assert Path(values["model"]).name == tiny_model_dir.name
     start = time.monotonic()
-    build_project(model_dir, tmp_path_factory.mktemp("helm-pod"), f"hsp-helm-pod-{os.getpid()}")
+    build_project(
+        tiny_model_dir, tmp_path_factory.mktemp("helm-pod"), f"hsp-helm-pod-{os.getpid()}"
+    )
     POD_PHASES.append(
         ("images (the compose test's build; cached after it)", time.monotonic() - start)
     )
@@ -128,7 +130,7 @@ def helm_pod(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     pod = Pod(
         name=f"hsp-helm-pod-{os.getpid()}",
         spec=deployment["spec"]["template"]["spec"],
-        claims={values["modelCache"]["existingClaim"]: model_dir.parent},
+        claims={values["modelCache"]["existingClaim"]: tiny_model_dir.parent},
         service_name=service["metadata"]["name"],
         service_port=int(port["port"]),
         service_target=port["targetPort"],

@@ -218,10 +218,17 @@ def test_memory_emptydir_without_the_chart_init_is_refused(
 def test_without_the_shared_group_the_proxy_reads_nothing(
     shared_base: Path, monkeypatch: pytest.MonkeyPatch, proxy_python: str
 ) -> None:
-    """Control: a plain root directory (no setgid group) keeps the proxy out."""
+    """Control: a plain root directory (no setgid group) keeps the proxy out. It lists the
+    directory, but the ring file is root's group's (0640): the proxy refuses it, saying so, and
+    finds no vector; any other failure (a crash, another refusal) fails the test."""
     ring_dir = shared_base / "ring"
     ring_dir.mkdir()
     os.chmod(ring_dir, 0o755)
     key, _ = publish_as_vllm(ring_dir, monkeypatch)
+    (ring_file,) = [p for p in ring_dir.iterdir() if not p.name.startswith(".")]
+    assert (ring_file.stat().st_gid, stat.S_IMODE(ring_file.stat().st_mode)) == (0, 0o640)
     result = read_as_proxy(proxy_python, ring_dir, key)
-    assert result.returncode != 0 or json.loads(result.stdout)["vector"] is None
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"vector": None, "live": False}
+    refusal = f"refusing ring file {ring_file}: cannot open: Permission denied"
+    assert refusal in result.stderr, result.stderr

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.reference import COUNTED, MEASURED, Reference
+from tests.e2e.reference import COUNTED, MEASURED
 from tests.e2e.server import SERVED_MODEL_NAME, SHARED_LAYERS, RunningStack, run_serve
-from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+from tests.model_fixtures import model_fixtures
+
+tiny_model_dir, reference = model_fixtures("session")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -38,16 +40,6 @@ def vllm_rpc_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
         yield
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-chat-model")
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_model_dir: Path) -> Reference:
-    return Reference(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

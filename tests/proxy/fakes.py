@@ -8,6 +8,7 @@ test can say which vector a response must carry.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 
+from tests.ring.helpers import make_writer
 from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENTRY,
     POOLING_ENTRY,
@@ -83,20 +85,15 @@ def ring_shape(layers: tuple[int, ...] = (FINAL,), slot_count: int = 1024) -> Ri
     return RingShape(slot_count, slot_size, HIDDEN_SIZE, FINAL, layers)
 
 
-def create_writer(
-    ring_dir: str, layers: tuple[int, ...] = (FINAL,), slot_count: int = 16, engine: int = 0
-) -> RingWriter:
-    """A real ring as the worker hook creates it (instance 1)."""
-    return RingWriter.create(
-        ring_dir,
-        hidden_size=HIDDEN_SIZE,
-        model=MODEL,
-        slot_count=slot_count,
-        instance=1,
-        engine=engine,
-        num_hidden_layers=FINAL,
-        layers=layers,
-    )
+#: A real ring of the fake model, as the worker hook creates it (instance 1).
+create_writer = functools.partial(
+    make_writer,
+    hidden_size=HIDDEN_SIZE,
+    model=MODEL,
+    slot_count=16,
+    instance=1,
+    num_hidden_layers=FINAL,
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,17 +51,19 @@ def vectors_for(key: bytes, hidden_size: int, layers: Sequence[int]) -> bytes:
 
 
 def make_writer(
-    directory: Path,
+    directory: str | os.PathLike[str],
+    layers: Sequence[int] | None = None,
     *,
     hidden_size: int = HIDDEN,
     slot_count: int = 4,
     instance: int = 0,
     engine: int = 0,
     num_hidden_layers: int = 1,
-    layers: Sequence[int] | None = None,
     model: str = MODEL,
     runner: str = "",
 ) -> RingWriter:
+    """A real ring, as the worker hook creates it; ``layers`` default to the final one. The
+    ring tests' and, with their fake model's shape, the proxy tests' (``fakes.create_writer``)."""
     return RingWriter.create(
         directory,
         hidden_size=hidden_size,

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE, PLACEHOLDER
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE, PLACEHOLDER
 
 CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -27,6 +28,10 @@ KEEPALIVE_EXPIRY = 2.0
 BURST_GAP = 1e-4
 #: In every flagged answer; a byte search for it keeps the client's work equal for every arm.
 VECTOR_MARKER = b'"last_hidden_state"'
+
+
+#: Sends one request and checks its answer; returns its seconds (``BenchError`` on a bad one).
+Request = Callable[[], Awaitable[float]]
 
 
 class BenchError(RuntimeError):
@@ -69,6 +74,13 @@ class ChatStack:
 
     def via_proxy(self, name: str, description: str, flag: Flag = None) -> Route:
         return Route(name, description, self.proxy_url, flag, self.api_key)
+
+    def chat_request(
+        self, client: httpx.AsyncClient, route: Route, indices: Iterator[int]
+    ) -> Request:
+        """The route's chats (its flag) on ``client``, request ``next(indices)`` each."""
+        bodies = (chat_body(self.model, index, flag=route.flag) for index in indices)
+        return chat_request(client, route.name, bodies, route.flag is not None)
 
 
 def prompt_messages(index: int) -> list[dict[str, str]]:
@@ -186,6 +198,19 @@ async def timed_post(client: httpx.AsyncClient, path: str, body: bytes) -> Timed
     except httpx.TransportError as error:
         raise BenchError(f"POST {client.base_url}{path}: {type(error).__name__}: {error}") from None
     return Timed(time.perf_counter() - start, response.status_code, response.content)
+
+
+def chat_request(
+    client: httpx.AsyncClient, what: str, bodies: Iterator[bytes], vector: bool = False
+) -> Request:
+    """The chats of ``bodies`` on ``client``, one per call, each answer a 200 (holding its
+    vector, if ``vector``)."""
+
+    async def request() -> float:
+        timed = await timed_post(client, CHAT_PATH, next(bodies))
+        return timed.require_ok(what, vector).seconds
+
+    return request
 
 
 @dataclass(frozen=True)

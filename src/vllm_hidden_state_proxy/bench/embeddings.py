@@ -15,31 +15,35 @@ ratio is the median over rounds of their rates in the same round.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from typing import Any
+
+import httpx
 
 from vllm_hidden_state_proxy.bench.client import (
     EMBEDDINGS_PATH,
     BenchError,
     ChatStack,
+    Request,
     Timed,
+    chat_request,
     embedding_chat_body,
     embedding_inputs_body,
     timed_post,
 )
-from vllm_hidden_state_proxy.bench.interleave import round_robin
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
-from vllm_hidden_state_proxy.bench.throughput import burst
-from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 
-#: The proxy's default ``--fan-out-limit``: the direct arm keeps at most as many chats in flight.
-FAN_OUT_LIMIT = ProxySettings.fan_out_limit
+#: The proxy's default ``--fan-out-limit`` (docs/api.md): the direct arm keeps at most as many
+#: chats in flight.
+FAN_OUT_LIMIT = 64
 #: One per item of an embeddings answer (``"object":"embedding"`` has a comma, not a colon).
 EMBEDDING_MARKER = b'"embedding":'
 TITLE = "Embeddings: /v1/embeddings through the proxy, one request of N inputs at a time"
+#: The two arms: through the proxy's ``/v1/embeddings``, or the same chats straight to vLLM.
+ARMS = (True, False)
 
 
 def check_embeddings(document: dict[str, Any], batch: int) -> int:
@@ -62,67 +66,80 @@ async def measure_embeddings(
     limit: int = FAN_OUT_LIMIT,
 ) -> Table:
     """At each batch size a warm-up request per arm (the proxy's answer parsed and checked
-    whole), then ``rounds`` rounds of ``requests_per_round(batch)`` requests per arm."""
-    proxy = stack.client(stack.via_proxy("embeddings", "/v1/embeddings"))
-    vllm = stack.client(stack.direct("embeddings direct", "chats"), min(max(batches), limit))
+    whole), then ``rounds`` rounds of ``requests_per_round(batch)`` requests per arm. An arm
+    is (through the proxy or not, batch size); a request of the direct arm is all ``batch``
+    chats answered."""
     indices = itertools.count(4_000_000)
+    tallies = {(via_proxy, batch): Tally() for batch in batches for via_proxy in ARMS}
+    hidden_sizes: dict[int, int] = {}
 
     def inputs(batch: int) -> list[int]:
         return [next(indices) for _ in range(batch)]
 
-    async def ask_proxy(batch: int) -> Timed:
+    async def ask_proxy(client: httpx.AsyncClient, batch: int) -> Timed:
         body = embedding_inputs_body(stack.model, inputs(batch))
-        return (await timed_post(proxy, EMBEDDINGS_PATH, body)).require_ok("embeddings request")
+        return (await timed_post(client, EMBEDDINGS_PATH, body)).require_ok("embeddings request")
 
-    async def seconds(via_proxy: bool, batch: int) -> float:
-        if via_proxy:  # the vectors counted, not parsed: little work for the client
-            timed = await ask_proxy(batch)
-            if timed.body.count(EMBEDDING_MARKER) != batch:
-                found = timed.body.count(EMBEDDING_MARKER)
+    def request(client: httpx.AsyncClient, arm: tuple[bool, int]) -> Request:
+        via_proxy, batch = arm
+
+        async def embeddings() -> float:  # the vectors counted, not parsed: little client work
+            timed = await ask_proxy(client, batch)
+            if (found := timed.body.count(EMBEDDING_MARKER)) != batch:
                 raise BenchError(f"embeddings: {found} vectors for {batch} inputs")
             return timed.seconds
-        chats = (embedding_chat_body(stack.model, index) for index in inputs(batch))
-        return (await burst(vllm, "embeddings direct", chats, batch, limit))[0]
 
-    rows: list[Row] = []
+        async def chats() -> float:
+            bodies = (embedding_chat_body(stack.model, index) for index in inputs(batch))
+            request = chat_request(client, "embeddings direct", bodies)
+            return (await burst(request, "embeddings direct", batch, limit))[0]
+
+        return embeddings if via_proxy else chats
+
+    async def warm_up(client: httpx.AsyncClient, arm: tuple[bool, int]) -> None:
+        via_proxy, batch = arm
+        if via_proxy:  # the proxy's answer parsed and checked whole
+            hidden_sizes[batch] = check_embeddings((await ask_proxy(client, batch)).json(), batch)
+        else:
+            await request(client, arm)()
+
+    async def turn(client: httpx.AsyncClient, arm: tuple[bool, int], _: int) -> int:
+        via_proxy, batch = arm
+        clock = proxy_cpu if via_proxy else None
+        count = requests_per_round(batch)
+        what = "embeddings" if via_proxy else "embeddings direct"
+        return batch * await burst_turn(tallies[arm], request(client, arm), what, count, 1, clock)
+
+    def client(arm: tuple[bool, int]) -> httpx.AsyncClient:
+        via_proxy, batch = arm
+        if via_proxy:
+            return stack.client(stack.via_proxy("embeddings", "/v1/embeddings"))
+        return stack.client(stack.direct("embeddings direct", "chats"), min(batch, limit))
+
     total = sum(requests_per_round(b) * b * rounds * 2 for b in batches)
     task = progress.task(f"embeddings (batch sizes {', '.join(map(str, batches))})", total)
-    try:
-        for batch in batches:  # a warm-up request per arm, the proxy's answer checked whole
-            hidden_size = check_embeddings((await ask_proxy(batch)).json(), batch)
-            await seconds(False, batch)
-            count = requests_per_round(batch)
-            latencies: dict[bool, list[float]] = {True: [], False: []}
-            rates: dict[bool, list[float]] = {True: [], False: []}
-            cpu = 0.0
-            for _, via_proxy in round_robin((True, False), rounds):
-                cpu_before = proxy_cpu() if proxy_cpu and via_proxy else 0.0
-                start = time.perf_counter()
-                for _ in range(count):
-                    latencies[via_proxy].append(await seconds(via_proxy, batch))
-                rates[via_proxy].append(count * batch / (time.perf_counter() - start))
-                cpu += proxy_cpu() - cpu_before if proxy_cpu and via_proxy else 0.0
-                task.advance(count * batch)
-            total_inputs = count * batch * rounds
-            proxy_s, vllm_s = summarize(latencies[True], 1e3), summarize(latencies[False], 1e3)
-            rows.append(
-                {
-                    "inputs per request": batch,
-                    "inputs/s": total_inputs / sum(latencies[True]),
-                    "requests/s": count * rounds / sum(latencies[True]),
-                    "p50 ms": proxy_s.p50,
-                    "p90 ms": proxy_s.p90,
-                    "proxy CPU ms per input": 1e3 * cpu / total_inputs if proxy_cpu else None,
-                    "vLLM alone inputs/s": total_inputs / sum(latencies[False]),
-                    "vLLM alone p50 ms": vllm_s.p50,
-                    "proxy / vLLM alone, inputs/s": median_ratio(rates[True], rates[False]),
-                    "requests": count * rounds,
-                    "hidden size": hidden_size,
-                }
-            )
-    finally:
-        await proxy.aclose()
-        await vllm.aclose()
+    rows: list[Row] = []
+    for batch in batches:
+        arms = [(via_proxy, batch) for via_proxy in ARMS]
+        await take_turns(arms, client, turn, rounds, task, warm_up=warm_up)
+        proxy, vllm = (tallies[arm] for arm in arms)
+        proxy_s, vllm_s = summarize(proxy.latencies, 1e3), summarize(vllm.latencies, 1e3)
+        proxy_cpu_ms = proxy.cpu_ms
+        rows.append(
+            {
+                "inputs per request": batch,
+                "inputs/s": batch * proxy.requests / sum(proxy.latencies),
+                "requests/s": proxy.requests / sum(proxy.latencies),
+                "p50 ms": proxy_s.p50,
+                "p90 ms": proxy_s.p90,
+                "proxy CPU ms per input": None if proxy_cpu_ms is None else proxy_cpu_ms / batch,
+                "vLLM alone inputs/s": batch * vllm.requests / sum(vllm.latencies),
+                "vLLM alone p50 ms": vllm_s.p50,
+                "proxy / vLLM alone, inputs/s": median_ratio(proxy.rates, vllm.rates),
+                "requests": proxy.requests,
+                "hidden size": hidden_sizes[batch],
+            }
+        )
     task.done()
     return Table(
         TITLE,

@@ -5,30 +5,35 @@ serves it.
 
 It takes ``hidden-state-proxy proxy``'s options. granian gets the limits it has natively: the
 head's size (its HTTP/1 buffer), the head's timeout, the requests in progress (its
-backpressure); the app keeps its own limits on bodies. The app is built in granian's worker
-processes by ``server.worker_app`` from the settings in their environment, as with uvicorn's
-``--workers N`` (granian always serves from worker processes).
+backpressure); the app keeps its own limits on bodies. granian always serves from worker
+processes: each builds the app (``create_app``) from the settings in its environment. Each
+counts its own metrics (the bench reads none, and runs one worker): with ``--workers N`` its
+``/metrics`` would be that worker's alone, not the sum that uvicorn's workers share.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import tempfile
 from collections.abc import Sequence
 
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.http import HTTP1Settings
 from granian.log import LogLevels
 from granian.server import Server
+from starlette.applications import Starlette
 
-from vllm_hidden_state_proxy.protocol import WORKER_METRICS_ENV, WORKER_SETTINGS_ENV
+from vllm_hidden_state_proxy.protocol import WORKER_SETTINGS_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
-from vllm_hidden_state_proxy.proxy.metrics import MetricsTable
+from vllm_hidden_state_proxy.proxy.app import create_app
 
 #: granian's smallest HTTP/1 buffer.
 _MIN_BUFFER = 8192
+
+
+def worker_app() -> Starlette:
+    """The app of one granian worker, from the settings :func:`main` put in its environment."""
+    return create_app(proxy_settings.ProxySettings.from_json(os.environ[WORKER_SETTINGS_ENV]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -38,12 +43,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     proxy_settings.add_arguments(parser, required=("upstream_url",))
     settings = proxy_settings.from_arguments(parser.parse_args(argv))
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    metrics_file = MetricsTable.create_shared(directory)
     os.environ[WORKER_SETTINGS_ENV] = settings.to_json()
-    os.environ[WORKER_METRICS_ENV] = str(metrics_file)
     server = Server(
-        "vllm_hidden_state_proxy.proxy.server:worker_app",
+        "vllm_hidden_state_proxy.bench.granian_proxy:worker_app",
         address=settings.host,
         port=settings.port,
         interface=Interfaces.ASGI,
@@ -59,11 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         log_level=LogLevels(settings.log_level),
     )
-    try:
-        server.serve()
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            metrics_file.unlink()
+    server.serve()
 
 
 if __name__ == "__main__":

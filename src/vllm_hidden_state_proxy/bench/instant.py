@@ -21,23 +21,24 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import anyio
+import httpx
 
-from vllm_hidden_state_proxy.bench.client import CHAT_PATH, chat_body, new_client, timed_post
-from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.client import Flag, Request, chat_body, chat_request, new_client
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.servers import Server
-from vllm_hidden_state_proxy.bench.stats import ratio, summarize
+from vllm_hidden_state_proxy.bench.stats import median_ratio, ratio, summarize
+from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 
 #: The instant upstream answers any model name.
 MODEL = "instant"
 #: Requests in flight in the throughput arms.
 CONCURRENCY = 16
+#: Requests per arm before the measurement (connections, workers).
+WARMUP = 3
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,6 @@ def cpu_arms(app: Server, proxies: Sequence[Server]) -> list[InstantArm]:
     return arms
 
 
-@dataclass
-class _Tally:
-    requests: int = 0
-    proxy_cpu: float = 0.0
-    app_cpu: float = 0.0
-    latencies: list[float] = field(default_factory=list)
-
-
 async def measure_instant(
     app: Server,
     proxies: Sequence[Server],
@@ -101,41 +94,37 @@ async def measure_instant(
     (a proxy's process tree: all its workers)."""
     arms = cpu_arms(app, proxies)
     indices = itertools.count()
-    clients = {arm.name: new_client(arm.target.url, 1) for arm in arms}
-    tallies = {arm.name: _Tally() for arm in arms}
+    # A tally's CPU is its target's (a proxy's, or the app's in the direct arms).
+    tallies = {arm.name: Tally() for arm in arms}
+    app_cpu = dict.fromkeys(tallies, 0.0)
 
-    async def send(arm: InstantArm) -> float:
-        body = chat_body(
-            MODEL, next(indices), flag="float" if arm.flagged else None, stream=arm.stream
-        )
-        timed = await timed_post(clients[arm.name], CHAT_PATH, body)
-        return timed.require_ok(arm.name, arm.flagged).seconds
+    def chats(client: httpx.AsyncClient, arm: InstantArm) -> Request:
+        flag: Flag = "float" if arm.flagged else None
+        bodies = (chat_body(MODEL, index, flag=flag, stream=arm.stream) for index in indices)
+        return chat_request(client, arm.name, bodies, arm.flagged)
+
+    async def warm_up(client: httpx.AsyncClient, arm: InstantArm) -> None:
+        await burst(chats(client, arm), arm.name, WARMUP, 1)
+
+    async def turn(client: httpx.AsyncClient, arm: InstantArm, number: int) -> int:
+        count = requests // rounds + (number < requests % rounds)
+        app_before = app.cpu()
+        await burst_turn(tallies[arm.name], chats(client, arm), arm.name, count, 1, arm.target.cpu)
+        app_cpu[arm.name] += app.cpu() - app_before
+        return count
+
+    def client(arm: InstantArm) -> httpx.AsyncClient:
+        return new_client(arm.target.url, 1)
 
     task = progress.task(
         "instant upstream (proxy and bare app CPU per request)", requests * len(arms)
     )
-    try:
-        for arm in arms:  # connect and warm up, not recorded
-            for _ in range(3):
-                await send(arm)
-        for number, arm in round_robin(arms, rounds):
-            count = requests // rounds + (number < requests % rounds)
-            tally = tallies[arm.name]
-            proxy_before, app_before = arm.target.cpu(), app.cpu()
-            for _ in range(count):
-                tally.latencies.append(await send(arm))
-            tally.proxy_cpu += arm.target.cpu() - proxy_before
-            tally.app_cpu += app.cpu() - app_before
-            tally.requests += count
-            task.advance(count)
-        task.done()
-    finally:
-        for client in clients.values():
-            await client.aclose()
+    await take_turns(arms, client, turn, rounds, task, warm_up=warm_up)
+    task.done()
 
     def per_request(name: str, proxy: bool) -> float:
         tally = tallies[name]
-        return 1e3 * (tally.proxy_cpu if proxy else tally.app_cpu) / tally.requests
+        return 1e3 * ((tally.cpu or 0.0) if proxy else app_cpu[name]) / tally.requests
 
     rows: list[Row] = []
     for arm in arms:
@@ -174,58 +163,40 @@ async def measure_instant_throughput(
     """Requests per second with ``concurrency`` in flight, straight to the app and through
     each proxy, burst by burst (``requests`` per target over ``rounds``)."""
     targets = [app, *proxies]
-    clients = {target.label: new_client(target.url, concurrency) for target in targets}
-    per_round: dict[str, list[float]] = {target.label: [] for target in targets}
+    tallies = {target.label: Tally() for target in targets}
     indices = itertools.count()
-    burst = max(concurrency, requests // rounds)
+    count = max(concurrency, requests // rounds)
 
-    async def one(target: Server) -> None:
-        timed = await timed_post(clients[target.label], CHAT_PATH, chat_body(MODEL, next(indices)))
-        timed.require_ok(target.label, False)
+    def chats(client: httpx.AsyncClient, target: Server) -> Request:
+        bodies = (chat_body(MODEL, index) for index in indices)
+        return chat_request(client, target.label, bodies)
 
-    async def run_burst(target: Server) -> float:
-        limiter = anyio.CapacityLimiter(concurrency)
+    async def warm_up(client: httpx.AsyncClient, target: Server) -> None:  # connections, workers
+        await burst(chats(client, target), target.label, count, concurrency)
 
-        async def limited() -> None:
-            async with limiter:
-                await one(target)
+    async def turn(client: httpx.AsyncClient, target: Server, _: int) -> int:
+        request = chats(client, target)
+        return await burst_turn(tallies[target.label], request, target.label, count, concurrency)
 
-        start = time.perf_counter()
-        async with anyio.create_task_group() as group:
-            for _ in range(burst):
-                group.start_soon(limited)
-        return burst / (time.perf_counter() - start)
+    def client(target: Server) -> httpx.AsyncClient:
+        return new_client(target.url, concurrency)
 
     task = progress.task(
-        f"instant upstream ({concurrency} in flight)", burst * rounds * len(targets)
+        f"instant upstream ({concurrency} in flight)", count * rounds * len(targets)
     )
-    try:
-        for target in targets:
-            await run_burst(target)  # warm up: connections, workers
-        round_rates: dict[int, dict[str, float]] = {}
-        for number, target in round_robin(targets, rounds):
-            rate = await run_burst(target)
-            per_round[target.label].append(rate)
-            round_rates.setdefault(number, {})[target.label] = rate
-            task.advance(burst)
-        task.done()
-    finally:
-        for client in clients.values():
-            await client.aclose()
-    rows: list[Row] = []
-    for target in targets:
-        shares = [
-            rates[target.label] / rates[app.label]
-            for rates in round_rates.values()
-            if target.label in rates and app.label in rates
-        ]
-        rows.append(
-            {
-                "target": "bare app" if target is app else f"proxy ({target.label})",
-                "req/s (median of rounds)": statistics.median(per_round[target.label]),
-                "/ bare app": statistics.median(shares) if target is not app else None,
-            }
-        )
+    await take_turns(targets, client, turn, rounds, task, warm_up=warm_up)
+    task.done()
+    bare = tallies[app.label]
+    rows: list[Row] = [
+        {
+            "target": "bare app" if target is app else f"proxy ({target.label})",
+            "req/s (median of rounds)": statistics.median(tallies[target.label].rates),
+            "/ bare app": None
+            if target is app
+            else median_ratio(tallies[target.label].rates, bare.rates),
+        }
+        for target in targets
+    ]
     return Table(
         f"The hop alone: throughput with {concurrency} in flight",
         rows,

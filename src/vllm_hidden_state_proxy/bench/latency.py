@@ -14,17 +14,11 @@ from collections.abc import Callable
 
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import (
-    CHAT_PATH,
-    ChatStack,
-    Route,
-    chat_body,
-    timed_post,
-)
-from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
+from vllm_hidden_state_proxy.bench.turns import take_turns
 
 
 def routes(stack: ChatStack) -> list[Route]:
@@ -36,31 +30,24 @@ def routes(stack: ChatStack) -> list[Route]:
     ]
 
 
-async def _once(stack: ChatStack, route: Route, client: httpx.AsyncClient, index: int) -> float:
-    """Request ``index`` (a prompt of its own), its answer checked; its seconds."""
-    body = chat_body(stack.model, index, flag=route.flag)
-    timed = await timed_post(client, CHAT_PATH, body)
-    return timed.require_ok(route.name, vector=route.flag is not None).seconds
-
-
 async def measure_latency(
     stack: ChatStack, requests: int, warmup: int, progress: Progress
 ) -> Table:
     arms = routes(stack)
     indices = itertools.count()
-    clients = {route.name: stack.client(route) for route in arms}
     samples: dict[str, list[float]] = {route.name: [] for route in arms}
+
+    async def warm_up(client: httpx.AsyncClient, route: Route) -> None:
+        await stack.chat_request(client, route, indices)()
+
+    async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
+        samples[route.name].append(await stack.chat_request(client, route, indices)())
+        return 1
+
     task = progress.task("latency (one request at a time, arms interleaved)", requests * len(arms))
-    try:
-        for _, route in round_robin(arms, warmup):
-            await _once(stack, route, clients[route.name], next(indices))
-        for _, route in round_robin(arms, requests):
-            seconds = await _once(stack, route, clients[route.name], next(indices))
-            samples[route.name].append(seconds)
-            task.advance()
-    finally:
-        for client in clients.values():
-            await client.aclose()
+    await take_turns(
+        arms, stack.client, turn, requests, task, warm_up=warm_up, warm_up_rounds=warmup
+    )
     task.done()
     summaries = {name: summarize(values, 1e3) for name, values in samples.items()}
     rows: list[Row] = []
@@ -91,10 +78,11 @@ async def measure_cpu(
     task = progress.task("CPU time per request (arms one after the other)", requests * 4)
     for route in routes(stack):
         async with stack.client(route) as client:
-            await _once(stack, route, client, next(indices))  # connect
+            chat = stack.chat_request(client, route, indices)
+            await chat()  # connect
             before = [clock() if clock else 0.0 for clock in clocks]
             for _ in range(requests):
-                await _once(stack, route, client, next(indices))
+                await chat()
                 task.advance()
             spent = [
                 clock() - b if clock else None for clock, b in zip(clocks, before, strict=True)

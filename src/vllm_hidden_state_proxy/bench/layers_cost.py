@@ -14,15 +14,15 @@ batches happened to form; one at a time, the rate measures what every request co
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from vllm_hidden_state_proxy.bench.client import ChatStack, Flag, chat_body
-from vllm_hidden_state_proxy.bench.interleave import round_robin
+import httpx
+
+from vllm_hidden_state_proxy.bench.client import ChatStack, Flag, Route
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio
-from vllm_hidden_state_proxy.bench.throughput import burst
+from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 
 CONCURRENCY = 1
 #: Requests per kind before a visit's measurement (connections, first batches).
@@ -32,30 +32,6 @@ LAYERS = "0,1,-1"
 #: The servers, in the order they run.
 VISITS = ("without", "with", "without", "with")
 KINDS: tuple[tuple[str, Flag], ...] = (("unflagged", None), ("flagged", "float"))
-
-
-@dataclass
-class Tally:
-    """One kind of traffic on one kind of server, over all its visits."""
-
-    requests: int = 0
-    seconds: float = 0.0
-    cpu: float | None = 0.0
-    rates: list[float] = field(default_factory=list)
-
-    def add(self, requests: int, seconds: float, cpu: float | None) -> None:
-        self.requests += requests
-        self.seconds += seconds
-        self.cpu = None if cpu is None or self.cpu is None else self.cpu + cpu
-        self.rates.append(requests / seconds)
-
-    @property
-    def rate(self) -> float:
-        return self.requests / self.seconds
-
-    @property
-    def cpu_ms(self) -> float | None:
-        return None if self.cpu is None else 1e3 * self.cpu / self.requests
 
 
 async def measure_visit(
@@ -69,28 +45,21 @@ async def measure_visit(
     """``requests`` per kind on one server, in ``rounds`` bursts each, kinds taking turns."""
     indices = itertools.count(4_000_000)
     count = max(CONCURRENCY, requests // rounds)
-    routes = {kind: stack.via_proxy(kind, kind, flag) for kind, flag in KINDS}
-    clients = {kind: stack.client(route, CONCURRENCY) for kind, route in routes.items()}
+    routes = [stack.via_proxy(kind, kind, flag) for kind, flag in KINDS]
 
-    def bodies(flag: Flag) -> Iterator[bytes]:
-        return (chat_body(stack.model, index, flag=flag) for index in indices)
+    async def warm_up(client: httpx.AsyncClient, route: Route) -> None:
+        await burst(stack.chat_request(client, route, indices), route.name, WARMUP, CONCURRENCY)
+
+    async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
+        chats = stack.chat_request(client, route, indices)
+        return await burst_turn(tallies[route.name], chats, route.name, count, CONCURRENCY, cpu)
+
+    def client(route: Route) -> httpx.AsyncClient:
+        return stack.client(route, CONCURRENCY)
 
     task = progress.task("layers cost (one request at a time)", count * rounds * len(KINDS))
-    try:
-        for kind, flag in KINDS:  # warm up
-            await burst(clients[kind], kind, bodies(flag), WARMUP, CONCURRENCY)
-        for _, (kind, flag) in round_robin(KINDS, rounds):
-            before = cpu() if cpu else None
-            seconds, _ = await burst(
-                clients[kind], kind, bodies(flag), count, CONCURRENCY, flag is not None
-            )
-            spent = None if before is None or cpu is None else cpu() - before
-            tallies[kind].add(count, seconds, spent)
-            task.advance(count)
-        task.done()
-    finally:
-        for client in clients.values():
-            await client.aclose()
+    await take_turns(routes, client, turn, rounds, task, warm_up=warm_up)
+    task.done()
 
 
 def layers_table(tallies: dict[tuple[str, str], Tally]) -> Table:

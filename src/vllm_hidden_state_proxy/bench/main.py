@@ -29,7 +29,6 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
     KINDS,
     LAYERS,
     VISITS,
-    Tally,
     layers_table,
     measure_visit,
 )
@@ -48,6 +47,7 @@ from vllm_hidden_state_proxy.bench.ring_micro import measure_ring
 from vllm_hidden_state_proxy.bench.servers import chat_stack, instant_stack, vllm_lock
 from vllm_hidden_state_proxy.bench.streaming import measure_streaming
 from vllm_hidden_state_proxy.bench.throughput import measure_throughput
+from vllm_hidden_state_proxy.bench.turns import Tally
 from vllm_hidden_state_proxy.bench.usage import (
     PeakRss,
     listening_pid,

@@ -1,7 +1,8 @@
 """Ring microbenchmark, in µs per call, on rings in shared memory like the real ones.
 
 - ``RingWriter.publish`` and ``RingDirectory.lookup`` for several hidden sizes, plus what the
-  proxy does with a found record (its float32 view, that as JSON, the bytes as base64).
+  proxy does with a found record (its float32 view, that as JSON, the bytes as base64), done
+  here as the proxy does it: numpy's view of the bytes, written by orjson.
 - ``RingDirectory.lookup`` with 1 and with 8 live rings in one directory (one per vLLM engine,
   issue #12), full and 1/8 full: a key in the ring searched last, and a key in no ring.
 
@@ -21,11 +22,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+import orjson
+
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import Summary, ratio, summarize
 from vllm_hidden_state_proxy.protocol import DEFAULT_RING_SLOTS, new_request_key
-from vllm_hidden_state_proxy.proxy.answer_join import Floats, dump_json, float32_view
 from vllm_hidden_state_proxy.ring import Record, RingDirectory, RingWriter
 
 HIDDEN_SIZES = (1024, 4096, 8192)
@@ -48,8 +52,10 @@ def _publish(writer: RingWriter, key: bytes, vector: bytes, number: int) -> None
     writer.publish(key, vector, position=number, num_prompt_tokens=number + 1)
 
 
-def _floats(record: Record) -> Floats:
-    return float32_view(record.vector(record.layers[0]))  # the "float" format's encode_vector
+def _floats(record: Record) -> npt.NDArray[np.float32]:
+    """The "float" format's vector: the record's little-endian float32 bytes, viewed."""
+    vector = record.vector(record.layers[0])
+    return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
 
 
 def _check(record: object, vector: bytes) -> Record:
@@ -103,7 +109,7 @@ def measure_size(hidden_size: int, operations: int) -> Row:
             t3 = clock()
             floats = _floats(record)
             t4 = clock()
-            dump_json(floats)
+            orjson.dumps(floats, option=orjson.OPT_SERIALIZE_NUMPY)  # as the proxy writes it
             t5 = clock()
             base64.b64encode(vector)  # the record's, as _check found
             t6 = clock()

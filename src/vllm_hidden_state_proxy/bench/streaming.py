@@ -14,11 +14,19 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from vllm_hidden_state_proxy.bench.client import ChatStack, StreamTiming, chat_body, timed_stream
-from vllm_hidden_state_proxy.bench.interleave import round_robin
+import httpx
+
+from vllm_hidden_state_proxy.bench.client import (
+    ChatStack,
+    Route,
+    StreamTiming,
+    chat_body,
+    timed_stream,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
+from vllm_hidden_state_proxy.bench.turns import take_turns
 
 
 async def measure_streaming(
@@ -29,21 +37,19 @@ async def measure_streaming(
         stack.via_proxy("stream_proxy", "the same through the proxy"),
     ]
     indices = itertools.count(1_000_000)
-    clients = {route.name: stack.client(route) for route in routes}
     timings: dict[str, list[StreamTiming]] = {route.name: [] for route in routes}
-    try:
-        for route in routes:  # warm-up, not recorded
-            body = chat_body(stack.model, next(indices), max_tokens=tokens, stream=True)
-            await timed_stream(clients[route.name], body, tokens)
-        task = progress.task(f"streaming ({tokens} tokens a request)", streams * len(routes))
-        for _, route in round_robin(routes, streams):
-            body = chat_body(stack.model, next(indices), max_tokens=tokens, stream=True)
-            timings[route.name].append(await timed_stream(clients[route.name], body, tokens))
-            task.advance()
-        task.done()
-    finally:
-        for client in clients.values():
-            await client.aclose()
+
+    async def stream(client: httpx.AsyncClient, _: Route) -> StreamTiming:
+        body = chat_body(stack.model, next(indices), max_tokens=tokens, stream=True)
+        return await timed_stream(client, body, tokens)
+
+    async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
+        timings[route.name].append(await stream(client, route))
+        return 1
+
+    task = progress.task(f"streaming ({tokens} tokens a request)", streams * len(routes))
+    await take_turns(routes, stack.client, turn, streams, task, warm_up=stream)
+    task.done()
     found = {route.name: _numbers(timings[route.name]) for route in routes}
     rows: list[Row] = []
     for route in routes:

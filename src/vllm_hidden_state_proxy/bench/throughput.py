@@ -10,26 +10,15 @@ competes with them for CPU alike for every arm.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import anyio
-import anyio.abc
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import (
-    CHAT_PATH,
-    BenchError,
-    ChatStack,
-    Route,
-    chat_body,
-    timed_post,
-)
-from vllm_hidden_state_proxy.bench.interleave import round_robin
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
+from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 
 
 def load_routes(stack: ChatStack) -> list[Route]:
@@ -40,48 +29,6 @@ def load_routes(stack: ChatStack) -> list[Route]:
     ]
 
 
-async def burst(
-    client: httpx.AsyncClient,
-    what: str,
-    bodies: Iterator[bytes],
-    count: int,
-    concurrency: int,
-    vector: bool = False,
-) -> tuple[float, list[float]]:
-    """``count`` chats by ``concurrency`` workers, each answer checked (for a vector too, if
-    ``vector``); (wall seconds, per-request seconds). The first failure stops the burst."""
-    remaining = count
-    latencies: list[float] = []
-    failures: list[BenchError] = []
-
-    async def worker(group: anyio.abc.TaskGroup) -> None:
-        nonlocal remaining
-        while remaining > 0 and not failures:
-            remaining -= 1
-            try:
-                timed = await timed_post(client, CHAT_PATH, next(bodies))
-                latencies.append(timed.require_ok(what, vector).seconds)
-            except BenchError as failure:
-                failures.append(failure)
-                group.cancel_scope.cancel()
-
-    start = time.perf_counter()
-    async with anyio.create_task_group() as group:
-        for _ in range(min(concurrency, count)):
-            group.start_soon(worker, group)
-    if failures:
-        raise BenchError(f"{what} at concurrency {concurrency}: {failures[0]}")
-    return time.perf_counter() - start, latencies
-
-
-@dataclass
-class _Tally:
-    requests: int = 0
-    seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)
-    rates: list[float] = field(default_factory=list)
-
-
 async def measure_throughput(
     stack: ChatStack,
     levels: tuple[int, ...],
@@ -89,43 +36,38 @@ async def measure_throughput(
     burst_size: Callable[[int], int],
     progress: Progress,
 ) -> Table:
+    """An arm is a route at a level: its own connections, opened by a warm-up burst."""
     routes = load_routes(stack)
     indices = itertools.count(2_000_000)
+    tallies = {(route.name, level): Tally() for level in levels for route in routes}
 
-    def bodies(route: Route) -> Iterator[bytes]:
-        return (chat_body(stack.model, index, flag=route.flag) for index in indices)
+    async def warm_up(client: httpx.AsyncClient, arm: tuple[Route, int]) -> None:
+        route, level = arm
+        await burst(stack.chat_request(client, route, indices), route.name, level, level)
+
+    async def turn(client: httpx.AsyncClient, arm: tuple[Route, int], _: int) -> int:
+        route, level = arm
+        chats = stack.chat_request(client, route, indices)
+        return await burst_turn(
+            tallies[route.name, level], chats, route.name, burst_size(level), level
+        )
+
+    def client(arm: tuple[Route, int]) -> httpx.AsyncClient:
+        return stack.client(*arm)
 
     total = sum(burst_size(level) * rounds * len(routes) for level in levels)
     task = progress.task(f"throughput (concurrency {', '.join(map(str, levels))})", total)
     rows: list[Row] = []
     for level in levels:
-        clients = {route.name: stack.client(route, level) for route in routes}
-        tallies = {route.name: _Tally() for route in routes}
-        try:
-            for route in routes:  # open the connections and warm up, not recorded
-                await burst(clients[route.name], route.name, bodies(route), level, level)
-            for _, route in round_robin(routes, rounds):
-                count = burst_size(level)
-                vector = route.flag is not None
-                seconds, latencies = await burst(
-                    clients[route.name], route.name, bodies(route), count, level, vector
-                )
-                tally = tallies[route.name]
-                tally.requests += count
-                tally.seconds += seconds
-                tally.latencies.extend(latencies)
-                tally.rates.append(count / seconds)
-                task.advance(count)
-        finally:
-            for client in clients.values():
-                await client.aclose()
-        direct, passthrough, flagged = (tallies[route.name] for route in routes)
+        arms = [(route, level) for route in routes]
+        await take_turns(arms, client, turn, rounds, task, warm_up=warm_up)
+        direct, passthrough, flagged = (tallies[route.name, level] for route in routes)
         rows.append(
             {
                 "concurrency": level,
-                "direct req/s": direct.requests / direct.seconds,
-                "passthrough req/s": passthrough.requests / passthrough.seconds,
-                "flagged req/s": flagged.requests / flagged.seconds,
+                "direct req/s": direct.rate,
+                "passthrough req/s": passthrough.rate,
+                "flagged req/s": flagged.rate,
                 "passthrough / direct": median_ratio(passthrough.rates, direct.rates),
                 "flagged / direct": median_ratio(flagged.rates, direct.rates),
                 "direct p50 ms": summarize(direct.latencies, 1e3).p50,
