@@ -44,9 +44,11 @@ REQUEST_KEY_BYTES = 16
 #: The two poolings a record can hold.
 POOLINGS = ("last", "mean")
 
-# -- the proxy's /v1/embeddings ---------------------------------------------------------------
+# -- the embeddings template -----------------------------------------------------------------
+# The proxy's /v1/embeddings option, and the clients that build its prompts themselves (the
+# benchmark, the tests' references).
 
-#: Where an input's text goes in an embeddings prompt template.
+#: Where a ``/v1/embeddings`` prompt template takes the text.
 PLACEHOLDER = "{text}"
 #: PromptEOL-style (Jiang et al., 2023): ask for a one-word summary, so that the state predicting
 #: the answer's first token has to carry the meaning of the whole text.

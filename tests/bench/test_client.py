@@ -22,11 +22,8 @@ from vllm_hidden_state_proxy.bench.client import (
     timed_stream,
     tokens_in_event,
 )
-from vllm_hidden_state_proxy.proxy.embeddings_plan import (
-    DEFAULT_TEMPLATE,
-    EmbeddingsDefaults,
-    plan_embeddings,
-)
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.proxy.embeddings_plan import EmbeddingsDefaults, plan_embeddings
 
 
 def test_chat_bodies_flag_only_what_the_arm_asks_for() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, RunningStack
-from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
 
 TEXTS = [
     f"Document {i} is about {topic}."

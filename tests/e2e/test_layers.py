@@ -249,7 +249,7 @@ def test_completions_prompt_list_gets_one_object_per_prompt(
 def test_embeddings_layer_and_pooling(
     stack: RunningStack, model_name: str, reference: Reference, pooling: str
 ) -> None:
-    from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE
+    from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
 
     text = "An embedding from the first layer."
     body = {

@@ -33,7 +33,7 @@ import pytest
 from tests.e2e.reference import MIN_COSINE, Reference, assert_matches
 from tests.e2e.server import RunningStack
 from tests.e2e.stack_probe import MIB, metric, proxy_process, rss
-from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
 
 #: Requests in one soak run (about 80 s on 2 cores; SOAK_REQUESTS changes it).
 REQUESTS = int(os.environ.get("SOAK_REQUESTS", "5000"))

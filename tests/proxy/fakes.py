@@ -222,7 +222,7 @@ def publish_for(hook: Hook, request: httpx.Request) -> bytes:
     return key
 
 
-def is_flagged(request: httpx.Request) -> bool:
+def is_keyed(request: httpx.Request) -> bool:
     return REQUEST_KEY_ENTRY.encode() in request.content
 
 
@@ -277,7 +277,7 @@ def publishing_handler(hook: Hook, response_kv: dict[str, Any] | None = None) ->
     """A chat endpoint that, like vLLM with the worker hook, publishes the request's record."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
-        if is_flagged(request):
+        if is_keyed(request):
             publish_for(hook, request)
         return httpx.Response(200, json=completion(response_kv))
 

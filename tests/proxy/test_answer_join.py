@@ -31,11 +31,6 @@ from tests.proxy.fakes import (
 )
 from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.proxy.answer_join import (
-    BY_LAYER,
-    INFO,
-    INFOS,
-    VECTOR,
-    VECTORS,
     dump_json,
     encode_vector,
     prompt_list_fields,
@@ -46,7 +41,16 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
     with_kv_fields,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.inspection import VectorRequest, WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.types import (
+    BY_LAYER,
+    INFO,
+    INFOS,
+    VECTOR,
+    VECTORS,
+    VectorRequest,
+    WantedVectors,
+)
+from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
 from vllm_hidden_state_proxy.ring import RingWriter
 
 pytestmark = pytest.mark.anyio

@@ -17,7 +17,7 @@ from tests.proxy.fakes import (
     Hook,
     error_of,
     forwarded_key,
-    is_flagged,
+    is_keyed,
     proxy_client,
     publish_for,
     settings_for,
@@ -68,7 +68,7 @@ class CompletionsVLLM:
         if prompt == self.fail_prompt:
             return httpx.Response(400, json={"error": {"message": "too long", "code": 400}})
         await anyio.sleep(random.uniform(0, 0.005))
-        if is_flagged(request) and prompt != self.lost_prompt:
+        if is_keyed(request) and prompt != self.lost_prompt:
             self.keys[orjson.dumps(prompt).decode()] = publish_for(self.hook, request)
         return httpx.Response(200, json=answer(prompt, document.get("n", 1)))
 

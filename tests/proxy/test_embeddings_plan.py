@@ -7,19 +7,18 @@ from typing import Any
 
 import pytest
 
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    DEFAULT_TEMPLATE,
     FORWARDED_FIELDS,
     EmbeddingsDefaults,
     EmbeddingsPlan,
-    check_template,
     dimensions_error,
     plan_embeddings,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.inspection import VectorRequest
+from vllm_hidden_state_proxy.proxy.types import VectorRequest
 
 DEFAULTS = EmbeddingsDefaults(template=DEFAULT_TEMPLATE, max_inputs=10)
 
@@ -201,12 +200,6 @@ def test_bad_requests_name_their_field(document: dict[str, Any], param: str) -> 
 def test_the_limit_on_inputs_is_named() -> None:
     with pytest.raises(ProxyError, match="'input' has 11 items; this server takes at most 10"):
         plan({"input": ["x"] * 11})
-
-
-def test_check_template() -> None:
-    assert check_template("a {text} b") == "a {text} b"
-    with pytest.raises(ValueError, match=r"must contain \{text\}"):
-        check_template("no placeholder")
 
 
 def test_dimensions_error_names_the_hidden_size() -> None:

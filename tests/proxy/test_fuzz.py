@@ -5,7 +5,7 @@ Nothing crashes, nothing hangs: a validator returns a decision or raises ``Proxy
 flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the
 one choice event that carries the vector) or with an OpenAI-shaped error. The regressions these
 found are plain tests in the modules' own files (test_inspection.py: nesting; test_stream_rewrite.py
-and test_flagged_exchange.py: answers too deep to re-encode; test_completions_app.py: answers that
+and test_keyed_exchange.py: answers too deep to re-encode; test_completions_app.py: answers that
 cannot be merged).
 """
 
@@ -39,6 +39,7 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import (
+    DEFAULT_TEMPLATE,
     REQUEST_KEY_ENTRY,
     XARGS_PREFIX,
     request_key_from_wire,
@@ -49,12 +50,26 @@ from vllm_hidden_state_proxy.proxy.completions_app import prompt_list
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    DEFAULT_TEMPLATE,
     EmbeddingsDefaults,
     plan_embeddings,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import (
+    Flagged,
+    Ordinary,
+    check_other_endpoint,
+    inspect_body,
+    needs_inspection,
+)
+from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_body
+from vllm_hidden_state_proxy.proxy.stream_rewrite import (
+    ChoiceEvent,
+    FirstChoiceScanner,
+    StreamEnded,
+    ended_before_a_choice,
+    replace_event,
+)
+from vllm_hidden_state_proxy.proxy.types import (
     FLAG,
     FORMAT,
     FORMATS,
@@ -64,22 +79,9 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     OWN_FIELDS,
     POOLING,
     XARGS,
-    Flagged,
-    Ordinary,
     WantedVectors,
-    check_other_endpoint,
-    flagged_body,
-    inspect_body,
-    needs_inspection,
-    resolve_layers,
 )
-from vllm_hidden_state_proxy.proxy.stream_rewrite import (
-    ChoiceEvent,
-    FirstChoiceScanner,
-    StreamEnded,
-    ended_before_a_choice,
-    replace_event,
-)
+from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
 
 pytestmark = pytest.mark.anyio
 
@@ -350,7 +352,7 @@ def check_inspect(body: bytes) -> Ordinary | Flagged | ProxyError:
     assert decision.document.get("use_beam_search") is not True
     wanted = resolved(decision)
     if isinstance(wanted, WantedVectors):
-        wire = vllm_view(flagged_body(decision.document, WIRE_KEY, wanted))
+        wire = vllm_view(keyed_body(decision.document, WIRE_KEY, wanted))
         assert isinstance(wire, dict)
         assert wire[XARGS][REQUEST_KEY_ENTRY] == WIRE_KEY
         assert not any(name in (wire.get(KV) or {}) for name in OWN_FIELDS)
@@ -576,7 +578,7 @@ def test_plan_embeddings_is_400_or_a_valid_plan(document: dict[str, Any], max_in
         return
     for path, body in plan.calls:
         assert path in (CHAT_PATH, COMPLETIONS_PATH)
-        assert isinstance(vllm_view(flagged_body(body, WIRE_KEY, wanted)), dict)
+        assert isinstance(vllm_view(keyed_body(body, WIRE_KEY, wanted)), dict)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Request inspection (proxy/inspection.py): ordinary or flagged, valid or a 400 naming the field;
-the layers asked for, resolved against the rings; the body sent to vLLM. No I/O."""
+what a flagged request asks for. No I/O."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.proxy.fakes import FINAL, LAYERED, ring_shape
 from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENTRY,
     POOLING_ENTRY,
@@ -22,17 +21,13 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     MAX_DEPTH,
     Flagged,
     Ordinary,
-    VectorRequest,
-    WantedVectors,
     check_other_endpoint,
     encode_document,
-    flagged_body,
     inspect_body,
     needs_inspection,
-    parse_completion,
     parse_object,
-    resolve_layers,
 )
+from vllm_hidden_state_proxy.proxy.types import VectorRequest
 from vllm_hidden_state_proxy.ring import MAX_LAYERS
 
 KV = "kv_transfer_params"
@@ -185,16 +180,8 @@ def test_a_body_only_pythons_json_accepts_is_kept_that_way() -> None:
     raw = b'{"x": "\\ud800", ' + flagged()[1:]
     decision = inspect_body(raw)
     assert isinstance(decision, Flagged)
-    sent = flagged_body(decision.document, WIRE, wanted())
+    sent = encode_document(decision.document)
     assert b"\\ud800" in sent  # a lone surrogate survives the rewrite (json.dumps fallback)
-
-
-@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
-def test_a_non_finite_number_in_a_flagged_body_reaches_vllm_as_written(constant: bytes) -> None:
-    """vLLM's parser accepts them; orjson alone would write null."""
-    decision = inspect_body(b'{"temperature": ' + constant + b", " + flagged()[1:])
-    assert isinstance(decision, Flagged)
-    assert b'"temperature": ' + constant in flagged_body(decision.document, WIRE, wanted())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,102 +319,14 @@ def test_other_endpoints_leave_the_rest_to_vllm(raw: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# layers, resolved against the live rings
-# ---------------------------------------------------------------------------------------------
-
-
-def wanted(layers: tuple[int, ...] | None = None, pooling: str = "last") -> WantedVectors:
-    return resolve_layers(VectorRequest(layers=layers, pooling=pooling), [ring_shape(LAYERED)])
-
-
-@pytest.mark.parametrize(
-    ("asked", "absolute"),
-    [
-        (None, (FINAL,)),
-        ((-1,), (FINAL,)),
-        ((FINAL,), (FINAL,)),
-        ((0, 2, 4), (0, 2, 4)),
-        ((4, -5, -3), (4, 0, 2)),  # negative indices count from the end: -1 is N
-        ((2, 2, -3), (2, 2, 2)),
-    ],
-)
-def test_layers_resolve_to_absolute_indices_in_request_order(
-    asked: tuple[int, ...] | None, absolute: tuple[int, ...]
-) -> None:
-    resolved = wanted(asked)
-    assert resolved.layers == absolute
-    assert resolved.final_layer == FINAL
-    assert resolved.distinct_layers == tuple(sorted(set(absolute)))
-
-
-@pytest.mark.parametrize("layer", [1, 3, 5, -2, -6, -100, 1 << 40])
-def test_a_layer_the_server_does_not_capture_is_400_listing_the_captured(layer: int) -> None:
-    with pytest.raises(ProxyError) as caught:
-        wanted((0, layer))
-    error = caught.value
-    assert (error.status, error.param) == (400, f"{KV}.last_hidden_state_layers")
-    assert f"Layer {layer} is not captured" in error.message
-    assert "captures layers 0, 2, 4 (the model has 4 decoder layers; -1 means 4" in error.message
-    assert "--hidden-state-layers" in error.message
-
-
-def test_only_layers_every_live_ring_captures_are_available() -> None:
-    shapes = [ring_shape((0, 2, 4)), ring_shape((2, 4))]
-    request = VectorRequest(layers=(2, -1))
-    assert resolve_layers(request, shapes).layers == (2, 4)
-    with pytest.raises(ProxyError, match="captures layers 2, 4 "):
-        resolve_layers(VectorRequest(layers=(0,)), shapes, param="layer")
-
-
-def test_the_param_can_be_named_by_the_caller() -> None:
-    with pytest.raises(ProxyError) as caught:
-        resolve_layers(VectorRequest(layers=(1,)), [ring_shape()], param="layer")
-    assert caught.value.param == "layer"
-
-
-# ---------------------------------------------------------------------------------------------
-# the body sent to vLLM
-# ---------------------------------------------------------------------------------------------
-
-
-def test_the_flagged_body_merges_the_key_into_vllm_xargs() -> None:
-    document = {"messages": [], "vllm_xargs": {"a": 1}}
-    sent = orjson.loads(flagged_body(document, WIRE, wanted()))
-    assert sent == {"messages": [], "vllm_xargs": {"a": 1, REQUEST_KEY_ENTRY: WIRE}}
-    assert document == {"messages": [], "vllm_xargs": {"a": 1}}  # the input is not changed
-    assert "cache_salt" not in sent
-
-
-def test_the_flagged_body_asks_for_other_layers_ascending_and_once() -> None:
-    sent = orjson.loads(flagged_body({"messages": []}, WIRE, wanted((4, 0, -1, 2))))
-    assert sent["vllm_xargs"] == {REQUEST_KEY_ENTRY: WIRE, LAYERS_ENTRY: [0, 2, 4]}
-    only_final = orjson.loads(flagged_body({}, WIRE, wanted((-1, 4))))
-    assert LAYERS_ENTRY not in only_final["vllm_xargs"]  # the default needs no entry
-
-
-def test_mean_pooling_asks_for_it_and_bypasses_the_prefix_cache() -> None:
-    document = {"messages": [], "cache_salt": "client's"}
-    first = orjson.loads(flagged_body(document, WIRE, wanted(pooling="mean")))
-    second = orjson.loads(flagged_body(document, WIRE, wanted(pooling="mean")))
-    assert first["vllm_xargs"] == {REQUEST_KEY_ENTRY: WIRE, POOLING_ENTRY: "mean"}
-    salts = {first["cache_salt"], second["cache_salt"], "client's"}
-    assert len(salts) == 3  # fresh each time: no request reads another's cached prefix
-    assert all(len(salt) == 32 for salt in salts - {"client's"})
-    assert document["cache_salt"] == "client's"
-
-
-# ---------------------------------------------------------------------------------------------
 # small parsers
 # ---------------------------------------------------------------------------------------------
 
 
-def test_parse_object_and_parse_completion() -> None:
+def test_parse_object() -> None:
     assert parse_object(b'{"a": 1}') == {"a": 1}
     with pytest.raises(ProxyError, match="must be a JSON object"):
         parse_object(b"[1]")
-    assert parse_completion(b'{"id": "x"}') == {"id": "x"}
-    assert parse_completion(b"[1]") is None
-    assert parse_completion(b"data: {}") is None
 
 
 def test_encode_document_falls_back_to_pythons_json() -> None:

@@ -15,7 +15,7 @@ from tests.proxy.fakes import (
     FakeRing,
     FakeVLLM,
     error_of,
-    is_flagged,
+    is_keyed,
     proxy_client,
     publish_for,
     settings_for,
@@ -69,7 +69,7 @@ async def test_a_body_breaking_off_after_the_headers_cuts_the_response(
         raise httpx.ReadError("vLLM died")
 
     async def handle(request: httpx.Request) -> httpx.Response:
-        if is_flagged(request):
+        if is_keyed(request):
             publish_for(ring, request)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=produce())
 

@@ -16,16 +16,17 @@ from hypothesis import strategies as st
 from vllm_hidden_state_proxy.protocol import (
     API_KEY_ENV,
     DEFAULT_RING_DIR,
+    DEFAULT_TEMPLATE,
     EMBEDDING_TEMPLATE_ENV,
     RING_DIR_ENV,
     UPSTREAM_API_KEY_ENV,
 )
-from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE
 from vllm_hidden_state_proxy.proxy.settings import (
     LOG_LEVELS,
     MIB,
     ProxySettings,
     add_arguments,
+    check_template,
     command_line,
     from_arguments,
     options,
@@ -351,3 +352,9 @@ def test_docs_api_md_carries_the_options_table_verbatim() -> None:
         "of `python -c 'from vllm_hidden_state_proxy.proxy.settings import options_table; "
         'print(options_table(), end="")\'`'
     )
+
+
+def test_check_template() -> None:
+    assert check_template("a {text} b") == "a {text} b"
+    with pytest.raises(ValueError, match=r"must contain \{text\}"):
+        check_template("no placeholder")

@@ -20,7 +20,7 @@ from tests.proxy.fakes import (
     Hook,
     error_of,
     forwarded_key,
-    is_flagged,
+    is_keyed,
     proxy_client,
     publish_for,
     settings_for,
@@ -31,7 +31,6 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,
-    is_event_stream,
     replace_event,
 )
 from vllm_hidden_state_proxy.ring import RingWriter
@@ -132,20 +131,6 @@ def test_replace_event_of_a_chunk_too_deep_to_write_is_502() -> None:
     assert caught.value.status == 502 and "re-encode" in caught.value.message
 
 
-@pytest.mark.parametrize(
-    ("content_type", "expected"),
-    [
-        ("text/event-stream", True),
-        ("text/event-stream; charset=utf-8", True),
-        ("application/json", False),
-        (None, False),
-    ],
-)
-def test_is_event_stream(content_type: str | None, expected: bool) -> None:
-    headers = {} if content_type is None else {"content-type": content_type}
-    assert is_event_stream(httpx.Response(200, headers=headers)) is expected
-
-
 # ---------------------------------------------------------------------------------------------
 # flagged streams through the app
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +155,7 @@ EVENTS = [
 
 def streaming_handler(hook: Hook, events: list[bytes] = EVENTS) -> Handler:
     async def handle(request: httpx.Request) -> httpx.Response:
-        if is_flagged(request):
+        if is_keyed(request):
             publish_for(hook, request)
 
         async def produce() -> AsyncIterator[bytes]:

@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 from tests.proxy.fakes import (
+    FINAL,
+    LAYERED,
     FakeRing,
     FakeVLLM,
     completion,
@@ -31,12 +33,14 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.proxy import vector_lookup
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
+from vllm_hidden_state_proxy.proxy.types import VectorRequest, WantedVectors
 from vllm_hidden_state_proxy.proxy.vector_lookup import (
     EARLY_INTERVAL,
     FIRST_BACKOFF,
     MAX_BACKOFF,
     EarlyCapture,
     check_rings,
+    resolve_layers,
     wait_for_record,
 )
 from vllm_hidden_state_proxy.ring import (
@@ -335,6 +339,60 @@ def test_check_rings_when_the_last_ring_died_between_two_questions() -> None:
     with pytest.raises(ProxyError) as caught:
         check_rings(Vanishing(), "/rings")
     refused(503, caught)
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve_layers: the layers asked for, in absolute indices of the live rings
+# ---------------------------------------------------------------------------------------------
+
+
+def wanted(layers: tuple[int, ...] | None = None, pooling: str = "last") -> WantedVectors:
+    return resolve_layers(VectorRequest(layers=layers, pooling=pooling), [ring_shape(LAYERED)])
+
+
+@pytest.mark.parametrize(
+    ("asked", "absolute"),
+    [
+        (None, (FINAL,)),
+        ((-1,), (FINAL,)),
+        ((FINAL,), (FINAL,)),
+        ((0, 2, 4), (0, 2, 4)),
+        ((4, -5, -3), (4, 0, 2)),  # negative indices count from the end: -1 is N
+        ((2, 2, -3), (2, 2, 2)),
+    ],
+)
+def test_layers_resolve_to_absolute_indices_in_request_order(
+    asked: tuple[int, ...] | None, absolute: tuple[int, ...]
+) -> None:
+    resolved = wanted(asked)
+    assert resolved.layers == absolute
+    assert resolved.final_layer == FINAL
+    assert resolved.distinct_layers == tuple(sorted(set(absolute)))
+
+
+@pytest.mark.parametrize("layer", [1, 3, 5, -2, -6, -100, 1 << 40])
+def test_a_layer_the_server_does_not_capture_is_400_listing_the_captured(layer: int) -> None:
+    with pytest.raises(ProxyError) as caught:
+        wanted((0, layer))
+    error = caught.value
+    assert (error.status, error.param) == (400, "kv_transfer_params.last_hidden_state_layers")
+    assert f"Layer {layer} is not captured" in error.message
+    assert "captures layers 0, 2, 4 (the model has 4 decoder layers; -1 means 4" in error.message
+    assert "--hidden-state-layers" in error.message
+
+
+def test_only_layers_every_live_ring_captures_are_available() -> None:
+    shapes = [ring_shape((0, 2, 4)), ring_shape((2, 4))]
+    request = VectorRequest(layers=(2, -1))
+    assert resolve_layers(request, shapes).layers == (2, 4)
+    with pytest.raises(ProxyError, match="captures layers 2, 4 "):
+        resolve_layers(VectorRequest(layers=(0,)), shapes, param="layer")
+
+
+def test_the_param_can_be_named_by_the_caller() -> None:
+    with pytest.raises(ProxyError) as caught:
+        resolve_layers(VectorRequest(layers=(1,)), [ring_shape()], param="layer")
+    assert caught.value.param == "layer"
 
 
 # ---------------------------------------------------------------------------------------------

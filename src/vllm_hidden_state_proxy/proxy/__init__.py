@@ -9,21 +9,25 @@ auth.py              the API key, if the proxy has one
 chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
   │                  ops_app.py: the others)
   ▼
-admission.py         every POST endpoint: read the body (asgi.py: its size, its time, the
-  │                  process's budget of buffered bodies), build the exchange or
-  │                  refuse; chat and completions: inspect (inspection.py): Ordinary |
-  │                  Flagged, resolve the layers against the live rings (vector_lookup.py)
-  ├─ Ordinary ─────▶ relay.py: forward byte for byte (upstream.py, headers.py)
+endpoints.py         the POST endpoints' base classes: read the body (asgi.py: its size, its
+  │                  time, the process's budget of buffered bodies), build the exchange or
+  │                  refuse; chat, completions, responses: inspect (inspection.py:
+  │                  Ordinary | Flagged), resolve the layers against the live rings
+  │                  (vector_lookup.py)
+  ├─ Ordinary ─────▶ relay.py: pass through byte for byte (upstream.py, headers.py)
   ▼
-flagged_exchange.py  a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
+keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
   │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
   ├─ JSON ─────────▶ vector_lookup.py: the record from the rings ──▶ answer_join.py
   └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
-                     there (vector_lookup.py, answer_join.py), relay the rest
-fan_out.py           several flagged requests for one client request (prompt lists,
+                     there (vector_lookup.py, answer_join.py), relay the rest (relay.py);
+                     /v1/responses: responses_stream.py
+fan_out.py           several keyed requests for one client request (prompt lists,
                      embeddings inputs; embeddings_plan.py turns the inputs into them)
 errors.py            every error the proxy answers itself, and the factories naming the fix
-settings.py          the options table; state.py, metrics.py: per-app state
+types.py             the words (flagged, keyed, pass through...), the client's field names,
+                     the shared types; settings.py: the options table; state.py, metrics.py:
+                     per-app state
 """
 
 from vllm_hidden_state_proxy.proxy.app import create_app

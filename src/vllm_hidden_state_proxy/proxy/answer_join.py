@@ -1,6 +1,7 @@
 """Joining records into vLLM's answer: the ``kv_transfer_params`` fields, and whole responses.
 
-Fields of a flagged answer (``kv_transfer_params``; others that vLLM returns are kept):
+Fields of the answer to a flagged request (in ``kv_transfer_params``; others that vLLM returns
+there are kept):
 
 - ``last_hidden_state``: the final layer's vector, whenever the final layer was asked for or
   no layers were given; a JSON list of floats (format ``"float"``: each float32 written as the
@@ -25,17 +26,21 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Send, send_response
+from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.inspection import KV, WantedVectors
+from vllm_hidden_state_proxy.proxy.types import (
+    BY_LAYER,
+    INFO,
+    INFOS,
+    KV,
+    VECTOR,
+    VECTORS,
+    RawHeaders,
+    Send,
+    WantedVectors,
+)
 from vllm_hidden_state_proxy.ring import Record
-
-VECTOR = "last_hidden_state"
-VECTORS = "last_hidden_states"
-BY_LAYER = "last_hidden_states_by_layer"
-INFO = "last_hidden_state_info"
-INFOS = "last_hidden_state_infos"
 
 #: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
 _REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})

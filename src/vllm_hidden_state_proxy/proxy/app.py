@@ -23,8 +23,8 @@ from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
 from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
+from vllm_hidden_state_proxy.proxy.types import RingSource
 from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
-from vllm_hidden_state_proxy.proxy.vector_lookup import RingSource
 from vllm_hidden_state_proxy.ring import RingDirectory
 
 

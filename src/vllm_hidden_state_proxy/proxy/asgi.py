@@ -1,10 +1,10 @@
-"""Raw ASGI plumbing: typed aliases, bounded body reading (size, time, the process's total of
-buffered bodies), whole responses, disconnect watch."""
+"""Raw ASGI plumbing: bounded body reading (size, time, the process's total of buffered
+bodies), whole responses, disconnect watch. (The ASGI type aliases are in ``types.py``.)"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable
 from typing import Any
 
 from vllm_hidden_state_proxy.proxy.errors import (
@@ -13,13 +13,7 @@ from vllm_hidden_state_proxy.proxy.errors import (
     body_timeout,
     body_too_large,
 )
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-RawHeaders = list[tuple[bytes, bytes]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from vllm_hidden_state_proxy.proxy.types import RawHeaders, Receive, Scope, Send
 
 _CLOSE: RawHeaders = [(b"connection", b"close")]
 

@@ -2,7 +2,7 @@
 
 Every path needs the key except ``GET /health`` (probes) and, unless ``protect_metrics`` is
 set, ``GET /metrics`` (scrapers). A missing or wrong key gets 401 in the OpenAI error shape.
-The client's ``Authorization`` header is forwarded to vLLM unchanged, so vLLM's own
+The client's ``Authorization`` header passes through to vLLM unchanged, so vLLM's own
 ``--api-key`` keeps working when it is the same key; ``upstream_api_key`` replaces it on the way
 to vLLM when vLLM's key differs (see ``upstream.build_request``).
 """
@@ -12,15 +12,9 @@ from __future__ import annotations
 import hmac
 
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV
-from vllm_hidden_state_proxy.proxy.asgi import (
-    ASGIApp,
-    Receive,
-    Scope,
-    Send,
-    header_value,
-    send_response,
-)
+from vllm_hidden_state_proxy.proxy.asgi import header_value, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.types import ASGIApp, Receive, Scope, Send
 
 _BEARER = b"bearer "
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from vllm_hidden_state_proxy.proxy.admission import GenerationEndpoint, resolve_wanted
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send
-from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
+from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
+from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
+from vllm_hidden_state_proxy.proxy.types import Scope, Send
 
 
 class ChatApp(GenerationEndpoint):
-    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+    def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         wanted = resolve_wanted(self.state, flagged)
-        return flagged_exchange(self.state, scope, send, flagged.document, wanted)
+        return keyed_exchange(self.state, scope, send, flagged.document, wanted)

@@ -13,31 +13,22 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-from vllm_hidden_state_proxy.proxy.admission import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
     send_joined,
     send_unchanged,
 )
-from vllm_hidden_state_proxy.proxy.asgi import (
-    Scope,
-    Send,
-    send_error,
-)
+from vllm_hidden_state_proxy.proxy.asgi import send_error
+from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
-from vllm_hidden_state_proxy.proxy.flagged_exchange import flagged_exchange
-from vllm_hidden_state_proxy.proxy.inspection import FLAG, KV, Flagged, WantedVectors
+from vllm_hidden_state_proxy.proxy.inspection import Flagged
+from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import FLAG, KV, Scope, Send, WantedVectors, is_token_ids
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
 _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
 
 
 def prompt_list(document: dict[str, Any], limit: int) -> list[Any] | None:
@@ -58,7 +49,7 @@ def prompt_list(document: dict[str, Any], limit: int) -> list[Any] | None:
         raise bad_request(f"'prompt' must be {_PROMPT_TYPES}.", "prompt")
     if not prompt:
         raise bad_request("'prompt' must not be empty.", "prompt")
-    if _is_token_ids(prompt):
+    if is_token_ids(prompt):
         return None
     if len(prompt) > limit:  # before any work per prompt
         raise bad_request(
@@ -68,7 +59,7 @@ def prompt_list(document: dict[str, Any], limit: int) -> list[Any] | None:
         )
     strings = isinstance(prompt[0], str)
     for index, item in enumerate(prompt):
-        if not (isinstance(item, str) if strings else (_is_token_ids(item) and item)):
+        if not (isinstance(item, str) if strings else is_token_ids(item)):
             raise bad_request(  # vLLM takes a list of strings or a list of token-id lists
                 f"'prompt[{index}]' must be a {'string' if strings else 'non-empty token-id list'}"
                 f" like 'prompt[0]': {_PROMPT_TYPES}.",
@@ -116,12 +107,12 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class CompletionsApp(GenerationEndpoint):
-    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+    def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         document = flagged.document
         prompts = prompt_list(document, self.state.settings.max_prompts)
         wanted = resolve_wanted(self.state, flagged)
         if prompts is None:
-            return flagged_exchange(self.state, scope, send, document, wanted)
+            return keyed_exchange(self.state, scope, send, document, wanted)
         return _prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
 
 

@@ -1,6 +1,6 @@
 """``POST /v1/embeddings`` served from the chat model's hidden states (OpenAI shape).
 
-The inputs fan out as flagged one-token requests (:mod:`.embeddings_plan` plans them), at most
+The inputs fan out as keyed one-token requests (:mod:`.embeddings_plan` plans them), at most
 ``settings.fan_out_limit`` at a time; the answer lists the vectors in input order with usage
 summed. If any input fails, the request fails with that error, naming the input's index.
 A client disconnect cancels what is still in flight.
@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from vllm_hidden_state_proxy.proxy.admission import Endpoint
 from vllm_hidden_state_proxy.proxy.answer_join import Floats, dump_json, float32_view, send_whole
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
+from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     FORWARDED_FIELDS,
     EmbeddingsDefaults,
@@ -25,12 +24,14 @@ from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     dimensions_error,
     plan_embeddings,
 )
+from vllm_hidden_state_proxy.proxy.endpoints import Endpoint
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
-from vllm_hidden_state_proxy.proxy.flagged_exchange import JoinableAnswer, VllmAnswer
-from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, parse_object, resolve_layers
+from vllm_hidden_state_proxy.proxy.inspection import parse_object
+from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
+from vllm_hidden_state_proxy.proxy.types import Scope, Send, WantedVectors
+from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings, resolve_layers
 
 
 def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> Floats | str:

@@ -1,6 +1,6 @@
 """``POST /v1/embeddings``: validate an OpenAI embeddings request and plan its vLLM requests.
 
-Each input becomes one flagged one-token request to the chat model vLLM already serves:
+Each input becomes one keyed one-token request to the chat model vLLM already serves:
 
 - a text: the embedding template with ``{text}`` replaced is the user message of a chat request
   (thinking disabled);
@@ -19,24 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hidden_state_proxy.protocol import PLACEHOLDER
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
-from vllm_hidden_state_proxy.proxy.inspection import VectorRequest, check_format, check_pooling
+from vllm_hidden_state_proxy.proxy.inspection import check_format, check_pooling
+from vllm_hidden_state_proxy.proxy.types import VectorRequest, is_int, is_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-PLACEHOLDER = "{text}"
-#: PromptEOL-style (Jiang et al., 2023): ask for a one-word summary, so that the state predicting
-#: the answer's first token has to carry the meaning of the whole text.
-DEFAULT_TEMPLATE = 'This sentence: "{text}" means in one word:'
 
 _INPUT_TYPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
-
-
-def check_template(template: str) -> str:
-    """A usable template (server option): raises ``ValueError`` otherwise."""
-    if PLACEHOLDER not in template:
-        raise ValueError(f"the embedding template must contain {PLACEHOLDER}: {template!r}")
-    return template
 
 
 @dataclass(frozen=True)
@@ -53,14 +44,6 @@ class EmbeddingsPlan:
     field: str
     #: False when the layer is the server's default (``--embedding-layer``), not the request's.
     layer_given: bool = True
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
 def _optional_bool(document: dict[str, Any], name: str, default: bool) -> bool:
@@ -82,7 +65,7 @@ def _inputs(value: Any) -> tuple[list[str], list[list[int]]]:
         raise bad_request(f"'input' must be {_INPUT_TYPES}.", "input")
     if not value:
         raise bad_request("'input' must not be an empty list.", "input")
-    if all(_is_int(t) for t in value):
+    if is_token_ids(value):
         return [], [list(value)]
     if all(isinstance(t, str) for t in value):
         for index, text in enumerate(value):
@@ -91,7 +74,7 @@ def _inputs(value: Any) -> tuple[list[str], list[list[int]]]:
         return list(value), []
     if all(isinstance(t, list) for t in value):
         for index, ids in enumerate(value):
-            if not _is_token_ids(ids):
+            if not is_token_ids(ids):
                 raise bad_request(
                     f"'input[{index}]' must be a non-empty list of token ids.", "input"
                 )
@@ -158,7 +141,7 @@ def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRe
     layer = document.get("layer")
     if layer is None:
         layer = defaults.layer
-    elif not _is_int(layer):
+    elif not is_int(layer):
         raise bad_request(
             "'layer' must be an integer layer index (negative ones count from the end).", "layer"
         )
@@ -175,7 +158,7 @@ def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> E
     layer_given = document.get("layer") is not None
     normalize = _optional_bool(document, "normalize", True)
     dimensions = document.get("dimensions")
-    if dimensions is not None and (not _is_int(dimensions) or dimensions <= 0):
+    if dimensions is not None and (not is_int(dimensions) or dimensions <= 0):
         raise bad_request("'dimensions' must be a positive integer.", "dimensions")
     instruction = document.get("instruction")
     if instruction is not None:

@@ -1,4 +1,4 @@
-"""Send several flagged requests for one client request, a bounded number at a time.
+"""Send several keyed requests for one client request, a bounded number at a time.
 
 Used for a flagged list of completions prompts and for embeddings inputs. The first failure
 (a ``ProxyError`` or a vLLM answer other than 200) cancels what is still in flight; the caller
@@ -12,16 +12,15 @@ from typing import Any
 
 import anyio
 
-from vllm_hidden_state_proxy.proxy.asgi import Scope
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.flagged_exchange import (
+from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     AnswerBudget,
     JoinableAnswer,
     VllmAnswer,
-    fetch_flagged_json,
+    fetch_keyed_json,
 )
-from vllm_hidden_state_proxy.proxy.inspection import WantedVectors
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import Scope, WantedVectors
 
 #: One upstream request: the scope it is sent as (method, path, headers) and its JSON body.
 Job = tuple[Scope, dict[str, Any]]
@@ -49,7 +48,7 @@ async def fetch_all(
         async def one(index: int, scope: Scope, document: dict[str, Any]) -> None:
             async with limiter:
                 try:
-                    answer = await fetch_flagged_json(state, scope, document, wanted, budget)
+                    answer = await fetch_keyed_json(state, scope, document, wanted, budget)
                 except ProxyError as error:
                     results[index] = error
                     group.cancel_scope.cancel()

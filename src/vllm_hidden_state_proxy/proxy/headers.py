@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vllm_hidden_state_proxy.proxy.asgi import RawHeaders
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
 
 HOP_BY_HOP = frozenset(
     {

@@ -28,7 +28,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from vllm_hidden_state_proxy.proxy.asgi import Receive, Scope, Send
+from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 
 #: Per header, the bytes a head carries besides its name and value (": " and CRLF).
 _HEADER_FRAMING = 4

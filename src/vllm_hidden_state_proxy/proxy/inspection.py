@@ -13,20 +13,12 @@ orjson refuses but vLLM accepts: UTF-16/32, lone surrogate escapes, NaN, huge nu
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import (
-    LAYERS_ENTRY,
-    POOLING_ENTRY,
-    POOLINGS,
-    REQUEST_KEY_ENTRY,
-    XARGS_PREFIX,
-)
+from vllm_hidden_state_proxy.protocol import POOLINGS, XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.reserved_entries import (
     could_spell_reserved,
@@ -36,18 +28,20 @@ from vllm_hidden_state_proxy.proxy.reserved_entries import (
     reserved_entry_error,
     unreadable_refusal,
 )
-from vllm_hidden_state_proxy.ring import MAX_LAYERS, RingShape
-
-KV = "kv_transfer_params"
-XARGS = "vllm_xargs"
-FLAG = "return_last_hidden_state"
-FORMAT = "last_hidden_state_format"
-INFO = "last_hidden_state_info"
-LAYERS = "last_hidden_state_layers"
-POOLING = "last_hidden_state_pooling"
-#: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
-OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING)
-FORMATS = ("float", "base64")
+from vllm_hidden_state_proxy.proxy.types import (
+    FLAG,
+    FORMAT,
+    FORMATS,
+    INFO,
+    KV,
+    LAYERS,
+    OWN_FIELDS,
+    POOLING,
+    XARGS,
+    VectorRequest,
+    is_int,
+)
+from vllm_hidden_state_proxy.ring import MAX_LAYERS
 
 #: Deepest nesting of a body the proxy re-encodes. Beyond orjson's 254 levels ``json.dumps``
 #: takes over, which recurses on the Python stack and fails near 1000 levels (orjson reads up to
@@ -56,34 +50,6 @@ MAX_DEPTH = 512
 
 # Every own field contains "last_hidden_state", so one marker covers them all.
 _MARKERS = (b"last_hidden_state", XARGS_PREFIX.encode("ascii"), b"\\u")
-
-
-@dataclass(frozen=True)
-class VectorRequest:
-    """What a flagged request asks for, as the client wrote it."""
-
-    format: str = "float"
-    info: bool = False
-    #: ``last_hidden_state_layers`` as given (negative indices count from the end); ``None``
-    #: when absent: the final layer, in the singular field only.
-    layers: tuple[int, ...] | None = None
-    pooling: str = "last"
-
-
-@dataclass(frozen=True)
-class WantedVectors:
-    """A :class:`VectorRequest` resolved against the server's rings: absolute layer indices."""
-
-    request: VectorRequest
-    #: One absolute index per requested layer, in request order (default: the final layer).
-    layers: tuple[int, ...]
-    #: The final layer's index (N): its vector also goes in ``last_hidden_state``.
-    final_layer: int
-
-    @property
-    def distinct_layers(self) -> tuple[int, ...]:
-        """The layers to capture, ascending, each once."""
-        return tuple(sorted(set(self.layers)))
 
 
 @dataclass(frozen=True)
@@ -98,7 +64,7 @@ class Flagged:
     """A valid flagged request; ``document`` already has the proxy's own fields stripped."""
 
     document: dict[str, Any]
-    vectors: VectorRequest = VectorRequest()
+    vectors: VectorRequest = field(default_factory=VectorRequest)
 
 
 Decision = Ordinary | Flagged
@@ -193,10 +159,6 @@ def _check_flagged_options(document: dict[str, Any]) -> None:
         )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_format(value: Any, param: str) -> str:
     if not isinstance(value, str) or value not in FORMATS:
         raise bad_request(f"'{param}' must be one of {', '.join(FORMATS)}, not {value!r}.", param)
@@ -226,7 +188,7 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
             f"{KV}.{LAYERS}",
         )
     if layers is not None and (
-        not isinstance(layers, list) or not layers or not all(_is_int(k) for k in layers)
+        not isinstance(layers, list) or not layers or not all(is_int(k) for k in layers)
     ):
         raise bad_request(
             f"'{KV}.{LAYERS}' must be a non-empty list of layer indices (integers; negative "
@@ -302,64 +264,3 @@ def _without_own_fields(document: dict[str, Any], kv: dict[str, Any]) -> dict[st
     else:
         del result[KV]
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# Against the server's rings
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_layers(
-    request: VectorRequest, shapes: Sequence[RingShape], param: str = f"{KV}.{LAYERS}"
-) -> WantedVectors:
-    """Absolute layer indices for ``request`` on rings of ``shapes`` (at least one).
-
-    Raises 400 listing the captured layers for a layer the server does not capture.
-    """
-    shape = shapes[0]
-    final = shape.num_hidden_layers
-    captured = set(shape.layers)
-    for other in shapes[1:]:
-        captured &= set(other.layers)
-    asked = request.layers if request.layers is not None else (-1,)
-    resolved = []
-    for layer in asked:
-        absolute = layer + final + 1 if layer < 0 else layer
-        if absolute not in captured or absolute < 0:
-            listed = ", ".join(str(k) for k in sorted(captured))
-            raise bad_request(
-                f"Layer {layer} is not captured by this server. It captures layers {listed} "
-                f"(the model has {final} decoder layers; -1 means {final}, the final layer "
-                "after the final norm). Choose from those, or restart vLLM with the layer in "
-                "--hidden-state-layers (HIDDEN_STATE_PROXY_LAYERS).",
-                param,
-            )
-        resolved.append(absolute)
-    return WantedVectors(request, tuple(resolved), final)
-
-
-def flagged_body(document: dict[str, Any], wire_key: str, wanted: WantedVectors) -> bytes:
-    """The body sent to vLLM for a flagged request: its request key and what to capture in
-    ``vllm_xargs``; a mean-pooled request also gets a fresh ``cache_salt``, since the hook must
-    see every prompt position and the prefix cache would skip the cached ones."""
-    xargs = document.get(XARGS)
-    merged = dict(xargs) if isinstance(xargs, dict) else {}
-    merged[REQUEST_KEY_ENTRY] = wire_key
-    layers = wanted.distinct_layers
-    if layers != (wanted.final_layer,):
-        merged[LAYERS_ENTRY] = list(layers)
-    if wanted.request.pooling != "last":
-        merged[POOLING_ENTRY] = wanted.request.pooling
-    sent = {**document, XARGS: merged}
-    if wanted.request.pooling == "mean":
-        sent["cache_salt"] = secrets.token_hex(16)
-    return encode_document(sent)
-
-
-def parse_completion(body: bytes) -> dict[str, Any] | None:
-    """vLLM's 200 JSON response as a dict, or ``None`` if it is not a JSON object."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return document if isinstance(document, dict) else None

@@ -1,17 +1,18 @@
-"""Every other path: forwarded to vLLM as it is, the answer streamed back untouched."""
+"""Every other path: passed through to vLLM as it is, the answer streamed back untouched."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from vllm_hidden_state_proxy.proxy.admission import Endpoint
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, header_value, send_error
+from vllm_hidden_state_proxy.proxy.asgi import header_value, send_error
+from vllm_hidden_state_proxy.proxy.endpoints import Endpoint
 from vllm_hidden_state_proxy.proxy.inspection import check_other_endpoint
-from vllm_hidden_state_proxy.proxy.relay import forward
+from vllm_hidden_state_proxy.proxy.relay import pass_through
+from vllm_hidden_state_proxy.proxy.types import Scope, Send
 
 
 class PassthroughApp(Endpoint):
-    """Forward to ``upstream_url + path + query`` and stream the response back untouched,
+    """Pass through to ``upstream_url + path + query`` and stream the response back untouched,
     unless the body could carry a reserved entry (400)."""
 
     def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
@@ -23,4 +24,4 @@ class PassthroughApp(Endpoint):
             await send_error(send, error)
             return
         self.state.metrics.requests["ordinary"] += 1
-        await forward(self.state, scope, send, body)
+        await pass_through(self.state, scope, send, body)

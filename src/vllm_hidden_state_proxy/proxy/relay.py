@@ -1,47 +1,21 @@
-"""Relaying: send a request to vLLM and stream its answer back byte for byte."""
+"""Relaying: vLLM's answer back to the client byte for byte, as it arrives; and passing a request
+through (sent as it came, the answer relayed)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 
-import anyio
 import httpx
 
-from vllm_hidden_state_proxy.proxy.aiohttp_transport import ClosesAtOnce
-from vllm_hidden_state_proxy.proxy.asgi import Scope, Send, send_error
+from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
+from vllm_hidden_state_proxy.proxy.types import Scope, Send
+from vllm_hidden_state_proxy.proxy.upstream import close_quietly, open_upstream
 
 log = logging.getLogger(__name__)
-
-
-async def open_upstream(state: ProxyState, request: httpx.Request) -> httpx.Response:
-    """Send ``request``; return once vLLM's status and headers are in (body not read yet).
-
-    Raises ``ProxyError`` (502/504) if vLLM cannot be reached. The caller must close the
-    response (``close_quietly``).
-    """
-    try:
-        return await state.transport.handle_async_request(request)
-    except httpx.TransportError as exc:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, exc) from exc
-
-
-async def close_quietly(response: httpx.Response) -> None:
-    """Close the upstream response even while being cancelled (a client disconnect).
-
-    aiohttp's responses close without suspending, so nothing can cancel that; any other
-    transport's close is shielded (a cancel scope per request is measurable CPU).
-    """
-    if isinstance(response.stream, ClosesAtOnce):
-        await response.aclose()
-        return
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
 
 
 async def relay_response(state: ProxyState, send: Send, response: httpx.Response) -> None:
@@ -70,10 +44,10 @@ async def relay_body(state: ProxyState, send: Send, chunks: AsyncIterator[bytes]
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def forward(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:
-    """Forward one request unchanged (apart from ``body``) and stream the answer back."""
+async def pass_through(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:
+    """Pass one request through: sent as it came (with ``body``), the answer relayed back."""
     try:
-        response = await open_upstream(state, build_request(state.settings, scope, body))
+        response = await open_upstream(state, scope, body)
     except ProxyError as error:
         await send_error(send, error)
         return

@@ -30,13 +30,12 @@ from starlette.formparsers import FormParser, MultiPartException, MultiPartParse
 
 from vllm_hidden_state_proxy.protocol import XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+from vllm_hidden_state_proxy.proxy.types import XARGS
 
 _PREFIX = XARGS_PREFIX.encode("ascii")
 _FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 #: Charsets in which the prefix is spelled by its ASCII bytes (Starlette's default is UTF-8).
 _ASCII_LIKE = ("", "utf-8", "utf8", "us-ascii", "ascii", "latin-1", "iso-8859-1")
-#: The form field vLLM reads as JSON into ``extra_args``.
-_XARGS_FIELD = "vllm_xargs"
 
 
 def reserved_key_in(document: Any) -> str | None:
@@ -127,7 +126,7 @@ async def form_refusal(body: bytes, content_type: bytes) -> ProxyError | None:
     for name, value in fields:
         if name.startswith(XARGS_PREFIX):
             return reserved_entry_error(name)
-        if name != _XARGS_FIELD or value is None:
+        if name != XARGS or value is None:  # the field vLLM reads as JSON into extra_args
             continue
         try:
             document = json.loads(value)
@@ -135,7 +134,7 @@ async def form_refusal(body: bytes, content_type: bytes) -> ProxyError | None:
             continue  # not what vLLM accepts either: it answers 400 itself
         where = reserved_key_in(document)
         if where is not None:
-            return reserved_entry_error(f"{_XARGS_FIELD}.{where}")
+            return reserved_entry_error(f"{XARGS}.{where}")
     return None
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
-from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
+from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.sse_events import (
@@ -37,6 +37,7 @@ from vllm_hidden_state_proxy.proxy.sse_events import (
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import hold_until
+from vllm_hidden_state_proxy.proxy.types import Send
 
 log = logging.getLogger(__name__)
 

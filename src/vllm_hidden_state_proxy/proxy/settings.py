@@ -26,12 +26,13 @@ from typing import Any
 from vllm_hidden_state_proxy.protocol import (
     API_KEY_ENV,
     DEFAULT_RING_DIR,
+    DEFAULT_TEMPLATE,
     EMBEDDING_TEMPLATE_ENV,
+    PLACEHOLDER,
     POOLINGS,
     RING_DIR_ENV,
     UPSTREAM_API_KEY_ENV,
 )
-from vllm_hidden_state_proxy.proxy.embeddings_plan import DEFAULT_TEMPLATE, check_template
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -61,6 +62,13 @@ class Option:
 def option(default: Any, flag: str, help: str, **details: Any) -> Any:
     """A settings field that users can set (see :class:`Option` for ``details``)."""
     return field(default=default, metadata={"option": Option(flag, help, **details)})
+
+
+def check_template(template: str) -> str:
+    """A usable ``--embedding-template``: raises ``ValueError`` otherwise."""
+    if PLACEHOLDER not in template:
+        raise ValueError(f"the embedding template must contain {PLACEHOLDER}: {template!r}")
+    return template
 
 
 def _own_user_and_root() -> tuple[int, ...]:

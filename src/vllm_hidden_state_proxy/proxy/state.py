@@ -10,7 +10,7 @@ import httpx
 from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.vector_lookup import RingSource
+from vllm_hidden_state_proxy.proxy.types import RingSource
 
 
 @dataclass(frozen=True)

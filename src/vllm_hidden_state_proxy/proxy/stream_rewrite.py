@@ -23,12 +23,13 @@ import httpx
 import orjson
 
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
-from vllm_hidden_state_proxy.proxy.asgi import Send, send_response
+from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.relay import relay_body
 from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import Send
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
 #: The streamed body changes length where the vectors are joined in.
@@ -109,11 +110,6 @@ def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str
     except orjson.JSONEncodeError as exc:
         raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
     return bytes(buffer[: event.start]) + b"data: " + data + buffer[event.end :]
-
-
-def is_event_stream(response: httpx.Response) -> bool:
-    content_type: str = response.headers.get("content-type", "")
-    return content_type.startswith("text/event-stream")
 
 
 async def hold_until(

@@ -1,4 +1,5 @@
-"""The connection to vLLM: pooled client, request construction, transport-error mapping."""
+"""The connection to vLLM: pooled client, request construction, sending and closing,
+transport-error mapping."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import functools
 import logging
 import time
 
+import anyio
 import httpx
 
-from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
-from vllm_hidden_state_proxy.proxy.asgi import Scope
+from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport, ClosesAtOnce
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import Scope
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,36 @@ def build_request(
         # The transport is called directly (no AsyncClient), so the timeouts travel here.
         extensions={"timeout": settings.timeouts},
     )
+
+
+async def open_upstream(
+    state: ProxyState, scope: Scope, body: bytes, drop: frozenset[bytes] = frozenset()
+) -> httpx.Response:
+    """Send the client's request with ``body`` to vLLM (:func:`build_request`); return once
+    vLLM's status and headers are in (body not read yet).
+
+    Raises ``ProxyError`` (502/504) if vLLM cannot be reached. The caller must close the
+    response (``close_quietly``).
+    """
+    request = build_request(state.settings, scope, body, drop)
+    try:
+        return await state.transport.handle_async_request(request)
+    except httpx.TransportError as exc:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, exc) from exc
+
+
+async def close_quietly(response: httpx.Response) -> None:
+    """Close the upstream response even while being cancelled (a client disconnect).
+
+    aiohttp's responses close without suspending, so nothing can cancel that; any other
+    transport's close is shielded (a cancel scope per request is measurable CPU).
+    """
+    if isinstance(response.stream, ClosesAtOnce):
+        await response.aclose()
+        return
+    with anyio.CancelScope(shield=True):
+        await response.aclose()
 
 
 def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:

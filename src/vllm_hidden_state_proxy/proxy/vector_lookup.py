@@ -1,4 +1,6 @@
-"""Finding a flagged request's record in the rings, once vLLM has answered.
+"""A flagged request against the rings: before it is sent, whether they can serve it and in
+which absolute layers (:func:`check_rings`, :func:`resolve_layers`); once vLLM has answered, its
+record in them (:func:`wait_for_record`).
 
 The hook publishes a record before the step's output leaves the worker, so by the time vLLM's
 answer (or its first streamed chunk) reaches the proxy, the record is in its engine's ring: the
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from vllm_hidden_state_proxy.proxy.errors import (
+    bad_request,
     engines_without_ring,
     hook_error,
     no_ring,
@@ -30,13 +33,12 @@ from vllm_hidden_state_proxy.proxy.errors import (
     vector_timeout,
 )
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
+from vllm_hidden_state_proxy.proxy.types import KV, LAYERS, RingSource, VectorRequest, WantedVectors
 from vllm_hidden_state_proxy.ring import (
-    EngineFailure,
     ErrorRecord,
     Found,
     PublishMarks,
     Record,
-    RingHeader,
     RingShape,
 )
 
@@ -48,34 +50,6 @@ MAX_BACKOFF = 5e-3
 #: While a response is still being generated: first look after this long, then at this interval.
 EARLY_DELAY = 0.05
 EARLY_INTERVAL = 0.02
-
-
-class RingSource(Protocol):
-    """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
-
-    def lookup(self, key: bytes) -> Found | None: ...
-
-    def has_ring(self) -> bool: ...
-
-    def live_ring_count(self) -> int: ...
-
-    def live_shapes(self) -> tuple[RingShape, ...]: ...
-
-    def live_headers(self) -> tuple[RingHeader, ...]: ...
-
-    def failed_engines(self) -> tuple[EngineFailure, ...]: ...
-
-    def refusal(self) -> str | None: ...
-
-    def publishing_instances(self) -> frozenset[int]: ...
-
-    def publish_marks(self) -> PublishMarks: ...
-
-    def overwritten_since(self, marks: PublishMarks) -> bool: ...
-
-    def smallest_slot_count(self) -> int | None: ...
-
-    def close(self) -> None: ...
 
 
 def _matching(rings: RingSource, key: bytes) -> Found | None:
@@ -184,6 +158,11 @@ class EarlyCapture:
             await asyncio.sleep(EARLY_INTERVAL)
 
 
+# ---------------------------------------------------------------------------------------------
+# Before a flagged request is sent
+# ---------------------------------------------------------------------------------------------
+
+
 def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
     """The live rings' shapes, before a flagged request is sent; 503 if there are none (naming
     why the directory is refused, if it is), or if they are of different models (servers of two
@@ -199,3 +178,32 @@ def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
     if any(shape.model_dims != shapes[0].model_dims for shape in shapes[1:]):
         raise rings_of_other_models(shapes, ring_dir)
     return shapes
+
+
+def resolve_layers(
+    request: VectorRequest, shapes: Sequence[RingShape], param: str = f"{KV}.{LAYERS}"
+) -> WantedVectors:
+    """Absolute layer indices for ``request`` on rings of ``shapes`` (at least one).
+
+    Raises 400 listing the captured layers for a layer the server does not capture.
+    """
+    shape = shapes[0]
+    final = shape.num_hidden_layers
+    captured = set(shape.layers)
+    for other in shapes[1:]:
+        captured &= set(other.layers)
+    asked = request.layers if request.layers is not None else (-1,)
+    resolved = []
+    for layer in asked:
+        absolute = layer + final + 1 if layer < 0 else layer
+        if absolute not in captured or absolute < 0:
+            listed = ", ".join(str(k) for k in sorted(captured))
+            raise bad_request(
+                f"Layer {layer} is not captured by this server. It captures layers {listed} "
+                f"(the model has {final} decoder layers; -1 means {final}, the final layer "
+                "after the final norm). Choose from those, or restart vLLM with the layer in "
+                "--hidden-state-layers (HIDDEN_STATE_PROXY_LAYERS).",
+                param,
+            )
+        resolved.append(absolute)
+    return WantedVectors(request, tuple(resolved), final)

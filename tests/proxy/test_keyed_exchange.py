@@ -1,4 +1,4 @@
-"""One flagged request to vLLM (proxy/flagged_exchange.py): a fresh request key in, vLLM's answer
+"""One keyed request to vLLM (proxy/keyed_exchange.py): a fresh request key in, vLLM's answer
 and the record out; never a 200 without the vector."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from tests.proxy.fakes import (
     FINAL,
+    LAYERED,
     AsgiCall,
     FakeRing,
     FakeVLLM,
@@ -24,28 +25,40 @@ from tests.proxy.fakes import (
     publish_for,
     publishing_handler,
     record_for,
+    ring_shape,
     running,
     settings_for,
     vector_for,
 )
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENTRY,
+    POOLING_ENTRY,
+    REQUEST_KEY_ENTRY,
+    request_key_from_wire,
+)
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.flagged_exchange import (
+from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
+from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     AnswerBudget,
     JoinableAnswer,
     KeyedRequest,
     VllmAnswer,
-    fetch_flagged_json,
+    fetch_keyed_json,
+    is_event_stream,
+    keyed_body,
+    parse_completion,
 )
-from vllm_hidden_state_proxy.proxy.inspection import VectorRequest, resolve_layers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import VectorRequest, WantedVectors
+from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
 from vllm_hidden_state_proxy.ring import Found, RingWriter
 
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hello"}]
+WIRE = "ab" * 16
 
 
 def flagged(**extra: Any) -> dict[str, Any]:
@@ -408,6 +421,65 @@ async def test_a_record_captured_early_survives_its_slot_being_reused() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def wanted(layers: tuple[int, ...] | None = None, pooling: str = "last") -> WantedVectors:
+    return resolve_layers(VectorRequest(layers=layers, pooling=pooling), [ring_shape(LAYERED)])
+
+
+def test_the_keyed_body_merges_the_key_into_vllm_xargs() -> None:
+    document = {"messages": [], "vllm_xargs": {"a": 1}}
+    sent = orjson.loads(keyed_body(document, WIRE, wanted()))
+    assert sent == {"messages": [], "vllm_xargs": {"a": 1, REQUEST_KEY_ENTRY: WIRE}}
+    assert document == {"messages": [], "vllm_xargs": {"a": 1}}  # the input is not changed
+    assert "cache_salt" not in sent
+
+
+def test_the_keyed_body_asks_for_other_layers_ascending_and_once() -> None:
+    sent = orjson.loads(keyed_body({"messages": []}, WIRE, wanted((4, 0, -1, 2))))
+    assert sent["vllm_xargs"] == {REQUEST_KEY_ENTRY: WIRE, LAYERS_ENTRY: [0, 2, 4]}
+    only_final = orjson.loads(keyed_body({}, WIRE, wanted((-1, 4))))
+    assert LAYERS_ENTRY not in only_final["vllm_xargs"]  # the default needs no entry
+
+
+def test_mean_pooling_asks_for_it_and_bypasses_the_prefix_cache() -> None:
+    document = {"messages": [], "cache_salt": "client's"}
+    first = orjson.loads(keyed_body(document, WIRE, wanted(pooling="mean")))
+    second = orjson.loads(keyed_body(document, WIRE, wanted(pooling="mean")))
+    assert first["vllm_xargs"] == {REQUEST_KEY_ENTRY: WIRE, POOLING_ENTRY: "mean"}
+    salts = {first["cache_salt"], second["cache_salt"], "client's"}
+    assert len(salts) == 3  # fresh each time: no request reads another's cached prefix
+    assert all(len(salt) == 32 for salt in salts - {"client's"})
+    assert document["cache_salt"] == "client's"
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_a_non_finite_number_in_a_flagged_body_reaches_vllm_as_written(constant: bytes) -> None:
+    """vLLM's parser accepts them; orjson alone would write null."""
+    raw = b'{"temperature": ' + constant + b", " + orjson.dumps(flagged())[1:]
+    decision = inspect_body(raw)
+    assert isinstance(decision, Flagged)
+    assert b'"temperature": ' + constant in keyed_body(decision.document, WIRE, wanted())
+
+
+def test_parse_completion() -> None:
+    assert parse_completion(b'{"id": "x"}') == {"id": "x"}
+    assert parse_completion(b"[1]") is None
+    assert parse_completion(b"data: {}") is None
+
+
+@pytest.mark.parametrize(
+    ("content_type", "expected"),
+    [
+        ("text/event-stream", True),
+        ("text/event-stream; charset=utf-8", True),
+        ("application/json", False),
+        (None, False),
+    ],
+)
+def test_is_event_stream(content_type: str | None, expected: bool) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    assert is_event_stream(httpx.Response(200, headers=headers)) is expected
+
+
 async def test_a_keyed_request_carries_its_key_and_the_marks_at_sending() -> None:
     ring = FakeRing()
     app = create_app(
@@ -425,7 +497,7 @@ async def test_a_keyed_request_carries_its_key_and_the_marks_at_sending() -> Non
     assert first.marks == {}
 
 
-async def test_fetch_flagged_json_answers_with_one_of_two_kinds() -> None:
+async def test_fetch_keyed_json_answers_with_one_of_two_kinds() -> None:
     ring = FakeRing()
 
     async def handle(request: httpx.Request) -> httpx.Response:
@@ -443,10 +515,10 @@ async def test_fetch_flagged_json_answers_with_one_of_two_kinds() -> None:
     async with app.router.lifespan_context(app):
         state: ProxyState = app.state.proxy
         budget = AnswerBudget(settings.max_answer_bytes)
-        joinable = await fetch_flagged_json(state, scope, {"prompt": "ok"}, wanted, budget)
-        refused = await fetch_flagged_json(state, scope, {"prompt": "refused"}, wanted, budget)
+        joinable = await fetch_keyed_json(state, scope, {"prompt": "ok"}, wanted, budget)
+        refused = await fetch_keyed_json(state, scope, {"prompt": "refused"}, wanted, budget)
         with pytest.raises(ProxyError) as caught:
-            await fetch_flagged_json(state, scope, {"prompt": "lost"}, wanted, budget)
+            await fetch_keyed_json(state, scope, {"prompt": "lost"}, wanted, budget)
     assert isinstance(joinable, JoinableAnswer)
     assert joinable.completion == completion()
     assert joinable.record == record_for(joinable.record.key, (FINAL,))

@@ -1,4 +1,4 @@
-"""One flagged request to vLLM: a fresh request key in, vLLM's answer and the record out.
+"""One keyed request to vLLM: a fresh request key in, vLLM's answer and the record out.
 
 - vLLM answers other than 200 pass through unchanged, with no lookup.
 - A JSON 200 gets its vectors joined in (:mod:`.answer_join`).
@@ -11,21 +11,34 @@ an error (:mod:`.vector_lookup`) instead, before any byte of vLLM's answer.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 
-from vllm_hidden_state_proxy.protocol import new_request_key, request_key_to_wire
+from vllm_hidden_state_proxy.protocol import (
+    LAYERS_ENTRY,
+    POOLING_ENTRY,
+    REQUEST_KEY_ENTRY,
+    new_request_key,
+    request_key_to_wire,
+)
 from vllm_hidden_state_proxy.proxy.answer_join import send_joined, single_prompt_fields
-from vllm_hidden_state_proxy.proxy.asgi import RawHeaders, Scope, Send, send_error
+from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, answer_too_large, record_mismatch
-from vllm_hidden_state_proxy.proxy.inspection import WantedVectors, flagged_body, parse_completion
-from vllm_hidden_state_proxy.proxy.relay import close_quietly, open_upstream, relay_response
+from vllm_hidden_state_proxy.proxy.inspection import encode_document
+from vllm_hidden_state_proxy.proxy.relay import relay_response
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.stream_rewrite import is_event_stream, relay_with_vectors
-from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error
+from vllm_hidden_state_proxy.proxy.stream_rewrite import relay_with_vectors
+from vllm_hidden_state_proxy.proxy.types import XARGS, RawHeaders, Scope, Send, WantedVectors
+from vllm_hidden_state_proxy.proxy.upstream import (
+    close_quietly,
+    open_upstream,
+    transport_error,
+)
 from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
 from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
 
@@ -33,9 +46,28 @@ from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
 _NO_ENCODING = frozenset({b"accept-encoding"})
 
 
+def keyed_body(document: dict[str, Any], wire_key: str, wanted: WantedVectors) -> bytes:
+    """A keyed request's body: ``document`` with its request key and what to capture in
+    ``vllm_xargs``; a mean-pooled request also gets a fresh ``cache_salt``, since the hook must
+    see every prompt position and the prefix cache would skip the cached ones."""
+    xargs = document.get(XARGS)
+    merged = dict(xargs) if isinstance(xargs, dict) else {}
+    merged[REQUEST_KEY_ENTRY] = wire_key
+    layers = wanted.distinct_layers
+    if layers != (wanted.final_layer,):
+        merged[LAYERS_ENTRY] = list(layers)
+    if wanted.request.pooling != "last":
+        merged[POOLING_ENTRY] = wanted.request.pooling
+    sent = {**document, XARGS: merged}
+    if wanted.request.pooling == "mean":
+        sent["cache_salt"] = secrets.token_hex(16)
+    return encode_document(sent)
+
+
 @dataclass(frozen=True)
 class KeyedRequest:
-    """A flagged request body with its fresh request key, and the rings' counters at sending."""
+    """A request for vLLM with a fresh request key in its body, and the rings' counters at
+    sending."""
 
     key: bytes
     body: bytes
@@ -47,7 +79,7 @@ class KeyedRequest:
         cls, state: ProxyState, document: dict[str, Any], wanted: WantedVectors
     ) -> KeyedRequest:
         key = new_request_key()
-        body = flagged_body(document, request_key_to_wire(key), wanted)
+        body = keyed_body(document, request_key_to_wire(key), wanted)
         return cls(key, body, wanted, state.rings.publish_marks())
 
 
@@ -88,11 +120,6 @@ async def record_of(state: ProxyState, request: KeyedRequest, early: Found | Non
     if record.pooling != pooling or not set(layers) <= set(record.layers):
         raise record_mismatch(record.layers, record.pooling, layers, pooling)
     return record
-
-
-async def _open(state: ProxyState, scope: Scope, request: KeyedRequest) -> httpx.Response:
-    upstream = build_request(state.settings, scope, request.body, drop=_NO_ENCODING)
-    return await open_upstream(state, upstream)
 
 
 class AnswerBudget:
@@ -136,6 +163,15 @@ async def _read_answer(
     return VllmAnswer(response.status_code, list(response.headers.raw), content)
 
 
+def parse_completion(body: bytes) -> dict[str, Any] | None:
+    """vLLM's 200 JSON response as a dict, or ``None`` if it is not a JSON object."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return document if isinstance(document, dict) else None
+
+
 async def _read_completion(
     state: ProxyState, request: KeyedRequest, response: httpx.Response, budget: AnswerBudget
 ) -> JoinableAnswer:
@@ -153,22 +189,27 @@ async def _read_completion(
     return JoinableAnswer(list(response.headers.raw), completion, record)
 
 
-async def fetch_flagged_json(
+async def fetch_keyed_json(
     state: ProxyState,
     scope: Scope,
     document: dict[str, Any],
     wanted: WantedVectors,
     budget: AnswerBudget,
 ) -> Answer:
-    """Send one flagged, non-streaming request and read the whole answer (the fan-out's
+    """Send one keyed, non-streaming request and read the whole answer (the fan-out's
     building block; its requests share ``budget``). Raises ``ProxyError`` when there is no
     usable answer."""
     request = KeyedRequest.prepare(state, document, wanted)
-    response = await _open(state, scope, request)
+    response = await open_upstream(state, scope, request.body, _NO_ENCODING)
     try:
         return await _read_answer(state, request, response, budget)
     finally:
         await close_quietly(response)
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
 
 
 #: Relays a flagged stream with the vectors (``fields()``) joined in where they ride.
@@ -177,7 +218,7 @@ StreamRelay = Callable[
 ]
 
 
-async def flagged_exchange(
+async def keyed_exchange(
     state: ProxyState,
     scope: Scope,
     send: Send,
@@ -185,11 +226,11 @@ async def flagged_exchange(
     wanted: WantedVectors,
     relay_stream: StreamRelay = relay_with_vectors,
 ) -> None:
-    """Forward one flagged request and answer the client (JSON, or a stream relayed by
-    ``relay_stream``: chat and completions chunks by default)."""
+    """Answer a flagged request with one keyed request: send it, answer the client (JSON, or a
+    stream relayed by ``relay_stream``: chat and completions chunks by default)."""
     request = KeyedRequest.prepare(state, document, wanted)
     try:
-        response = await _open(state, scope, request)
+        response = await open_upstream(state, scope, request.body, _NO_ENCODING)
     except ProxyError as error:
         await send_error(send, error)
         return

@@ -1,4 +1,4 @@
-"""The first stop of a chat or completions request (proxy/admission.py), through the app: what
+"""The first stop of a chat or completions request (proxy/endpoints.py), through the app: what
 the proxy answers itself before anything reaches vLLM (400, 413, 503), and what it counts."""
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ async def test_a_plain_server_captures_only_the_final_layer(
     assert accepted.status_code == 200, accepted.text
 
 
-async def test_what_admission_counts() -> None:
+async def test_what_the_endpoints_count() -> None:
     vllm = FakeVLLM(publishing_handler(FakeRing()))
     async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
         await proxy.client.post(CHAT, json={"messages": []})

@@ -1,33 +1,24 @@
-"""The first stop of every POST endpoint: read the body (413; 503 over the process's budget of
-buffered bodies; 408 too slow), build the exchange that answers it or refuse it with the
-proxy's own error (400, 503), then run the exchange until it ends or the client leaves. Chat
-and completions also share the split into ordinary and flagged, and resolving what a flagged
-request asks for against the live rings."""
+"""The base classes of the POST endpoints: what every endpoint app does before and around its
+own answer.
+
+:class:`Endpoint`: read the body (413; 503 over the process's budget of buffered bodies; 408
+too slow), build the exchange that answers it or refuse it with the proxy's own error (400,
+503), then run the exchange until it ends or the client leaves. :class:`GenerationEndpoint`
+(chat, completions, responses): also the split into ordinary and flagged, and resolving what a
+flagged request asks for against the live rings."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
-from vllm_hidden_state_proxy.proxy.asgi import (
-    Receive,
-    Scope,
-    Send,
-    receive_body,
-    run_until_disconnect,
-    send_error,
-)
+from vllm_hidden_state_proxy.proxy.asgi import receive_body, run_until_disconnect, send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.inspection import (
-    Flagged,
-    Ordinary,
-    WantedVectors,
-    inspect_body,
-    resolve_layers,
-)
-from vllm_hidden_state_proxy.proxy.relay import forward
+from vllm_hidden_state_proxy.proxy.inspection import Flagged, Ordinary, inspect_body
+from vllm_hidden_state_proxy.proxy.relay import pass_through
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
+from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send, WantedVectors
+from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings, resolve_layers
 
 
 class Endpoint(ABC):
@@ -58,19 +49,19 @@ class Endpoint(ABC):
 
 
 class GenerationEndpoint(Endpoint):
-    """Chat and completions: an ordinary request is forwarded byte for byte, a flagged one is
-    answered by :meth:`flagged`."""
+    """Chat, completions and responses: an ordinary request passes through byte for byte, a
+    flagged one is answered by :meth:`flagged_exchange`."""
 
     def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
         decision = inspect_body(body)
         if isinstance(decision, Ordinary):
             self.state.metrics.requests["ordinary"] += 1
-            return forward(self.state, scope, send, decision.body)
+            return pass_through(self.state, scope, send, decision.body)
         self.state.metrics.flagged_received += 1
-        return self.flagged(scope, send, decision)
+        return self.flagged_exchange(scope, send, decision)
 
     @abstractmethod
-    def flagged(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+    def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         """The exchange that answers ``flagged``, not yet started; ``ProxyError`` to refuse it."""
 
 

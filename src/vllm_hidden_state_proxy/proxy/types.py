@@ -1,0 +1,135 @@
+"""What the proxy's modules share: its words, the client's field names, what a flagged request
+asks for, the ASGI aliases, and what the proxy needs of the rings. (No behaviour but a few type
+checks of JSON values; the project-wide words are in ``protocol.py``.)
+
+Words (one per concept, in code, docs and messages):
+
+- **flagged request**: a client's request whose ``kv_transfer_params`` carries
+  ``return_last_hidden_state: true`` (the **flag**), asking for vectors. Any other request is
+  **ordinary**. Inspection tells the two apart (``inspection.py``: ``Ordinary | Flagged``).
+- **vector request** (:class:`VectorRequest`): what a flagged request asks for, as the client
+  wrote it; **wanted vectors** (:class:`WantedVectors`): the same in absolute layers of the
+  live rings.
+- **keyed request**: a request the proxy sends vLLM for a flagged request, with a fresh
+  request key in ``vllm_xargs``. A flagged request is sent as one keyed request, or as several
+  (a list of prompts, embeddings inputs: the **fan-out**, ``fan_out.py``).
+- **exchange**: everything that answers one client request once its body is read, from the
+  request to vLLM to the client's last byte; an endpoint builds it (``endpoints.py``), a client
+  that leaves cancels it.
+- **pass through**: send a request to vLLM as the client sent it and relay the answer back
+  untouched (ordinary requests, every other path).
+- **relay**: copy vLLM's answer to the client as it arrives.
+- **answer**: vLLM's response to a request; **join**: put the vectors into an answer
+  (``answer_join.py``, and for streams ``stream_rewrite.py``, ``responses_stream.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
+
+# -- the client's field names ----------------------------------------------------------------
+
+KV = "kv_transfer_params"
+XARGS = "vllm_xargs"
+#: In the request, inside ``kv_transfer_params``.
+FLAG = "return_last_hidden_state"
+FORMAT = "last_hidden_state_format"
+LAYERS = "last_hidden_state_layers"
+POOLING = "last_hidden_state_pooling"
+#: In the request (true asks for it) and in the answer (where and what the vectors are).
+INFO = "last_hidden_state_info"
+#: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
+OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING)
+FORMATS = ("float", "base64")
+
+#: In the answer, inside ``kv_transfer_params``; a list of prompts gets the plurals.
+VECTOR = "last_hidden_state"
+VECTORS = "last_hidden_states"
+BY_LAYER = "last_hidden_states_by_layer"
+INFOS = "last_hidden_state_infos"
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``True`` is an ``int`` to Python, not to the client)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_token_ids(value: Any) -> bool:
+    """A non-empty list of token ids (JSON integers)."""
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
+
+
+# -- what a flagged request asks for ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VectorRequest:
+    """What a flagged request asks for, as the client wrote it."""
+
+    format: str = "float"
+    info: bool = False
+    #: ``last_hidden_state_layers`` as given (negative indices count from the end); ``None``
+    #: when absent: the final layer, in the singular field only.
+    layers: tuple[int, ...] | None = None
+    pooling: str = "last"
+
+
+@dataclass(frozen=True)
+class WantedVectors:
+    """A :class:`VectorRequest` resolved against the server's rings: absolute layer indices."""
+
+    request: VectorRequest
+    #: One absolute index per requested layer, in request order (default: the final layer).
+    layers: tuple[int, ...]
+    #: The final layer's index (N): its vector also goes in ``last_hidden_state``.
+    final_layer: int
+
+    @property
+    def distinct_layers(self) -> tuple[int, ...]:
+        """The layers to capture, ascending, each once."""
+        return tuple(sorted(set(self.layers)))
+
+
+# -- ASGI ------------------------------------------------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+RawHeaders = list[tuple[bytes, bytes]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+# -- the rings -------------------------------------------------------------------------------
+
+
+class RingSource(Protocol):
+    """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
+
+    def lookup(self, key: bytes) -> Found | None: ...
+
+    def has_ring(self) -> bool: ...
+
+    def live_ring_count(self) -> int: ...
+
+    def live_shapes(self) -> tuple[RingShape, ...]: ...
+
+    def live_headers(self) -> tuple[RingHeader, ...]: ...
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]: ...
+
+    def refusal(self) -> str | None: ...
+
+    def publishing_instances(self) -> frozenset[int]: ...
+
+    def publish_marks(self) -> PublishMarks: ...
+
+    def overwritten_since(self, marks: PublishMarks) -> bool: ...
+
+    def smallest_slot_count(self) -> int | None: ...
+
+    def close(self) -> None: ...
