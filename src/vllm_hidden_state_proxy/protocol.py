@@ -12,7 +12,10 @@ Vocabulary (one word per concept, used in code, docs and messages):
 - **record**: what the hook publishes for one request key: its vectors and where they were
   taken, or the reason there are none (an error record).
 - **vector**: ``hidden_size`` float32 values: one layer's state, at the last prompt position
-  (pooling ``"last"``) or averaged over every prompt position (pooling ``"mean"``).
+  (pooling ``"last"``), averaged over every prompt position (pooling ``"mean"``), or at the
+  last computed position of one generated answer (pooling ``"last_answer"``: the state that
+  chose the answer's final token, see :func:`answer_key`).
+- **choice**: one of the ``n`` answers of a request (vLLM's ``choices[i].index``).
 - **layer**: an index into Transformers' ``output_hidden_states``: 0 is the embeddings, ``k``
   the residual stream after ``k`` decoder layers, ``N`` (= ``num_hidden_layers``) and ``-1``
   the final layer after the final norm.
@@ -24,8 +27,10 @@ counters, which rings are live) is a method. This module imports nothing of the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import struct
 
 # -- the request key -------------------------------------------------------------------------
 
@@ -35,14 +40,30 @@ XARGS_PREFIX = "hidden_state_proxy_"
 REQUEST_KEY_ENTRY = XARGS_PREFIX + "key"
 #: ``vllm_xargs`` entry listing the layers a flagged request wants (absolute indices).
 LAYERS_ENTRY = XARGS_PREFIX + "layers"
-#: ``vllm_xargs`` entry naming the pooling a flagged request wants ("last" or "mean").
+#: ``vllm_xargs`` entry naming the pooling a flagged request wants (one of :data:`POOLINGS`).
 POOLING_ENTRY = XARGS_PREFIX + "pooling"
+#: ``vllm_xargs`` entry with the request's ``n`` (sent with ``"last_answer"`` when ``n > 1``):
+#: vLLM runs each choice as a child request ``"{index}_{parent id}"``
+#: (``vllm/v1/engine/parallel_sampling.py``), which the hook reads the choice index from.
+CHOICES_ENTRY = XARGS_PREFIX + "choices"
 
 #: Request key length in bytes (128-bit random).
 REQUEST_KEY_BYTES = 16
 
-#: The two poolings a record can hold.
-POOLINGS = ("last", "mean")
+#: The poolings a record can hold. ``"last"`` and ``"mean"`` are of the prompt (one record per
+#: request key); ``"last_answer"`` of each choice's answer (records under :func:`answer_key`).
+POOLINGS = ("last", "mean", "last_answer")
+#: The poolings of the prompt (all that ``/v1/embeddings`` can do: it generates no answer).
+PROMPT_POOLINGS = ("last", "mean")
+#: The poolings that are taken from the generated answer, once it is finished.
+ANSWER_POOLINGS = ("last_answer",)
+
+#: How many of a choice's latest computed positions the hook publishes when it finishes, each
+#: as a record under :func:`answer_key`. The hook cannot tell which computed position chose
+#: the final token: with async scheduling (and pipeline parallel batch queues) vLLM has already
+#: computed a step past it when the stop is seen. The proxy knows the answer's token count and
+#: looks up the one it needs.
+ANSWER_WINDOW = 4
 
 # -- the embeddings template -----------------------------------------------------------------
 # The proxy's /v1/embeddings option, and the clients that build its prompts themselves (the
@@ -96,6 +117,17 @@ def ring_dir_from_env() -> str:
 def new_request_key() -> bytes:
     """A fresh 128-bit random request key; never derived from client input."""
     return secrets.token_bytes(REQUEST_KEY_BYTES)
+
+
+def answer_key(key: bytes, choice: int, num_output_tokens: int) -> bytes:
+    """The record key of the state that chose output token ``num_output_tokens`` (1-based) of
+    choice ``choice`` of the request keyed ``key``: its position is
+    ``num_prompt_tokens + num_output_tokens - 2`` (for the first token, the last prompt
+    position). Unguessable without ``key``, distinct per (choice, count)."""
+    data = struct.pack("<QQ", choice, num_output_tokens)
+    return hashlib.blake2b(
+        data, key=key, digest_size=REQUEST_KEY_BYTES, person=b"hsp-answer"
+    ).digest()
 
 
 def request_key_to_wire(key: bytes) -> str:

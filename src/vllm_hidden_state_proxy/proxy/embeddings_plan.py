@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import PLACEHOLDER
+from vllm_hidden_state_proxy.protocol import PLACEHOLDER, PROMPT_POOLINGS
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.inspection import check_format, check_pooling
 from vllm_hidden_state_proxy.proxy.types import VectorRequest, is_int, is_token_ids
@@ -146,7 +146,9 @@ def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRe
             "'layer' must be an integer layer index (negative ones count from the end).", "layer"
         )
     pooling = document.get("pooling")
-    pooling = defaults.pooling if pooling is None else check_pooling(pooling, "pooling")
+    pooling = (
+        defaults.pooling if pooling is None else check_pooling(pooling, "pooling", PROMPT_POOLINGS)
+    )
     return VectorRequest(layers=(layer,), pooling=pooling)
 
 

@@ -13,6 +13,7 @@ orjson refuses but vLLM accepts: UTF-16/32, lone surrogate escapes, NaN, huge nu
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,9 +166,9 @@ def check_format(value: Any, param: str) -> str:
     return value
 
 
-def check_pooling(value: Any, param: str) -> str:
-    if not isinstance(value, str) or value not in POOLINGS:
-        raise bad_request(f"'{param}' must be one of {', '.join(POOLINGS)}, not {value!r}.", param)
+def check_pooling(value: Any, param: str, allowed: Sequence[str] = POOLINGS) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise bad_request(f"'{param}' must be one of {', '.join(allowed)}, not {value!r}.", param)
     return value
 
 

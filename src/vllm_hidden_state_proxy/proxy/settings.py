@@ -29,7 +29,7 @@ from vllm_hidden_state_proxy.protocol import (
     DEFAULT_TEMPLATE,
     EMBEDDING_TEMPLATE_ENV,
     PLACEHOLDER,
-    POOLINGS,
+    PROMPT_POOLINGS,
     RING_DIR_ENV,
     UPSTREAM_API_KEY_ENV,
 )
@@ -195,7 +195,7 @@ class ProxySettings:
         "last",
         "--embedding-pooling",
         "/v1/embeddings: the pooling a request without 'pooling' gets",
-        choices=POOLINGS,
+        choices=PROMPT_POOLINGS,
     )
     max_embedding_inputs: int = option(
         2048,
@@ -291,8 +291,8 @@ class ProxySettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         check_template(self.embedding_template)
-        if self.embedding_pooling not in POOLINGS:
-            raise ValueError(f"embedding_pooling must be one of {', '.join(POOLINGS)}")
+        if self.embedding_pooling not in PROMPT_POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {', '.join(PROMPT_POOLINGS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (None disables it)")
         for name in (
