@@ -79,6 +79,8 @@ def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
         "dtype": "float32",
         "pooling": record.pooling,
     }
+    if record.pooling == "last_answer":  # the state that chose this token of the answer
+        info["num_output_tokens"] = record.position - record.num_prompt_tokens + 2
     if wanted.final_layer in wanted.layers:
         info["layer"] = "final_norm"
     if wanted.request.layers is not None:

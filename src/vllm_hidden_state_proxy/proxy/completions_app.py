@@ -134,7 +134,8 @@ async def _prompt_list_exchange(
         else:  # vLLM's own error for that prompt
             await send_unchanged(send, failure.status, failure.headers, failure.content)
         return
-    fields = prompt_list_fields([answer.record for answer in answers], wanted)
+    records = [record for answer in answers for record in answer.records]
+    fields = prompt_list_fields(records, wanted)
     try:
         merged = merge_completions([answer.completion for answer in answers])
         await send_joined(send, answers[0].headers, merged, fields)

@@ -4,6 +4,9 @@
 - A JSON 200 gets its vectors joined in (:mod:`.answer_join`).
 - A streamed 200 (``text/event-stream``) gets them on its first chunk that carries a choice
   (:mod:`.stream_rewrite`).
+- The answer's vectors (pooling ``"last_answer"``) are found once vLLM's answer has ended, one
+  per choice (:mod:`.answer_choices`); in a stream, on each choice's last chunk
+  (:mod:`.answer_stream`).
 
 A flagged request never gets a 200 without its vectors: if they cannot be had, the client gets
 an error (:mod:`.vector_lookup`) instead, before any byte of vLLM's answer.
@@ -20,13 +23,28 @@ import httpx
 import orjson
 
 from vllm_hidden_state_proxy.protocol import (
+    ANSWER_POOLINGS,
     LAYERS_ENTRY,
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
     new_request_key,
     request_key_to_wire,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import send_joined, single_prompt_fields
+from vllm_hidden_state_proxy.proxy.answer_choices import (
+    AnswerAsks,
+    ChoiceCount,
+    answer_asks,
+    choice_counts,
+    choice_record,
+    choice_records,
+    without_asked_token_ids,
+)
+from vllm_hidden_state_proxy.proxy.answer_join import (
+    prompt_list_fields,
+    send_joined,
+    single_prompt_fields,
+)
+from vllm_hidden_state_proxy.proxy.answer_stream import relay_with_answer_vectors
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, answer_too_large, record_mismatch
 from vllm_hidden_state_proxy.proxy.inspection import encode_document
@@ -46,12 +64,19 @@ from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
 _NO_ENCODING = frozenset({b"accept-encoding"})
 
 
-def keyed_body(document: dict[str, Any], wire_key: str, wanted: WantedVectors) -> bytes:
+def keyed_body(
+    document: dict[str, Any],
+    wire_key: str,
+    wanted: WantedVectors,
+    entries: dict[str, Any] | None = None,
+) -> bytes:
     """A keyed request's body: ``document`` with its request key and what to capture in
-    ``vllm_xargs``; a mean-pooled request also gets a fresh ``cache_salt``, since the hook must
-    see every prompt position and the prefix cache would skip the cached ones."""
+    ``vllm_xargs`` (plus ``entries``); a mean-pooled request also gets a fresh ``cache_salt``,
+    since the hook must see every prompt position and the prefix cache would skip the cached
+    ones."""
     xargs = document.get(XARGS)
     merged = dict(xargs) if isinstance(xargs, dict) else {}
+    merged.update(entries or {})
     merged[REQUEST_KEY_ENTRY] = wire_key
     layers = wanted.distinct_layers
     if layers != (wanted.final_layer,):
@@ -73,14 +98,21 @@ class KeyedRequest:
     body: bytes
     wanted: WantedVectors
     marks: PublishMarks
+    #: For the answer's vectors: what was added to learn each choice's token count.
+    asks: AnswerAsks | None = None
 
     @classmethod
     def prepare(
         cls, state: ProxyState, document: dict[str, Any], wanted: WantedVectors
     ) -> KeyedRequest:
         key = new_request_key()
-        body = keyed_body(document, request_key_to_wire(key), wanted)
-        return cls(key, body, wanted, state.rings.publish_marks())
+        asks = None
+        entries: dict[str, Any] = {}
+        if wanted.request.pooling in ANSWER_POOLINGS:
+            fields, entries, asks = answer_asks(document)
+            document = {**document, **fields}
+        body = keyed_body(document, request_key_to_wire(key), wanted, entries)
+        return cls(key, body, wanted, state.rings.publish_marks(), asks)
 
 
 @dataclass(frozen=True)
@@ -94,11 +126,23 @@ class VllmAnswer:
 
 @dataclass(frozen=True)
 class JoinableAnswer:
-    """vLLM's 200 JSON completion, and the request's record."""
+    """vLLM's 200 JSON completion, and the request's records: one of the prompt, or one per
+    choice (the answer's vectors), in choice order."""
 
     headers: RawHeaders
     completion: dict[str, Any]
-    record: Record
+    records: tuple[Record, ...]
+
+    @property
+    def record(self) -> Record:
+        """The prompt's record (the only one)."""
+        return self.records[0]
+
+    def fields(self, wanted: WantedVectors) -> dict[str, Any]:
+        """The vectors' fields: singular for one record, one entry per choice otherwise."""
+        if len(self.records) == 1:
+            return single_prompt_fields(self.records[0], wanted)
+        return prompt_list_fields(self.records, wanted)
 
 
 Answer = VllmAnswer | JoinableAnswer
@@ -175,7 +219,10 @@ def parse_completion(body: bytes) -> dict[str, Any] | None:
 async def _read_completion(
     state: ProxyState, request: KeyedRequest, response: httpx.Response, budget: AnswerBudget
 ) -> JoinableAnswer:
-    """Read a 200 JSON answer, picking the record up meanwhile if the answer takes long."""
+    """Read a 200 JSON answer, picking the record up meanwhile if the answer takes long (the
+    prompt's; the answer's are published when it ends)."""
+    if request.asks is not None:
+        return await _read_answer_completion(state, request, response, budget, request.asks)
     early = EarlyCapture(state.rings, request.key, request.marks)
     try:
         content = await early.during(_read_body(response, budget))
@@ -186,7 +233,30 @@ async def _read_completion(
     if completion is None:
         raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
     record = await record_of(state, request, early.found)
-    return JoinableAnswer(list(response.headers.raw), completion, record)
+    return JoinableAnswer(list(response.headers.raw), completion, (record,))
+
+
+async def _read_answer_completion(
+    state: ProxyState,
+    request: KeyedRequest,
+    response: httpx.Response,
+    budget: AnswerBudget,
+    asks: AnswerAsks,
+) -> JoinableAnswer:
+    try:
+        content = await _read_body(response, budget)
+    except httpx.HTTPError as failure:
+        state.metrics.upstream_errors += 1
+        raise transport_error(state.settings, failure) from failure
+    completion = parse_completion(content)
+    if completion is None:
+        raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
+    counts = choice_counts(completion)
+    # Published as the answer ended: the rings' counters from here tell an overwrite.
+    marks = state.rings.publish_marks()
+    records = await choice_records(state, request.key, request.wanted, counts, marks)
+    completion = without_asked_token_ids(completion, asks)
+    return JoinableAnswer(list(response.headers.raw), completion, records)
 
 
 async def fetch_keyed_json(
@@ -251,6 +321,16 @@ def _answer(
 ) -> Awaitable[None]:
     if response.status_code != 200:
         return relay_response(state, send, response)  # vLLM's own error, unchanged
+    if is_event_stream(response) and request.asks is not None:
+        asks = request.asks
+
+        async def choice_fields(index: int, num_output_tokens: int) -> dict[str, Any]:
+            count = ChoiceCount(index, num_output_tokens)
+            marks = state.rings.publish_marks()
+            record = await choice_record(state, request.key, request.wanted, count, marks)
+            return single_prompt_fields(record, request.wanted)
+
+        return relay_with_answer_vectors(state, send, response, asks, choice_fields)
     if is_event_stream(response):
 
         async def fields() -> dict[str, Any]:
@@ -265,5 +345,4 @@ async def _send_json(
 ) -> None:
     budget = AnswerBudget(state.settings.max_answer_bytes)
     answer = await _read_completion(state, request, response, budget)
-    fields = single_prompt_fields(answer.record, request.wanted)
-    await send_joined(send, answer.headers, answer.completion, fields)
+    await send_joined(send, answer.headers, answer.completion, answer.fields(request.wanted))

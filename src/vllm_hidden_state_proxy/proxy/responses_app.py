@@ -12,15 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
 from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
+from vllm_hidden_state_proxy.proxy.errors import bad_request
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.responses_stream import relay_responses_with_vectors
-from vllm_hidden_state_proxy.proxy.types import Scope, Send
+from vllm_hidden_state_proxy.proxy.types import KV, POOLING, Scope, Send
 
 
 class ResponsesApp(GenerationEndpoint):
     def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
+        if flagged.vectors.pooling in ANSWER_POOLINGS:
+            raise bad_request(
+                f"'{KV}.{POOLING}': {flagged.vectors.pooling!r} is not supported on "
+                "/v1/responses yet: use /v1/chat/completions or /v1/completions for the "
+                "answer's hidden state.",
+                f"{KV}.{POOLING}",
+            )
         wanted = resolve_wanted(self.state, flagged)
         return keyed_exchange(
             self.state,

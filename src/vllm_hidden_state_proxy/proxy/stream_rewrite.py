@@ -33,7 +33,7 @@ from vllm_hidden_state_proxy.proxy.types import Send
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
 #: The streamed body changes length where the vectors are joined in.
-_STREAM_DROP = frozenset({b"content-length"})
+STREAM_DROP = frozenset({b"content-length"})
 
 T = TypeVar("T")
 
@@ -165,7 +165,7 @@ async def relay_with_vectors(
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": downstream_response_headers(response.headers.raw, drop=_STREAM_DROP),
+            "headers": downstream_response_headers(response.headers.raw, drop=STREAM_DROP),
         }
     )
     await send({"type": "http.response.body", "body": head, "more_body": True})

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
 
@@ -53,7 +53,7 @@ BY_LAYER = "last_hidden_states_by_layer"
 INFOS = "last_hidden_state_infos"
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """A JSON integer (``True`` is an ``int`` to Python, not to the client)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -52,11 +52,17 @@ EARLY_DELAY = 0.05
 EARLY_INTERVAL = 0.02
 
 
-def _matching(rings: RingSource, key: bytes) -> Found | None:
+def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> Found | None:
+    """The record of ``key``; else, with ``error_key``, an error record published under it."""
     found = rings.lookup(key)
-    if found is None or found.key != key:  # a record for another key is never ours
+    if found is not None and found.key == key:  # a record for another key is never ours
+        return found
+    if error_key is None:
         return None
-    return found
+    failed = rings.lookup(error_key)
+    if isinstance(failed, ErrorRecord) and failed.key == error_key:
+        return failed
+    return None
 
 
 def _as_record(found: Found) -> Record:
@@ -72,19 +78,22 @@ async def wait_for_record(
     timeout: float,
     metrics: ProxyMetrics,
     early: Found | None = None,
+    error_key: bytes | None = None,
 ) -> Record:
     """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
 
-    ``marks`` are the rings' publish counters when the request was sent.
+    ``marks`` are the rings' publish counters when the request was sent (for an answer's
+    records, when vLLM's answer ended: they are published after it). With ``error_key`` (the
+    request key of an answer's record key), an error record under it answers too.
     """
     start = time.monotonic()
-    found = early if early is not None else _matching(rings, key)
+    found = early if early is not None else _matching(rings, key, error_key)
     if found is None:
         failures = rings.failed_engines()
         if failures:
             metrics.vector_misses["engine_without_ring"] += 1
             raise engines_without_ring(failures)
-        found = await _poll(rings, key, marks, start + timeout)
+        found = await _poll(rings, key, marks, start + timeout, error_key)
     if found is None:
         if rings.overwritten_since(marks):
             metrics.vector_misses["overwritten"] += 1
@@ -96,7 +105,11 @@ async def wait_for_record(
 
 
 async def _poll(
-    rings: RingSource, key: bytes, marks: PublishMarks, deadline: float
+    rings: RingSource,
+    key: bytes,
+    marks: PublishMarks,
+    deadline: float,
+    error_key: bytes | None = None,
 ) -> Found | None:
     """Look again with a doubling interval, until found, overwritten or ``deadline``."""
     delay = FIRST_BACKOFF
@@ -105,7 +118,7 @@ async def _poll(
         if now >= deadline:
             return None
         await asyncio.sleep(min(delay, deadline - now))
-        found = _matching(rings, key)
+        found = _matching(rings, key, error_key)
         if found is not None:
             return found
         delay = min(delay * 2, MAX_BACKOFF)

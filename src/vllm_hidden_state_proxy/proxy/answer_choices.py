@@ -1,0 +1,184 @@
+"""The answer's vectors (pooling ``"last_answer"``): one per choice, found once it has ended.
+
+The worker hook publishes, when a choice finishes, the states of its latest computed positions,
+each under :func:`~vllm_hidden_state_proxy.protocol.answer_key` of (request key, choice index,
+output token count it chose). The proxy knows which one it needs once it knows how many tokens
+the choice generated (``C``): the state that chose token ``C``, at position ``P + C - 2``. So
+the keyed request asks vLLM for the counts (:func:`answer_asks`), and the proxy takes them out
+of the answer again if the client did not ask for them itself:
+
+- a JSON answer: ``return_token_ids`` (each choice's ``token_ids``; ``prompt_token_ids``), set
+  back to ``null`` afterwards;
+- a stream: ``stream_options.include_usage`` and ``continuous_usage_stats`` (each chunk's
+  ``usage.completion_tokens`` counts its choice's tokens so far), removed from the chunks
+  afterwards (:mod:`.answer_stream`).
+
+The record is checked against the count (its position, its prompt length against vLLM's
+``prompt_token_ids`` where the answer has them): a record that does not fit is a 502, never a
+vector of another position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, answer_key
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, record_mismatch
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.types import WantedVectors, is_int
+from vllm_hidden_state_proxy.proxy.vector_lookup import wait_for_record
+from vllm_hidden_state_proxy.ring import PublishMarks, Record
+
+_TOKEN_IDS = "token_ids"
+_PROMPT_TOKEN_IDS = "prompt_token_ids"
+_STREAM_OPTIONS = "stream_options"
+
+
+@dataclass(frozen=True)
+class AnswerAsks:
+    """What the proxy added to a keyed request to learn each choice's token count (and takes
+    out of vLLM's answer again)."""
+
+    #: ``return_token_ids: true`` (a JSON answer).
+    token_ids: bool = False
+    #: ``stream_options.include_usage: true``: the final usage chunk is dropped.
+    usage: bool = False
+    #: ``stream_options.continuous_usage_stats: true``: each chunk's ``usage`` is removed.
+    continuous_usage: bool = False
+
+
+def answer_asks(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], AnswerAsks]:
+    """(body fields to set, ``vllm_xargs`` entries to add, what was added) for a keyed request
+    of ``document`` that wants its answer's vectors."""
+    entries: dict[str, Any] = {}
+    n = document.get("n")
+    if is_int(n) and n > 1:
+        entries[CHOICES_ENTRY] = n
+    if document.get("stream") is True:
+        options = document.get(_STREAM_OPTIONS)
+        if options is not None and not isinstance(options, dict):
+            return {}, entries, AnswerAsks()  # vLLM refuses it with its own 400
+        merged = dict(options or {})
+        asks = AnswerAsks(
+            usage=merged.get("include_usage") is not True,
+            continuous_usage=merged.get("continuous_usage_stats") is not True,
+        )
+        merged["include_usage"] = True
+        merged["continuous_usage_stats"] = True
+        return {_STREAM_OPTIONS: merged}, entries, asks
+    asks = AnswerAsks(token_ids=document.get("return_token_ids") is not True)
+    return {"return_token_ids": True}, entries, asks
+
+
+@dataclass(frozen=True)
+class ChoiceCount:
+    """One choice of vLLM's answer: its index and how many tokens it generated."""
+
+    index: int
+    num_output_tokens: int
+    #: The prompt's length where the answer says it (``prompt_token_ids``), for the check.
+    num_prompt_tokens: int | None = None
+
+
+def _not_counted(what: str) -> ProxyError:
+    return ProxyError(
+        502,
+        f"vLLM's answer {what}, which the proxy needs to find the answer's hidden state "
+        "(is this vLLM's OpenAI server, 0.32 or later?).",
+    )
+
+
+def choice_counts(completion: dict[str, Any]) -> list[ChoiceCount]:
+    """Each choice's token count, from a JSON answer asked for ``return_token_ids``."""
+    choices = completion.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _not_counted("has no choices")
+    prompt = completion.get(_PROMPT_TOKEN_IDS)  # chat: the answer's; completions: per choice
+    counts = []
+    for choice in choices:
+        if not isinstance(choice, dict) or not is_int(choice.get("index")):
+            raise _not_counted("has a choice without an index")
+        token_ids = choice.get(_TOKEN_IDS)
+        if not isinstance(token_ids, list):
+            raise _not_counted(f"has no token_ids for choice {choice['index']}")
+        if not token_ids:
+            raise ProxyError(
+                400,
+                f"Choice {choice['index']} generated no token (max_tokens 0?), so there is no "
+                "answer state to return: ask for at least one token.",
+            )
+        own_prompt = choice.get(_PROMPT_TOKEN_IDS, prompt)
+        prompt_length = len(own_prompt) if isinstance(own_prompt, list) else None
+        counts.append(ChoiceCount(choice["index"], len(token_ids), prompt_length))
+    return counts
+
+
+def without_asked_token_ids(completion: dict[str, Any], asks: AnswerAsks) -> dict[str, Any]:
+    """``completion`` as vLLM writes it without ``return_token_ids`` (``null`` in their place),
+    if the proxy asked for them."""
+    if not asks.token_ids:
+        return completion
+    restored = dict(completion)
+    if _PROMPT_TOKEN_IDS in restored:
+        restored[_PROMPT_TOKEN_IDS] = None
+    choices = []
+    for choice in restored.get("choices") or []:
+        if isinstance(choice, dict):
+            choice = dict(choice)
+            for name in (_TOKEN_IDS, _PROMPT_TOKEN_IDS):
+                if name in choice:
+                    choice[name] = None
+        choices.append(choice)
+    restored["choices"] = choices
+    return restored
+
+
+async def choice_record(
+    state: ProxyState,
+    key: bytes,
+    wanted: WantedVectors,
+    count: ChoiceCount,
+    marks: PublishMarks,
+) -> Record:
+    """The record of one finished choice; ``ProxyError`` if there is none or it does not fit
+    (an error record under the request key answers for every choice)."""
+    record = await wait_for_record(
+        state.rings,
+        answer_key(key, count.index, count.num_output_tokens),
+        marks,
+        state.settings.vector_timeout,
+        state.metrics,
+        error_key=key,
+    )
+    layers = wanted.distinct_layers
+    if record.pooling != "last_answer" or not set(layers) <= set(record.layers):
+        raise record_mismatch(record.layers, record.pooling, layers, "last_answer")
+    expected = record.num_prompt_tokens + count.num_output_tokens - 2
+    prompt_differs = (
+        count.num_prompt_tokens is not None and count.num_prompt_tokens != record.num_prompt_tokens
+    )
+    if record.position != expected or prompt_differs:
+        raise ProxyError(
+            502,
+            f"The vLLM worker hook's answer record of choice {count.index} is of position "
+            f"{record.position} of a {record.num_prompt_tokens}-token prompt, but vLLM's answer "
+            f"has {count.num_output_tokens} tokens"
+            + (f" after a {count.num_prompt_tokens}-token prompt" if prompt_differs else "")
+            + f" (position {expected}): the worker hook and this proxy disagree; please report "
+            "it.",
+        )
+    return record
+
+
+async def choice_records(
+    state: ProxyState,
+    key: bytes,
+    wanted: WantedVectors,
+    counts: list[ChoiceCount],
+    marks: PublishMarks,
+) -> tuple[Record, ...]:
+    """The records of every choice, in the order of ``counts``. One after the other: every
+    choice has finished when vLLM's JSON answer is complete, so the first wait is the only
+    one that can be long."""
+    return tuple([await choice_record(state, key, wanted, count, marks) for count in counts])
