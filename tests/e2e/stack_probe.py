@@ -275,3 +275,13 @@ def read_http_response(sock: socket.socket, timeout: float) -> tuple[int, bytes]
 
 def readable(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
+
+
+def prefix_cache_hits(stack: RunningStack) -> float:
+    """vLLM's prefix cache hits so far (tokens), summed over its engines."""
+    text = httpx.get(stack.vllm_url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )

@@ -10,6 +10,7 @@ import pytest
 
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, RunningStack
+from tests.e2e.stack_probe import prefix_cache_hits
 
 FLAG = {"kv_transfer_params": {"return_last_hidden_state": True}}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -117,23 +118,14 @@ def test_chunked_prefill_takes_the_row_from_the_last_chunk(
     check_against_reference(response, reference, messages, enable_thinking=False)
 
 
-def _prefix_cache_hits(stack: RunningStack) -> float:
-    text = httpx.get(stack.proxy_url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_repeated_prompt_hits_the_prefix_cache_and_gets_the_same_vector(
     stack: RunningStack, client: Any, model_name: str, reference: Reference
 ) -> None:
     messages = [{"role": "user", "content": "Prefix cache: " + LONG_TEXT}]
     first = flagged(client, model_name, messages)
-    hits_before = _prefix_cache_hits(stack)
+    hits_before = prefix_cache_hits(stack)
     second = flagged(client, model_name, messages)
-    hits_after = _prefix_cache_hits(stack)
+    hits_after = prefix_cache_hits(stack)
     assert hits_after > hits_before, "the second request should hit vLLM's prefix cache"
     check_against_reference(first, reference, messages, enable_thinking=False)
     check_against_reference(second, reference, messages, enable_thinking=False)

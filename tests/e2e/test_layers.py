@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, SHARED_LAYERS, RunningStack
+from tests.e2e.stack_probe import prefix_cache_hits
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
@@ -111,15 +112,6 @@ def test_prompt_chunked_over_several_prefill_steps(
     check_layers(ask(client, model_name, messages, pooling=pooling), reference, ids, pooling)
 
 
-def _prefix_cache_hits(stack: RunningStack) -> float:
-    text = httpx.get(stack.vllm_url + "/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:prefix_cache_hits_total")
-    )
-
-
 def test_a_shared_long_prefix_hits_the_cache_for_last_and_is_recomputed_for_mean(
     stack: RunningStack, client: Any, model_name: str, reference: Reference
 ) -> None:
@@ -128,15 +120,15 @@ def test_a_shared_long_prefix_hits_the_cache_for_last_and_is_recomputed_for_mean
     ask(client, model_name, first)  # fills the prefix cache
     ids = reference.chat_token_ids(second, enable_thinking=False)
 
-    hits = _prefix_cache_hits(stack)
+    hits = prefix_cache_hits(stack)
     answer = ask(client, model_name, second)
-    assert _prefix_cache_hits(stack) > hits, "the second prompt should hit the prefix cache"
+    assert prefix_cache_hits(stack) > hits, "the second prompt should hit the prefix cache"
     check_layers(answer, reference, ids, "last")
 
     # Mean pooling must see every position: the proxy's fresh cache_salt keeps the cache out.
-    hits = _prefix_cache_hits(stack)
+    hits = prefix_cache_hits(stack)
     answer = ask(client, model_name, second, pooling="mean")
-    assert _prefix_cache_hits(stack) == hits, "a mean request read the prefix cache"
+    assert prefix_cache_hits(stack) == hits, "a mean request read the prefix cache"
     check_layers(answer, reference, ids, "mean")
 
 
@@ -310,7 +302,7 @@ def test_a_generated_answers_representation_is_one_flagged_follow_up_away(
     answer = first.choices[0].message.content
     assert answer
     # --- the recipe, as in the README ---
-    hits = _prefix_cache_hits(stack)
+    hits = prefix_cache_hits(stack)
     follow_up = client.chat.completions.create(
         model=model_name,
         messages=[*conversation, {"role": "assistant", "content": answer}],
@@ -327,7 +319,7 @@ def test_a_generated_answers_representation_is_one_flagged_follow_up_away(
     )
     by_layer = follow_up.model_dump()["kv_transfer_params"]["last_hidden_states_by_layer"]
     # ---
-    assert _prefix_cache_hits(stack) > hits, "the follow-up should reuse the cached prompt"
+    assert prefix_cache_hits(stack) > hits, "the follow-up should reuse the cached prompt"
     ids = reference.chat_token_ids(
         [*conversation, {"role": "assistant", "content": answer}],
         enable_thinking=False,
