@@ -48,6 +48,8 @@ class Route:
     flag: Flag = None
     #: The key of the server this route goes to (the proxy's, or vLLM's own).
     api_key: str | None = field(default=None, repr=False)
+    #: ``last_hidden_state_pooling`` of a flagged route.
+    pooling: str = "last"
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,25 @@ class ChatStack:
     def direct(self, name: str, description: str) -> Route:
         return Route(name, description, self.vllm_url, api_key=self.vllm_api_key)
 
-    def via_proxy(self, name: str, description: str, flag: Flag = None) -> Route:
-        return Route(name, description, self.proxy_url, flag, self.api_key)
+    def via_proxy(
+        self, name: str, description: str, flag: Flag = None, pooling: str = "last"
+    ) -> Route:
+        return Route(name, description, self.proxy_url, flag, self.api_key, pooling)
 
     def chat_request(
-        self, client: httpx.AsyncClient, route: Route, indices: Iterator[int]
+        self,
+        client: httpx.AsyncClient,
+        route: Route,
+        indices: Iterator[int],
+        max_tokens: int = 1,
     ) -> Request:
         """The route's chats (its flag) on ``client``, request ``next(indices)`` each."""
-        bodies = (chat_body(self.model, index, flag=route.flag) for index in indices)
+        bodies = (
+            chat_body(
+                self.model, index, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling
+            )
+            for index in indices
+        )
         return chat_request(client, route.name, bodies, route.flag is not None)
 
 
@@ -96,7 +109,13 @@ def prompt_messages(index: int) -> list[dict[str, str]]:
 
 
 def chat_body(
-    model: str, index: int, *, flag: Flag = None, max_tokens: int = 1, stream: bool = False
+    model: str,
+    index: int,
+    *,
+    flag: Flag = None,
+    max_tokens: int = 1,
+    stream: bool = False,
+    pooling: str = "last",
 ) -> bytes:
     """A chat request: ``max_tokens`` tokens, ``ignore_eos`` so that exactly that many come."""
     document: dict[str, Any] = {
@@ -115,6 +134,8 @@ def chat_body(
         kv: dict[str, Any] = {"return_last_hidden_state": True}
         if flag == "base64":
             kv["last_hidden_state_format"] = "base64"
+        if pooling != "last":
+            kv["last_hidden_state_pooling"] = pooling
         document["kv_transfer_params"] = kv
     return orjson.dumps(document)
 

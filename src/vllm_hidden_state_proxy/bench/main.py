@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from vllm_hidden_state_proxy.bench.answers import measure_answers
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
@@ -149,6 +150,9 @@ def measure_chat(
     tables["latency"] = run_async(measure_latency(stack, o.requests, o.warmup, progress))
     tables["cpu"] = run_async(measure_cpu(stack, o.cpu_requests, proxy_cpu, vllm_cpu, progress))
     tables["streaming"] = run_async(measure_streaming(stack, o.streams, o.stream_tokens, progress))
+    tables["answers"] = run_async(
+        measure_answers(stack, max(1, o.requests // 4), o.warmup, progress)
+    )
     with PeakRss(proxy_pid) as under_load:
         tables["throughput"] = run_async(
             measure_throughput(stack, o.concurrency, o.rounds, o.throughput_burst, progress)

@@ -19,6 +19,7 @@ Row = dict[str, Cell]
 ORDER = (
     "latency",
     "streaming",
+    "answers",
     "throughput",
     "embeddings",
     "instant",

@@ -1,0 +1,39 @@
+"""The answers arms (bench/answers.py), against fake servers."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import anyio
+
+from tests.bench.fakes import FakeServers
+from vllm_hidden_state_proxy.bench.answers import ANSWER_TOKENS, measure_answers
+from vllm_hidden_state_proxy.bench.progress import Progress
+from vllm_hidden_state_proxy.bench.turns import round_robin
+
+ARMS = ["direct", "flagged_last", "flagged_last_answer"]
+
+
+def arm_of(document: dict[str, Any]) -> str:
+    kv = document.get("kv_transfer_params")
+    if kv is None:
+        return "direct"
+    return "flagged_last_answer" if kv.get("last_hidden_state_pooling") else "flagged_last"
+
+
+def test_the_arms_take_turns_with_answers_of_the_same_length() -> None:
+    fake = FakeServers()
+    table = anyio.run(measure_answers, fake.stack("key"), 4, 1, Progress(io.StringIO()))
+    assert [row["arm"] for row in table.rows] == ARMS
+    assert table.get("direct", "p50 / direct") == 1.0
+    assert table.get("flagged_last_answer", "p50 / flagged_last") is not None
+    assert table.get("flagged_last", "p50 / flagged_last") is None
+    seen = [document for _, _, document in fake.seen]
+    assert [arm_of(document) for document in seen] == [arm for _, arm in round_robin(ARMS, 1)] + [
+        arm for _, arm in round_robin(ARMS, 4)
+    ]
+    assert {document["max_tokens"] for document in seen} == {ANSWER_TOKENS}
+    assert all(document["ignore_eos"] for document in seen)
+    flagged = [d["kv_transfer_params"] for d in seen if "kv_transfer_params" in d]
+    assert all(kv["last_hidden_state_format"] == "base64" for kv in flagged)
