@@ -46,9 +46,11 @@ from types import FrameType
 from vllm_hidden_state_proxy.processes import (
     GROUP_EXIT_GRACE,
     VLLM_LOOPBACK,
-    http_status,
+    HealthTimeout,
+    WaitStopped,
     stop_process_group,
     vllm_command,
+    wait_until_healthy,
 )
 from vllm_hidden_state_proxy.protocol import (
     HOOK_ENABLED_ENV,
@@ -338,25 +340,38 @@ def _wait_healthy(
     """None once ``url`` (over ``uds`` if given) answers 200 (with ``any_answer``: answers at
     all, and a reason other than 200 is printed); else the exit status (signal, exited child,
     timeout)."""
-    started = last_note = time.monotonic()
-    while True:
+    ended: list[int] = []
+
+    def must_end() -> bool:
         status = _must_end(children, stop, " during startup")
         if status is not None:
-            return status
-        answer = http_status(url, uds=uds)
-        if answer is not None and (answer[0] == 200 or any_answer):
-            _say(f"{name} is up after {time.monotonic() - started:.0f} s")
-            if answer[0] != 200:
-                _say(f"but not ready ({answer[0]}): {_error_message(answer[1])}")
-            return None
-        now = time.monotonic()
-        if now - started > timeout:
-            _say(f"{name} was not healthy after {timeout:.0f} s; giving up")
-            return 1
-        if now - last_note >= 15:
-            _say(f"waiting for {name} to become healthy ({now - started:.0f} s)...")
-            last_note = now
-        time.sleep(0.2)
+            ended.append(status)
+        return status is not None
+
+    def note(waited: float) -> None:
+        _say(f"waiting for {name} to become healthy ({waited:.0f} s)...")
+
+    started = time.monotonic()
+    try:
+        answer = wait_until_healthy(
+            url,
+            None,
+            timeout,
+            uds=uds,
+            status=None if any_answer else 200,
+            interval=0.2,
+            stop=must_end,
+            progress=note,
+        )
+    except WaitStopped:
+        return ended[0]
+    except HealthTimeout:
+        _say(f"{name} was not healthy after {timeout:.0f} s; giving up")
+        return 1
+    _say(f"{name} is up after {time.monotonic() - started:.0f} s")
+    if answer[0] != 200:
+        _say(f"but not ready ({answer[0]}): {_error_message(answer[1])}")
+    return None
 
 
 def _error_message(body: bytes) -> str:
