@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV, LAYERS_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, LAYERS_ENV, layer_indices
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 #: Proxy settings that ``serve`` decides itself: how the proxy reaches vLLM (its address and
@@ -23,7 +23,7 @@ SERVE_DECIDES = ("upstream_url", "upstream_uds", "upstream_api_key", "ring_dir")
 def layer_list(text: str) -> tuple[int, ...]:
     """``--hidden-state-layers``: comma-separated layer indices, e.g. ``4,8,-1``."""
     try:
-        layers = tuple(int(part) for part in text.split(",") if part.strip())
+        layers = layer_indices(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated layer indices such as 4,8,-1, not {text!r}"

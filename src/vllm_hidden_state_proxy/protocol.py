@@ -93,6 +93,32 @@ def ring_dir_from_env() -> str:
     return os.environ.get(RING_DIR_ENV) or DEFAULT_RING_DIR
 
 
+# -- layers ------------------------------------------------------------------------------------
+
+
+def layer_indices(text: str) -> tuple[int, ...]:
+    """The layers of a comma-separated list such as ``"4,8,-1"``, in order; empty items are
+    skipped, so ``""`` is ``()``. Raises ``ValueError`` naming the first item that is not an
+    integer."""
+    layers = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            layers.append(int(part))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a layer index (expected e.g. 4,8,-1)") from None
+    return tuple(layers)
+
+
+def absolute_layer(layer: int, final: int) -> int | None:
+    """``layer`` as an index ``0..final`` of a model with ``final`` decoder layers (negative
+    indices count from the end: ``-1`` is ``final``); ``None`` if it is out of range."""
+    absolute = layer + final + 1 if layer < 0 else layer
+    return absolute if 0 <= absolute <= final else None
+
+
 def new_request_key() -> bytes:
     """A fresh 128-bit random request key; never derived from client input."""
     return secrets.token_bytes(REQUEST_KEY_BYTES)
