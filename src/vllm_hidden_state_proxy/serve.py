@@ -22,6 +22,9 @@ Unless ``--ring-dir`` is given, the rings live in a private directory
 ``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit, as vLLM's socket directory is.
 Only a hard kill of ``serve`` (SIGKILL, power loss) leaves them behind; such leftovers are safe
 to delete once no ``serve`` runs.
+
+``serve``'s options are its table in ``serve_options.py``; it waits for its children with
+``processes.wait_until_healthy``, as everything else here does.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ from vllm_hidden_state_proxy.processes import (
 from vllm_hidden_state_proxy.protocol import (
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
+    PLUGIN_NAME,
     RING_DIR_ENV,
-    RING_DIR_MODE_ENV,
+    VLLM_PLUGINS_ENV,
 )
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
@@ -65,12 +69,11 @@ from vllm_hidden_state_proxy.ring.files import (
     UntrustedDirectory,
     open_directory,
     probe_directory_lock,
-    ring_modes,
     self_and_root,
 )
+from vllm_hidden_state_proxy.serve_options import RING_DIR_PREFIX
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
-PLUGIN_NAME = "hidden_state_hook"
-RING_DIR_PREFIX = "vllm-hidden-states-serve-"
 SOCKET_DIR_PREFIX = "hidden-state-proxy-serve-"
 VLLM_SOCKET_NAME = "vllm.sock"
 #: vLLM's own variable for its ``--api-key`` (vllm/entrypoints/serve/middleware/register.py).
@@ -145,11 +148,11 @@ def vllm_environment(
     env.pop(HOOK_ENABLED_ENV, None)
     if layers is not None:
         env[LAYERS_ENV] = ",".join(map(str, layers))
-    plugins = env.get("VLLM_PLUGINS")
+    plugins = env.get(VLLM_PLUGINS_ENV)
     if plugins is not None:
         names = [p.strip() for p in plugins.split(",") if p.strip()]
         if PLUGIN_NAME not in names:
-            env["VLLM_PLUGINS"] = ",".join([*names, PLUGIN_NAME])
+            env[VLLM_PLUGINS_ENV] = ",".join([*names, PLUGIN_NAME])
     return env
 
 
@@ -223,7 +226,7 @@ def ring_dir_problem(ring_dir: str) -> str | None:
     the hook (this user too) would do."""
     directory = Path(ring_dir)
     try:
-        dir_mode, _ = ring_modes(os.environ.get(RING_DIR_MODE_ENV))
+        dir_mode, _ = HookSettings().ring_modes
         fd = open_directory(directory, owner_uids=self_and_root(), dir_mode=dir_mode, repair=True)
     except FileNotFoundError:
         return None  # the hook makes it

@@ -23,11 +23,11 @@ this happens and nothing is paid.
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV, absolute_layer, layer_indices
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 #: The mixin method through which a model's decoder stack receives the aux layer ids.
 SET_LAYERS = "_set_aux_hidden_state_layers"
@@ -72,8 +72,9 @@ def parse_layers(text: str | None, num_hidden_layers: int) -> CapturedLayers:
 
 
 def configured_layers(vllm_config: Any) -> CapturedLayers:
+    """The layers the hook's settings ask of this model."""
     num_hidden_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
-    return parse_layers(os.environ.get(LAYERS_ENV), num_hidden_layers)
+    return parse_layers(HookSettings().layers, num_hidden_layers)
 
 
 def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:
