@@ -9,25 +9,9 @@ from typing import Any
 import pytest
 
 from vllm_hidden_state_proxy import cli
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, LAYERS_ENV
 from vllm_hidden_state_proxy.proxy import server as proxy_server
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-
-
-@pytest.mark.parametrize(
-    ("text", "layers"),
-    [("4,8,-1", (4, 8, -1)), (" 4 , 8 ", (4, 8)), ("-1", (-1,)), ("0,,2,", (0, 2))],
-)
-def test_layer_list(text: str, layers: tuple[int, ...]) -> None:
-    assert cli.layer_list(text) == layers
-
-
-@pytest.mark.parametrize(
-    ("text", "message"), [("", "at least one"), (",", "at least one"), ("4,x", "4,8,-1")]
-)
-def test_layer_list_refuses(text: str, message: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match=message):
-        cli.layer_list(text)
 
 
 def test_serve_takes_its_own_options_and_passes_the_rest_to_vllm() -> None:
@@ -121,28 +105,34 @@ def test_serve_gets_the_arguments_and_vllms_options(monkeypatch: pytest.MonkeyPa
     assert vllm_args == ["--dtype", "float32"]
 
 
-def test_docs_api_md_lists_serves_own_options_with_their_defaults() -> None:
-    """The proxy's options come from its table (checked against the docs in test_settings);
-    serve's own few are written in cli.py and in the docs' table below the proxy's."""
-    from pathlib import Path
+def test_check_takes_its_options_and_the_api_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_hidden_state_proxy import check
 
-    from vllm_hidden_state_proxy.proxy.settings import options
+    calls: list[tuple[Any, ...]] = []
 
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
-    table = docs.split("`serve` takes every proxy option below", 1)[1].split("\n\n")[1]
-    rows = {
-        cells[1].strip().strip("`"): cells[2].strip()
-        for cells in (line.split("|") for line in table.splitlines()[2:])
-    }
-    parser = cli.build_parser()
-    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    proxy_flags = {spec.flag for f, spec in options() if f.name not in cli.SERVE_DECIDES}
-    own = {
-        action.option_strings[0]: action.default
-        for action in commands.choices["serve"]._actions
-        if action.option_strings and action.option_strings[0] not in {*proxy_flags, "-h"}
-    }
-    assert set(rows) == set(own), "docs/api.md's serve table and cli.py differ"
-    for flag, default in own.items():
-        if default is not None:
-            assert rows[flag].startswith(f"{default:g}"), (flag, rows[flag], default)
+    def run_check(*args: Any) -> int:
+        calls.append(args)
+        return 0
+
+    monkeypatch.setattr(check, "run_check", run_check)
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert cli.main(["check", "--url", "http://p"]) == 0
+    assert cli.main(["check", "--url=http://p", "--api-key=k", "--model=m", "--timeout=3"]) == 0
+    assert cli.main(["check", "--url=http://p", "--api-key="]) == 0  # empty: the variable
+    monkeypatch.delenv(API_KEY_ENV)
+    assert cli.main(["check", "--url=http://p"]) == 0
+    assert calls == [
+        ("http://p", "from-env", None, 120.0),
+        ("http://p", "k", "m", 3.0),
+        ("http://p", "from-env", None, 120.0),
+        ("http://p", None, None, 120.0),
+    ]
+
+
+def test_check_needs_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["check"])
+    assert caught.value.code == 2
+    assert "required: --url" in capsys.readouterr().err

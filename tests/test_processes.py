@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import http.server
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from vllm_hidden_state_proxy.processes import (
     VLLM_LOOPBACK,
+    HealthTimeout,
     NotHealthy,
+    ServerExited,
+    WaitStopped,
     free_port,
     healthy,
     http_status,
@@ -153,6 +160,84 @@ def test_waiting_for_health_ends_when_the_server_exits() -> None:
             wait_until_healthy(f"http://127.0.0.1:{free_port()}/health", exited, timeout=3600)
     finally:
         exited.wait()
+
+
+@contextlib.contextmanager
+def answering(statuses: list[int]) -> Iterator[tuple[str, list[int]]]:
+    """A local server answering GET with ``statuses`` in turn (the last one from then on); the
+    URL, and the statuses it answered so far."""
+    answered: list[int] = []
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = statuses[min(len(answered), len(statuses) - 1)]
+            answered.append(status)
+            body = f"answer {len(answered)}".encode()
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/health", answered
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_waiting_for_health_polls_until_200_and_returns_the_answer() -> None:
+    with answering([503, 503, 200]) as (url, answered):
+        assert wait_until_healthy(url, None, 30, interval=0.01) == (200, b"answer 3")
+    assert answered == [503, 503, 200]
+
+
+def test_waiting_for_any_answer_or_for_one_status() -> None:
+    with answering([503, 200]) as (url, answered):
+        assert wait_until_healthy(url, None, 30, status=None) == (503, b"answer 1")
+    with answering([200, 200, 503]) as (url, answered):
+        assert wait_until_healthy(url, None, 30, status=503, interval=0.01)[0] == 503
+    assert answered == [200, 200, 503]
+
+
+def test_waiting_for_health_stops_when_told_and_asks_before_each_probe() -> None:
+    asked: list[float] = []
+
+    def stop() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) == 3
+
+    with answering([503]) as (url, answered), pytest.raises(WaitStopped):
+        wait_until_healthy(url, None, 30, interval=0.01, stop=stop)
+    assert len(asked) == 3 and len(answered) == 2
+    # Even a healthy server: the caller said stop.
+    with answering([200]) as (url, answered), pytest.raises(WaitStopped):
+        wait_until_healthy(url, None, 30, stop=lambda: True)
+    assert answered == []
+
+
+def test_waiting_for_health_gives_up_at_the_deadline_and_reports_progress() -> None:
+    waited: list[float] = []
+    url = f"http://127.0.0.1:{free_port()}/health"
+    with pytest.raises(HealthTimeout, match=f"{url} was not healthy after 0 s"):
+        wait_until_healthy(
+            url, None, 0.2, interval=0.01, progress=waited.append, progress_every=0.05
+        )
+    assert waited and waited == sorted(waited) and all(0.05 <= w <= 0.2 for w in waited)
+
+
+def test_a_server_that_exits_is_named_with_its_status() -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    exited.wait()
+    with pytest.raises(ServerExited) as raised:
+        wait_until_healthy(f"http://127.0.0.1:{free_port()}/health", exited, timeout=3600)
+    assert raised.value.returncode == 4 and isinstance(raised.value, NotHealthy)
 
 
 SLEEPER = "import signal, sys; {setup}; print('ready', flush=True); sys.stdin.read()"

@@ -42,6 +42,7 @@ from vllm_hidden_state_proxy.protocol import (
     UPSTREAM_API_KEY_ENV,
 )
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings, command_line
+from vllm_hidden_state_proxy.serve_options import RING_DIR_PREFIX
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and prctl"),
@@ -252,7 +253,7 @@ def test_signal_stops_both_children_and_exits_0(start: Starter, signum: int) -> 
     server: Serve = start()
     vllm, proxy = server.ready()
     ring_dir = server.ring_dir()
-    assert ring_dir.name.startswith(serve.RING_DIR_PREFIX) and ring_dir.is_dir()
+    assert ring_dir.name.startswith(RING_DIR_PREFIX) and ring_dir.is_dir()
     assert alive(vllm) and alive(proxy)
     server.process.send_signal(signum)
     assert server.wait() == 0, server.output

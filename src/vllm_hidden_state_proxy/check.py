@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from vllm_hidden_state_proxy.protocol import layer_indices
 from vllm_hidden_state_proxy.worker_hook.compat import describe_vllm
 
 KV = "kv_transfer_params"
@@ -205,7 +206,7 @@ def _captured(probe: _Probe, model: str) -> tuple[tuple[int, ...], int]:
             else f"The proxy did not list its layers ({_error_text(response)}): install one "
             "release of vllm-hidden-state-proxy for the proxy and this command."
         )
-    layers = tuple(int(part) for part in match.group(1).split(","))
+    layers = layer_indices(match.group(1))
     return layers, int(match.group(2))
 
 

@@ -1,36 +1,38 @@
 """Command line: ``hidden-state-proxy serve|proxy|check|build-tiny-model|bench``.
 
-The proxy's options come from its settings table (``proxy/settings.py``); ``serve`` adds the
-few that concern vLLM and the pair of processes.
+Each command's options come from a table: the proxy's settings (``proxy/settings.py``),
+``serve``'s own (``serve_options.py``, on top of the proxy's), ``check``'s
+(:class:`CheckOptions`) and the benchmark's (``bench/options.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from vllm_hidden_state_proxy import option_table, serve_options
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV, LAYERS_ENV
+from vllm_hidden_state_proxy.option_table import option
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
-#: Proxy settings that ``serve`` decides itself: how the proxy reaches vLLM (its address and
-#: key), and its own ``--ring-dir`` and ``--upstream-api-key``.
-SERVE_DECIDES = ("upstream_url", "upstream_uds", "upstream_api_key", "ring_dir")
 
+@dataclass(frozen=True)
+class CheckOptions:
+    """``check``'s options."""
 
-def layer_list(text: str) -> tuple[int, ...]:
-    """``--hidden-state-layers``: comma-separated layer indices, e.g. ``4,8,-1``."""
-    try:
-        layers = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices such as 4,8,-1, not {text!r}"
-        ) from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
+    url: str = option(
+        "", "--url", "the proxy, e.g. http://127.0.0.1:8000", shown_default="required"
+    )
+    api_key: str | None = option(
+        None, "--api-key", "the proxy's API key, if it has one", env=API_KEY_ENV
+    )
+    model: str | None = option(
+        None, "--model", "the model name to send", shown_default="the first of /v1/models"
+    )
+    timeout: float = option(120.0, "--timeout", "per request", metavar="SECONDS", parse=float)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,52 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the exit status is non-zero; Ctrl-C stops both.",
     )
     serve.add_argument("model", help="model name or path, as for `vllm serve`")
-    proxy_settings.add_arguments(serve, skip=SERVE_DECIDES)
-    serve.add_argument(
-        "--vllm-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="let vLLM listen on 127.0.0.1:PORT instead of a private Unix socket, for tools "
-        "that must reach it directly; every local user can then connect to it: vLLM's key "
-        "guards only /v1 and a few other paths, not e.g. /invocations or /tokenize "
-        "(default: no TCP port)",
-    )
-    # The proxy's option, with what it means under serve (which also starts vLLM with it).
-    key = {f.name: spec for f, spec in proxy_settings.options()}["upstream_api_key"]
-    chosen_key = os.environ.get(key.env) if key.env else None
-    serve.add_argument(
-        key.flag,
-        dest="upstream_api_key",
-        default=chosen_key or None,
-        metavar=key.metavar,
-        help="the key serve starts vLLM with (as VLLM_API_KEY, never on its command line) and "
-        "the proxy sends it; set it only for tools that must reach vLLM directly "
-        f"(default ${key.env} or a fresh random key)",
-    )
-    serve.add_argument(
-        "--ring-dir",
-        default=None,
-        metavar="DIR",
-        help="shared-memory ring directory (default: a fresh private directory in /dev/shm, "
-        "removed at exit)",
-    )
-    serve.add_argument(
-        "--hidden-state-layers",
-        type=layer_list,
-        default=None,
-        metavar="LAYERS",
-        help="layers the worker hook captures, e.g. 4,8,-1 (Transformers' hidden_states "
-        f"indices; -1 is the final layer after the final norm). Sets {LAYERS_ENV} for vLLM. "
-        "Default: the final layer only",
-    )
-    serve.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="give up if vLLM is not healthy after this long (default 1800)",
-    )
+    serve_options.add_arguments(serve)
 
     proxy = commands.add_parser(
         "proxy",
@@ -116,22 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "layer, mean pooling, streamed) and check each vector's size and finiteness. Exits 1 "
         "with one sentence naming the fix at the first failure.",
     )
-    check.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8000")
-    check.add_argument(
-        "--api-key",
-        default=None,
-        help=f"the proxy's API key, if it has one (default: ${API_KEY_ENV})",
-    )
-    check.add_argument(
-        "--model", default=None, help="the model name to send (default: the first of /v1/models)"
-    )
-    check.add_argument(
-        "--timeout",
-        type=float,
-        default=120.0,
-        metavar="SECONDS",
-        help="per request (default 120)",
-    )
+    option_table.add_arguments(check, CheckOptions, required=("url",))
 
     tiny = commands.add_parser(
         "build-tiny-model",
@@ -174,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check":
         from vllm_hidden_state_proxy.check import run_check
 
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        return run_check(args.url, api_key, args.model, args.timeout)
+        # An empty --api-key falls back to the variable, as no --api-key does.
+        key_option = dict(option_table.options(CheckOptions))["api_key"]
+        return run_check(args.url, args.api_key or key_option.read(), args.model, args.timeout)
     if args.command == "build-tiny-model":
         from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 

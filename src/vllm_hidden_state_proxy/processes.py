@@ -89,7 +89,23 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 class NotHealthy(Exception):
-    """A server did not become healthy (it exited, or the time ran out)."""
+    """A server did not become healthy (it exited, the wait was stopped, or the time ran out)."""
+
+
+class ServerExited(NotHealthy):
+    """The server's process exited before it was healthy."""
+
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"the server exited with status {returncode}")
+        self.returncode = returncode
+
+
+class WaitStopped(NotHealthy):
+    """The caller's ``stop`` condition turned true before the server was healthy."""
+
+
+class HealthTimeout(NotHealthy):
+    """The server was not healthy within the time given."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -146,17 +162,42 @@ def healthy(url: str, timeout: float = 2.0, *, uds: str | None = None) -> bool:
 
 
 def wait_until_healthy(
-    url: str, process: subprocess.Popen[bytes], timeout: float, *, uds: str | None = None
-) -> None:
-    """Poll ``url`` until it answers 200; raise ``NotHealthy`` if ``process`` exits first or
-    ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not healthy(url, uds=uds):
-        if process.poll() is not None:
-            raise NotHealthy(f"the server exited with status {process.returncode}")
-        if time.monotonic() > deadline:
-            raise NotHealthy(f"{url} was not healthy after {timeout:.0f} s")
-        time.sleep(0.5)
+    url: str,
+    process: subprocess.Popen[bytes] | None,
+    timeout: float,
+    *,
+    uds: str | None = None,
+    status: int | None = 200,
+    interval: float = 0.5,
+    probe_timeout: float = 2.0,
+    stop: Callable[[], bool] | None = None,
+    progress: Callable[[float], None] | None = None,
+    progress_every: float = 15.0,
+) -> tuple[int, bytes]:
+    """Poll ``url`` (over ``uds`` if given) every ``interval`` seconds until it answers
+    ``status`` (``None``: until it answers at all); that answer (status, body).
+
+    Raises :class:`WaitStopped` if ``stop()`` is true (asked before each probe), else
+    :class:`ServerExited` if ``process`` exited, else :class:`HealthTimeout` once ``timeout``
+    seconds have passed. While it waits, ``progress(seconds waited)`` is called every
+    ``progress_every`` seconds. The one way this package and its tests wait for a server.
+    """
+    started = last_note = time.monotonic()
+    while True:
+        if stop is not None and stop():
+            raise WaitStopped(f"stopped waiting for {url}")
+        answer = http_status(url, probe_timeout, uds=uds)
+        if answer is not None and (status is None or answer[0] == status):
+            return answer
+        if process is not None and process.poll() is not None:
+            raise ServerExited(process.returncode)
+        now = time.monotonic()
+        if now - started > timeout:
+            raise HealthTimeout(f"{url} was not healthy after {timeout:.0f} s")
+        if progress is not None and now - last_note >= progress_every:
+            progress(now - started)
+            last_note = now
+        time.sleep(interval)
 
 
 #: Once the process itself has exited, how long what is left of its group gets to exit on its

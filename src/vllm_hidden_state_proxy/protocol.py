@@ -28,7 +28,6 @@ counters, which rings are live) is a method. This module imports nothing of the 
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 import struct
 
@@ -78,21 +77,20 @@ DEFAULT_TEMPLATE = 'This sentence: "{text}" means in one word:'
 # -- environment variables -------------------------------------------------------------------
 # Deliberately not VLLM_*: vLLM warns about every VLLM_* variable it does not know.
 
-#: Directory holding the rings (one file per engine). Read by the hook and the proxy.
+# The hook's variables: their defaults, parsers and help are its settings table
+# (worker_hook/settings.py); the proxy's, its options table (proxy/settings.py).
+
+#: Directory holding the rings (one file per engine). Read by the hook and the proxy, whose
+#: defaults must agree.
 RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm/vllm-hidden-states"
 #: Slots per ring (hook).
 RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
-DEFAULT_RING_SLOTS = 1024
-#: Octal group-readable mode for the ring directory (e.g. "0750") when proxy and vLLM run as
-#: different users in one group (hook). Default: 0700 directory, 0600 files. With group write
-#: ("0770") the hook also accepts an existing group-writable directory (a shared volume).
+#: Octal mode of the ring directory when proxy and vLLM run as different users (hook).
 RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
-#: Seconds the hook waits for the ring directory's lock (other servers' hooks hold it only while
-#: adding their ring; anyone who can open the directory can hold it) before it gives up (hook).
+#: Seconds the hook waits for the ring directory's lock (hook).
 RING_LOCK_TIMEOUT_ENV = "HIDDEN_STATE_PROXY_RING_LOCK_TIMEOUT"
-DEFAULT_RING_LOCK_TIMEOUT = 30.0
-#: "0" keeps the hook from wrapping the model runner (hook).
+#: Whether the hook wraps the model runner: off, auto or required (hook).
 HOOK_ENABLED_ENV = "HIDDEN_STATE_PROXY_HOOK"
 #: The layers the hook captures, e.g. "4,8,-1" (hook; ``serve --hidden-state-layers``).
 LAYERS_ENV = "HIDDEN_STATE_PROXY_LAYERS"
@@ -108,10 +106,35 @@ WORKER_SETTINGS_ENV = "HIDDEN_STATE_PROXY_WORKER_SETTINGS"
 WORKER_METRICS_ENV = "HIDDEN_STATE_PROXY_WORKER_METRICS"
 #: Where the built-in tiny model is built and cached (``make demo``, the tests, the bench).
 TINY_MODEL_DIR_ENV = "HIDDEN_STATE_PROXY_TINY_MODEL_DIR"
+#: vLLM's own variable naming the general plugins it loads (all, when unset), and the hook's
+#: name among them (its ``vllm.general_plugins`` entry point in pyproject.toml).
+VLLM_PLUGINS_ENV = "VLLM_PLUGINS"
+PLUGIN_NAME = "hidden_state_hook"
+
+# -- layers ------------------------------------------------------------------------------------
 
 
-def ring_dir_from_env() -> str:
-    return os.environ.get(RING_DIR_ENV) or DEFAULT_RING_DIR
+def layer_indices(text: str) -> tuple[int, ...]:
+    """The layers of a comma-separated list such as ``"4,8,-1"``, in order; empty items are
+    skipped, so ``""`` is ``()``. Raises ``ValueError`` naming the first item that is not an
+    integer."""
+    layers = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            layers.append(int(part))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a layer index (expected e.g. 4,8,-1)") from None
+    return tuple(layers)
+
+
+def absolute_layer(layer: int, final: int) -> int | None:
+    """``layer`` as an index ``0..final`` of a model with ``final`` decoder layers (negative
+    indices count from the end: ``-1`` is ``final``); ``None`` if it is out of range."""
+    absolute = layer + final + 1 if layer < 0 else layer
+    return absolute if 0 <= absolute <= final else None
 
 
 def new_request_key() -> bytes:

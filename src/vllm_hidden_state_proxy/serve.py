@@ -22,6 +22,9 @@ Unless ``--ring-dir`` is given, the rings live in a private directory
 ``/dev/shm/vllm-hidden-states-serve-*`` that is removed at exit, as vLLM's socket directory is.
 Only a hard kill of ``serve`` (SIGKILL, power loss) leaves them behind; such leftovers are safe
 to delete once no ``serve`` runs.
+
+``serve``'s options are its table in ``serve_options.py``; it waits for its children with
+``processes.wait_until_healthy``, as everything else here does.
 """
 
 from __future__ import annotations
@@ -46,15 +49,18 @@ from types import FrameType
 from vllm_hidden_state_proxy.processes import (
     GROUP_EXIT_GRACE,
     VLLM_LOOPBACK,
-    http_status,
+    HealthTimeout,
+    WaitStopped,
     stop_process_group,
     vllm_command,
+    wait_until_healthy,
 )
 from vllm_hidden_state_proxy.protocol import (
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
+    PLUGIN_NAME,
     RING_DIR_ENV,
-    RING_DIR_MODE_ENV,
+    VLLM_PLUGINS_ENV,
 )
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
@@ -63,12 +69,11 @@ from vllm_hidden_state_proxy.ring.files import (
     UntrustedDirectory,
     open_directory,
     probe_directory_lock,
-    ring_modes,
     self_and_root,
 )
+from vllm_hidden_state_proxy.serve_options import RING_DIR_PREFIX
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
-PLUGIN_NAME = "hidden_state_hook"
-RING_DIR_PREFIX = "vllm-hidden-states-serve-"
 SOCKET_DIR_PREFIX = "hidden-state-proxy-serve-"
 VLLM_SOCKET_NAME = "vllm.sock"
 #: vLLM's own variable for its ``--api-key`` (vllm/entrypoints/serve/middleware/register.py).
@@ -143,11 +148,11 @@ def vllm_environment(
     env.pop(HOOK_ENABLED_ENV, None)
     if layers is not None:
         env[LAYERS_ENV] = ",".join(map(str, layers))
-    plugins = env.get("VLLM_PLUGINS")
+    plugins = env.get(VLLM_PLUGINS_ENV)
     if plugins is not None:
         names = [p.strip() for p in plugins.split(",") if p.strip()]
         if PLUGIN_NAME not in names:
-            env["VLLM_PLUGINS"] = ",".join([*names, PLUGIN_NAME])
+            env[VLLM_PLUGINS_ENV] = ",".join([*names, PLUGIN_NAME])
     return env
 
 
@@ -221,7 +226,7 @@ def ring_dir_problem(ring_dir: str) -> str | None:
     the hook (this user too) would do."""
     directory = Path(ring_dir)
     try:
-        dir_mode, _ = ring_modes(os.environ.get(RING_DIR_MODE_ENV))
+        dir_mode, _ = HookSettings().ring_modes
         fd = open_directory(directory, owner_uids=self_and_root(), dir_mode=dir_mode, repair=True)
     except FileNotFoundError:
         return None  # the hook makes it
@@ -338,25 +343,38 @@ def _wait_healthy(
     """None once ``url`` (over ``uds`` if given) answers 200 (with ``any_answer``: answers at
     all, and a reason other than 200 is printed); else the exit status (signal, exited child,
     timeout)."""
-    started = last_note = time.monotonic()
-    while True:
+    ended: list[int] = []
+
+    def must_end() -> bool:
         status = _must_end(children, stop, " during startup")
         if status is not None:
-            return status
-        answer = http_status(url, uds=uds)
-        if answer is not None and (answer[0] == 200 or any_answer):
-            _say(f"{name} is up after {time.monotonic() - started:.0f} s")
-            if answer[0] != 200:
-                _say(f"but not ready ({answer[0]}): {_error_message(answer[1])}")
-            return None
-        now = time.monotonic()
-        if now - started > timeout:
-            _say(f"{name} was not healthy after {timeout:.0f} s; giving up")
-            return 1
-        if now - last_note >= 15:
-            _say(f"waiting for {name} to become healthy ({now - started:.0f} s)...")
-            last_note = now
-        time.sleep(0.2)
+            ended.append(status)
+        return status is not None
+
+    def note(waited: float) -> None:
+        _say(f"waiting for {name} to become healthy ({waited:.0f} s)...")
+
+    started = time.monotonic()
+    try:
+        answer = wait_until_healthy(
+            url,
+            None,
+            timeout,
+            uds=uds,
+            status=None if any_answer else 200,
+            interval=0.2,
+            stop=must_end,
+            progress=note,
+        )
+    except WaitStopped:
+        return ended[0]
+    except HealthTimeout:
+        _say(f"{name} was not healthy after {timeout:.0f} s; giving up")
+        return 1
+    _say(f"{name} is up after {time.monotonic() - started:.0f} s")
+    if answer[0] != 200:
+        _say(f"but not ready ({answer[0]}): {_error_message(answer[1])}")
+    return None
 
 
 def _error_message(body: bytes) -> str:

@@ -91,10 +91,10 @@ def publish_as_vllm(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[st
     """Publish one vector with the modes the deployment's HIDDEN_STATE_PROXY_RING_DIR_MODE gives
     the hook, as vLLM (root) does."""
     from vllm_hidden_state_proxy.ring import RingWriter
-    from vllm_hidden_state_proxy.worker_hook import capture
+    from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
     monkeypatch.setenv("HIDDEN_STATE_PROXY_RING_DIR_MODE", deployment_ring_mode())
-    dir_mode, file_mode = capture._ring_modes()
+    dir_mode, file_mode = HookSettings().ring_modes
     writer = RingWriter.create(
         ring_dir,
         hidden_size=4,

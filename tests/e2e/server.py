@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ import httpx
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     free_port,
-    http_status,
     offline_environment,
     one_vllm_at_a_time,
     stop_process_group,
@@ -115,12 +113,11 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float, log
 
 def wait_answering(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
     """Until ``url`` answers at all (whatever the status)."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while http_status(url) is None:
-        if process.poll() is not None or time.monotonic() > deadline:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-80:])
-            raise RuntimeError(f"{url} never answered; last lines of {log}:\n{tail}")
-        time.sleep(0.5)
+    try:
+        wait_until_healthy(url, process, STARTUP_TIMEOUT, status=None)
+    except NotHealthy:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-80:])
+        raise RuntimeError(f"{url} never answered; last lines of {log}:\n{tail}") from None
 
 
 def stack_environment() -> dict[str, str]:

@@ -44,10 +44,12 @@ from tests.e2e.stack_probe import (
     wait_until,
 )
 from vllm_hidden_state_proxy.processes import (
+    NotHealthy,
     free_port,
     one_vllm_at_a_time,
     stop_process_group,
     vllm_command,
+    wait_until_healthy,
 )
 from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.ring import RingReader
@@ -131,12 +133,12 @@ def ring_epoch(ring_dir: Path) -> int:
 def wait_status(url: str, status: int, timeout: float) -> float:
     """Seconds until GET ``url`` answers ``status``."""
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5).status_code == status:
-                return time.monotonic() - start
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not answer {status} within {timeout} s")
+    try:
+        # A probe outlasts the proxy's own 2 s wait for vLLM's /health.
+        wait_until_healthy(url, None, timeout, status=status, interval=0.2, probe_timeout=5)
+    except NotHealthy:
+        raise AssertionError(f"{url} did not answer {status} within {timeout} s") from None
+    return time.monotonic() - start
 
 
 #: Choices of each long request of the kill test (vLLM runs each as a request of its own).

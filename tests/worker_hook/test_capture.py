@@ -906,26 +906,3 @@ def test_a_malformed_lock_timeout_leaves_a_note(
     with pytest.raises(ValueError, match=RING_LOCK_TIMEOUT_ENV):
         for_runner(FakeV1Runner(vllm_config=config))
     assert RING_LOCK_TIMEOUT_ENV in live_note(ring_env, config).message
-
-
-# -- ring modes -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("raw", "modes"),
-    [
-        (None, (0o700, 0o600)),
-        ("", (0o700, 0o600)),
-        ("0750", (0o750, 0o640)),
-        ("0770", (0o770, 0o640)),  # files are never group-writable: the proxy refuses those
-        ("0777", (0o770, 0o640)),  # nothing for others
-    ],
-)
-def test_ring_modes(
-    monkeypatch: pytest.MonkeyPatch, raw: str | None, modes: tuple[int, int]
-) -> None:
-    if raw is None:
-        monkeypatch.delenv(RING_DIR_MODE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(RING_DIR_MODE_ENV, raw)
-    assert capture_module._ring_modes() == modes

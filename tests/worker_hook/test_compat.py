@@ -1,5 +1,5 @@
-"""compat.py: the version policy by structure, the hook's on/off switch, and the structural
-checks, on small classes and on the installed vLLM's real runner classes."""
+"""compat.py: the version policy by structure and the structural checks, on small classes and
+on the installed vLLM's real runner classes. (The hook's on/off switch: test_settings.py.)"""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from typing import Any
 
 import pytest
 
-from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 from vllm_hidden_state_proxy.worker_hook import plugin
 from vllm_hidden_state_proxy.worker_hook.compat import (
     NEEDED_METHODS,
     WRAPPED_ATTR,
     describe_vllm,
-    hook_mode,
     is_tested_version,
     scheduler_problems,
     unwrapped_methods,
@@ -42,28 +40,6 @@ from vllm_hidden_state_proxy.worker_hook.runners import structure_problems
 def test_is_tested_version(version: str, tested: bool) -> None:
     assert is_tested_version(version) is tested
     assert describe_vllm(version).endswith("(untested by this hook)") is not tested
-
-
-@pytest.mark.parametrize(
-    ("value", "mode"),
-    [
-        (None, "auto"),
-        ("", "auto"),
-        ("auto", "auto"),
-        ("0", "off"),
-        (" OFF ", "off"),
-        ("false", "off"),
-        ("no", "off"),
-        ("1", "on"),
-        ("On", "on"),
-        ("true", "on"),
-        ("yes", "on"),
-        ("maybe", "auto"),  # an unknown word changes nothing
-    ],
-)
-def test_hook_mode(value: str | None, mode: str) -> None:
-    environ = {} if value is None else {HOOK_ENABLED_ENV: value}
-    assert hook_mode(environ) == mode
 
 
 def wrapper(function: Any) -> Any:

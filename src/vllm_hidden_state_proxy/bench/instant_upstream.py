@@ -17,12 +17,9 @@ import orjson
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vllm_hidden_state_proxy.protocol import (
-    DEFAULT_RING_SLOTS,
-    REQUEST_KEY_ENTRY,
-    request_key_from_wire,
-)
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, request_key_from_wire
 from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.worker_hook.settings import RING_SLOTS
 
 #: The tiny model's hidden size: the instant arms measure the hop's fixed cost (the cost that
 #: grows with the vector is the ring microbenchmark's).
@@ -72,7 +69,7 @@ def ring_publisher(directory: Path, hidden_size: int = HIDDEN_SIZE) -> Callable[
         directory,
         hidden_size=hidden_size,
         model=MODEL,
-        slot_count=DEFAULT_RING_SLOTS,
+        slot_count=RING_SLOTS.default,
     )
     vector = struct.pack(f"<{hidden_size}f", *(i / hidden_size for i in range(hidden_size)))
 

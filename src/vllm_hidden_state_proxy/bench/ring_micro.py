@@ -29,8 +29,9 @@ import orjson
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import Summary, ratio, summarize
-from vllm_hidden_state_proxy.protocol import DEFAULT_RING_SLOTS, new_request_key
+from vllm_hidden_state_proxy.protocol import new_request_key
 from vllm_hidden_state_proxy.ring import Record, RingDirectory, RingWriter
+from vllm_hidden_state_proxy.worker_hook.settings import RING_SLOTS
 
 HIDDEN_SIZES = (1024, 4096, 8192)
 #: (live rings in the directory, the share of their slots that hold a record).
@@ -44,7 +45,7 @@ def _writer(directory: Path, number: int, hidden_size: int) -> RingWriter:
         engine=number,
         hidden_size=hidden_size,
         model=MODEL_NAME,
-        slot_count=DEFAULT_RING_SLOTS,
+        slot_count=RING_SLOTS.default,
     )
 
 
@@ -94,7 +95,7 @@ def measure_size(hidden_size: int, operations: int) -> Row:
     with _rings(1, hidden_size) as ([writer], rings):
         # One lap of the ring first, not timed: a server's ring is mapped and its pages touched
         # after its first lap; a fresh file's page faults are a one-off (and a noisy one).
-        for number in range(DEFAULT_RING_SLOTS):
+        for number in range(RING_SLOTS.default):
             key = new_request_key()
             _publish(writer, key, vectors[0], number)
             _check(rings.lookup(key), vectors[0])
@@ -162,7 +163,7 @@ def measure_rings(
 
 def measure_ring(operations: int, progress: Progress) -> list[tuple[str, Table]]:
     task = progress.task("ring microbenchmark", len(HIDDEN_SIZES) + len(RING_SETUPS))
-    slots = DEFAULT_RING_SLOTS
+    slots = RING_SLOTS.default
     sizes: list[Row] = []
     for hidden_size in HIDDEN_SIZES:
         sizes.append(measure_size(hidden_size, operations))

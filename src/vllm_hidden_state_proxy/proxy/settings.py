@@ -2,15 +2,16 @@
 option table of docs/api.md are all built.
 
 Each field of :class:`ProxySettings` is one fact: its name, type, default, and, for the ones a
-user can set, the command-line flag, the environment variable that supplies its default, and
-its help text (:func:`option`). :func:`add_arguments` turns the table into ``argparse``
+user can set, an :class:`~vllm_hidden_state_proxy.option_table.Option` (the record ``serve``'s
+and the hook's tables use too): the command-line flag, the environment variable that supplies
+its default, and its help text. :func:`add_arguments` turns the table into ``argparse``
 options, :func:`from_arguments` back into settings, :func:`command_line` and
 :func:`secret_environment` into the ``hidden-state-proxy proxy`` child that ``serve`` starts
 (secrets travel in the environment, never in the visible command line), and
 :func:`options_table` into Markdown (a test keeps ``docs/api.md`` equal to it). The user's
-environment variables are read here, when arguments are parsed, and nowhere else in the proxy;
-the worker processes of ``--workers N`` get the parsed settings from their server, as JSON in
-``WORKER_SETTINGS_ENV`` (:func:`ProxySettings.to_json`, read back in ``server.py``).
+environment variables are read when arguments are parsed (``Option.read``), and nowhere else in
+the proxy; the worker processes of ``--workers N`` get the parsed settings from their server,
+as JSON in ``WORKER_SETTINGS_ENV`` (:func:`ProxySettings.to_json`, read back in ``server.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import argparse
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from vllm_hidden_state_proxy import option_table
+from vllm_hidden_state_proxy.option_table import Option, option
 from vllm_hidden_state_proxy.protocol import (
     API_KEY_ENV,
     DEFAULT_RING_DIR,
@@ -37,31 +40,6 @@ from vllm_hidden_state_proxy.protocol import (
 KIB = 1024
 MIB = 1024 * KIB
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a setting is given on the command line."""
-
-    flag: str
-    help: str
-    metavar: str | None = None
-    #: Environment variable whose value, when set, replaces the default.
-    env: str | None = None
-    #: Passed to ``serve``'s proxy child through ``env`` instead of its command line.
-    secret: bool = False
-    choices: tuple[str, ...] | None = None
-    #: How the default reads in help and docs, when the value itself would mislead.
-    shown_default: str | None = None
-    #: Parses one command-line value; ``bool`` makes a flag without a value; ``list`` of a
-    #: type makes a repeatable option.
-    parse: Callable[[str], Any] = str
-    repeat: bool = False
-
-
-def option(default: Any, flag: str, help: str, **details: Any) -> Any:
-    """A settings field that users can set (see :class:`Option` for ``details``)."""
-    return field(default=default, metadata={"option": Option(flag, help, **details)})
 
 
 def check_template(template: str) -> str:
@@ -340,17 +318,9 @@ class ProxySettings:
 # ---------------------------------------------------------------------------------------------
 
 
-def options() -> Iterable[tuple[dataclasses.Field[Any], Option]]:
-    for f in dataclasses.fields(ProxySettings):
-        spec = f.metadata.get("option")
-        if spec is not None:
-            yield f, spec
-
-
-def _default(f: dataclasses.Field[Any], spec: Option, environ: Mapping[str, str]) -> Any:
-    if spec.env and environ.get(spec.env):
-        return spec.parse(environ[spec.env])
-    return f.default
+def options() -> Iterator[tuple[str, Option[Any]]]:
+    """(field name, option) for each settings field a user can set."""
+    return option_table.options(ProxySettings)
 
 
 def add_arguments(
@@ -361,47 +331,16 @@ def add_arguments(
     environ: Mapping[str, str] | None = None,
 ) -> None:
     """One ``argparse`` option per settings field that has a flag (minus ``skip``)."""
-    env = os.environ if environ is None else environ
-    for f, spec in options():
-        if f.name in skip:
-            continue
-        default = _default(f, spec, env)
-        shown = spec.shown_default or ("none" if default is None else str(default))
-        if spec.env:
-            shown = f"${spec.env} or {shown}"
-        text = f"{spec.help} (default {shown})"
-        if spec.parse is bool:
-            parser.add_argument(spec.flag, dest=f.name, action="store_true", help=spec.help)
-        elif spec.repeat:
-            parser.add_argument(
-                spec.flag,
-                dest=f.name,
-                type=spec.parse,
-                action="append",
-                default=None,
-                metavar=spec.metavar,
-                help=text,
-            )
-        else:
-            parser.add_argument(
-                spec.flag,
-                dest=f.name,
-                type=spec.parse,
-                default=None if f.name in required else default,
-                required=f.name in required,
-                metavar=spec.metavar,
-                choices=spec.choices,
-                help=text,
-            )
+    option_table.add_arguments(parser, ProxySettings, skip=skip, required=required, environ=environ)
 
 
 def from_arguments(args: argparse.Namespace, **overrides: Any) -> ProxySettings:
     """Settings from parsed arguments (fields ``add_arguments`` skipped keep their defaults)."""
     values: dict[str, Any] = {}
-    for f, _ in options():
-        if hasattr(args, f.name):
-            value = getattr(args, f.name)
-            values[f.name] = tuple(value) if isinstance(value, list) else value
+    for name, _ in options():
+        if hasattr(args, name):
+            value = getattr(args, name)
+            values[name] = tuple(value) if isinstance(value, list) else value
     values.update(overrides)
     if values.get("ring_owner_uids") is None:
         values.pop("ring_owner_uids", None)
@@ -415,9 +354,9 @@ def command_line(settings: ProxySettings) -> list[str]:
     taken for an option.
     """
     argv: list[str] = []
-    for f, spec in options():
-        value = getattr(settings, f.name)
-        if spec.secret or value is None:
+    for name, spec in options():
+        value = getattr(settings, name)
+        if spec.flag is None or spec.secret or value is None:
             continue
         if spec.parse is bool:
             argv += [spec.flag] if value else []
@@ -431,8 +370,8 @@ def command_line(settings: ProxySettings) -> list[str]:
 def secret_environment(settings: ProxySettings) -> dict[str, str]:
     """The secrets of ``settings``, as the environment variables the proxy reads them from."""
     secrets: dict[str, str] = {}
-    for f, spec in options():
-        value = getattr(settings, f.name)
+    for name, spec in options():
+        value = getattr(settings, name)
         if spec.secret and spec.env and value:
             secrets[spec.env] = str(value)
     return secrets
@@ -440,14 +379,4 @@ def secret_environment(settings: ProxySettings) -> dict[str, str]:
 
 def options_table() -> str:
     """The Markdown table of the proxy's options (``docs/api.md`` carries it verbatim)."""
-    lines = ["| option | environment | default | meaning |", "|---|---|---|---|"]
-    for f, spec in options():
-        default = spec.shown_default or ("none" if f.default is None else f"`{f.default}`")
-        if spec.parse is bool:
-            default = "off"
-        flag = f"`{spec.flag}`" + (f" `{spec.metavar}`" if spec.metavar else "")
-        if spec.choices:
-            flag += " " + " \\| ".join(f"`{choice}`" for choice in spec.choices)
-        env = f"`{spec.env}`" if spec.env else ""
-        lines.append(f"| {flag} | {env} | {default} | {spec.help} |")
-    return "\n".join(lines) + "\n"
+    return option_table.markdown_table(spec for _, spec in options())

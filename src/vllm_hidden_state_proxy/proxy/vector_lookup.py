@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
+from vllm_hidden_state_proxy.protocol import absolute_layer
 from vllm_hidden_state_proxy.proxy.errors import (
     bad_request,
     engines_without_ring,
@@ -208,8 +209,8 @@ def resolve_layers(
     asked = request.layers if request.layers is not None else (-1,)
     resolved = []
     for layer in asked:
-        absolute = layer + final + 1 if layer < 0 else layer
-        if absolute not in captured or absolute < 0:
+        absolute = absolute_layer(layer, final)
+        if absolute is None or absolute not in captured:
             listed = ", ".join(str(k) for k in sorted(captured))
             raise bad_request(
                 f"Layer {layer} is not captured by this server. It captures layers {listed} "

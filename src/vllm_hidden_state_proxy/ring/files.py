@@ -198,12 +198,17 @@ def self_and_root() -> frozenset[int]:
     return frozenset((os.geteuid(), 0))
 
 
+#: (directory, file) modes of a ring without ``HIDDEN_STATE_PROXY_RING_DIR_MODE``: this user's
+#: alone.
+PRIVATE_MODES = (0o700, 0o600)
+
+
 def ring_modes(raw: str | None) -> tuple[int, int]:
     """(directory, file) modes for a ``HIDDEN_STATE_PROXY_RING_DIR_MODE`` value (``None`` or
-    empty: this user's alone, 0700/0600). Raises ``ValueError`` naming the variable if it is
-    not an octal mode."""
+    empty: :data:`PRIVATE_MODES`). Raises ``ValueError`` naming the variable if it is not an
+    octal mode."""
     if not raw:
-        return 0o700, 0o600
+        return PRIVATE_MODES
     try:
         dir_mode = int(raw, 8) & 0o770
     except ValueError:

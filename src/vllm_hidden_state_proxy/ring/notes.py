@@ -26,6 +26,7 @@ from pathlib import Path
 
 from vllm_hidden_state_proxy.ring.files import (
     NOTE_SUFFIX,
+    PRIVATE_MODES,
     Owners,
     Untrusted,
     create_directory,
@@ -102,8 +103,8 @@ class FailureNote:
         message: str,
         refused_settings: bool = False,
         fatal: bool = False,
-        dir_mode: int = 0o700,
-        file_mode: int = 0o600,
+        dir_mode: int = PRIVATE_MODES[0],
+        file_mode: int = PRIVATE_MODES[1],
     ) -> FailureNote:
         d = Path(directory)
         create_directory(d, dir_mode)

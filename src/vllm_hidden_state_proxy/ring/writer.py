@@ -28,6 +28,7 @@ from pathlib import Path
 from vllm_hidden_state_proxy.protocol import POOLINGS, RING_DIR_ENV
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
+    PRIVATE_MODES,
     InUse,
     create_directory,
     forget_in_forked_children,
@@ -122,8 +123,8 @@ class RingWriter(ClosesOnExit):
         engine: int = 0,
         num_hidden_layers: int = 1,
         layers: Sequence[int] | None = None,
-        dir_mode: int = 0o700,
-        file_mode: int = 0o600,
+        dir_mode: int = PRIVATE_MODES[0],
+        file_mode: int = PRIVATE_MODES[1],
         runner: str = "",
     ) -> RingWriter:
         """Make ``<directory>/ring-<instance>-dp<engine>.bin`` and hold its liveness lock.

@@ -58,19 +58,10 @@ scheduling) the stream is already synchronized, and the copies are published bef
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import (
-    DEFAULT_RING_LOCK_TIMEOUT,
-    DEFAULT_RING_SLOTS,
-    RING_DIR_ENV,
-    RING_DIR_MODE_ENV,
-    RING_LOCK_TIMEOUT_ENV,
-    RING_SLOTS_ENV,
-    ring_dir_from_env,
-)
+from vllm_hidden_state_proxy.protocol import RING_DIR_ENV
 from vllm_hidden_state_proxy.ring import (
     FailureNote,
     RingDirectoryConflict,
@@ -78,15 +69,14 @@ from vllm_hidden_state_proxy.ring import (
     check_shareable,
 )
 from vllm_hidden_state_proxy.ring.files import (
+    PRIVATE_MODES,
     DirectoryLocked,
     UntrustedDirectory,
     create_directory,
     directory_locked,
-    ring_modes,
 )
 from vllm_hidden_state_proxy.worker_hook.compat import (
     describe_vllm,
-    hook_mode,
     is_tested_version,
     vllm_version,
 )
@@ -117,6 +107,7 @@ from vllm_hidden_state_proxy.worker_hook.selection import (
     Selection,
     last_prompt_row,
 )
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -233,20 +224,21 @@ def _leave_note(identity: EngineIdentity, error: BaseException, view: RunnerView
             RING_DIR_ENV,
         )
         return
+    settings = HookSettings()
     try:
         try:
-            dir_mode, file_mode = _ring_modes()
+            dir_mode, file_mode = settings.ring_modes
         except ValueError:  # a malformed mode: the note (private) says so, the ring could not
-            dir_mode, file_mode = _DEFAULT_MODES
+            dir_mode, file_mode = PRIVATE_MODES
         refused = isinstance(error, _REFUSED)
         _NOTES.append(
             FailureNote.write(
-                ring_dir_from_env(),
+                settings.ring_dir,
                 instance=identity.instance,
                 engine=identity.engine,
                 message=note_message(error, view),
                 refused_settings=refused,
-                fatal=refused or isinstance(error, UnsupportedRunner) or hook_mode() == "on",
+                fatal=refused or isinstance(error, UnsupportedRunner) or settings.hook_mode == "on",
                 dir_mode=dir_mode,
                 file_mode=file_mode,
             )
@@ -265,14 +257,15 @@ def _create_ring(
     vllm_config = runner.vllm_config
     _check_settings(vllm_config)
     captured = _layers_of(runner)
-    dir_mode, file_mode = _ring_modes()
-    slots = int(os.environ.get(RING_SLOTS_ENV) or DEFAULT_RING_SLOTS)
+    settings = HookSettings()
+    dir_mode, file_mode = settings.ring_modes
+    slots = settings.ring_slots
     hidden_size = int(vllm_config.model_config.get_hidden_size())
-    ring_dir = Path(ring_dir_from_env())
+    ring_dir = Path(settings.ring_dir)
     create_directory(ring_dir, dir_mode)  # raises UntrustedDirectory
     # Another server's hook may be adding its ring right now; the deadline because anyone who
     # can open the directory can hold its lock, and this runs inside vLLM's startup.
-    with directory_locked(ring_dir, dir_mode=dir_mode, timeout=_lock_timeout()):
+    with directory_locked(ring_dir, dir_mode=dir_mode, timeout=settings.ring_lock_timeout):
         check_shareable(
             ring_dir,
             instance=identity.instance,
@@ -312,29 +305,6 @@ def _create_ring(
         slots,
     )
     return writer, captured
-
-
-#: (directory, file) modes of the ring without ``RING_DIR_MODE_ENV``: this user's alone.
-_DEFAULT_MODES = (0o700, 0o600)
-
-
-def _ring_modes() -> tuple[int, int]:
-    """Raises ``ValueError`` naming the variable if its value is not an octal mode."""
-    return ring_modes(os.environ.get(RING_DIR_MODE_ENV))
-
-
-def _lock_timeout() -> float:
-    """Raises ``ValueError`` naming the variable if its value is not a number of seconds."""
-    raw = os.environ.get(RING_LOCK_TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_RING_LOCK_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"{RING_LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds such as 30")
-    return seconds
 
 
 def _served_name(model_config: Any) -> str:

@@ -15,7 +15,8 @@ startup checks, in the worker, where a failure note can name the engine:
 
 If they pass on a version the hook was not tested with, it runs and logs that once; if not, the
 engine's failure note names the vLLM version and the missing piece, and is marked fatal
-(``/health`` 503, ``serve`` exits). :data:`HOOK_ENABLED_ENV` overrides the default:
+(``/health`` 503, ``serve`` exits). ``HIDDEN_STATE_PROXY_HOOK`` overrides the default
+(:attr:`.settings.HookSettings.hook_mode`):
 
 - unset, empty or ``auto``: as above;
 - ``0``/``false``/``no``/``off``: the hook wraps nothing (no ring, no note: vLLM runs as
@@ -28,11 +29,8 @@ engine's failure note names the vLLM version and the missing piece, and is marke
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Collection, Sequence
 from typing import Any
-
-from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 
 #: vLLM minor versions whose runner internals this hook was written and tested against.
 TESTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33")
@@ -43,24 +41,6 @@ NEEDED_METHODS = ("load_model", "initialize_kv_cache", "execute_model", "sample_
 
 #: Marks a function as one of the hook's wrappers.
 WRAPPED_ATTR = "_hidden_state_proxy_wrapped"
-
-_OFF = ("0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
-_AUTO = ("", "auto")
-
-
-def hook_mode(environ: dict[str, str] | None = None) -> str:
-    """``"off"``, ``"on"`` (required) or ``"auto"`` from :data:`HOOK_ENABLED_ENV`.
-
-    An unknown value is ``"auto"``: the safe reading (the hook runs, as without the variable).
-    """
-    raw = (os.environ if environ is None else environ).get(HOOK_ENABLED_ENV, "")
-    value = raw.strip().lower()
-    if value in _OFF:
-        return "off"
-    if value in _ON:
-        return "on"
-    return "auto"
 
 
 def vllm_version() -> str:

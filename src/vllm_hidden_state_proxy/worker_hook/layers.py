@@ -23,11 +23,11 @@ this happens and nothing is paid.
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV, absolute_layer, layer_indices
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 #: The mixin method through which a model's decoder stack receives the aux layer ids.
 SET_LAYERS = "_set_aux_hidden_state_layers"
@@ -55,19 +55,14 @@ class CapturedLayers:
 def parse_layers(text: str | None, num_hidden_layers: int) -> CapturedLayers:
     """``HIDDEN_STATE_PROXY_LAYERS`` (``None`` or empty: the final layer only), normalised."""
     final = num_hidden_layers
+    try:
+        asked = layer_indices(text or "")
+    except ValueError as problem:
+        raise LayerConfigError(f"{LAYERS_ENV}={text!r}: {problem}") from None
     chosen = {final}
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            layer = int(part)
-        except ValueError:
-            raise LayerConfigError(
-                f"{LAYERS_ENV}={text!r}: {part!r} is not a layer index (expected e.g. 4,8,-1)"
-            ) from None
-        absolute = layer + final + 1 if layer < 0 else layer
-        if not 0 <= absolute <= final:
+    for layer in asked:
+        absolute = absolute_layer(layer, final)
+        if absolute is None:
             raise LayerConfigError(
                 f"{LAYERS_ENV}={text!r}: layer {layer} is out of range for a model with "
                 f"{final} layers (valid: 0..{final}, or -{final + 1}..-1)"
@@ -77,8 +72,9 @@ def parse_layers(text: str | None, num_hidden_layers: int) -> CapturedLayers:
 
 
 def configured_layers(vllm_config: Any) -> CapturedLayers:
+    """The layers the hook's settings ask of this model."""
     num_hidden_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
-    return parse_layers(os.environ.get(LAYERS_ENV), num_hidden_layers)
+    return parse_layers(HookSettings().layers, num_hidden_layers)
 
 
 def enable_aux_outputs(runner: Any, captured: CapturedLayers) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
-from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS, WRAPPED_ATTR, hook_mode
+from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS, WRAPPED_ATTR
 from vllm_hidden_state_proxy.worker_hook.runners import (
     RefusedSettings,
     RunnerView,
@@ -46,6 +46,7 @@ from vllm_hidden_state_proxy.worker_hook.runners import (
     V2RunnerView,
     structure_problems,
 )
+from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -68,7 +69,7 @@ _WRAPPED_ATTR = WRAPPED_ATTR
 def register() -> None:
     """Entry point. Never raises: a broken hook must not stop vLLM from starting."""
     try:
-        if hook_mode() == "off":
+        if HookSettings().hook_mode == "off":
             logger.info("vllm-hidden-state-proxy: worker hook disabled by %s", HOOK_ENABLED_ENV)
             return
         install_runner_patches()

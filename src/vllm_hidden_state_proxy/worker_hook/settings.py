@@ -1,0 +1,170 @@
+"""The worker hook's settings: every ``HIDDEN_STATE_PROXY_*`` variable it reads in vLLM's
+environment, with its default, parser and help, written once (:data:`HOOK_VARIABLES`).
+
+The names are :mod:`~vllm_hidden_state_proxy.protocol`'s (``serve`` and the proxy name them
+too); ``docs/api.md``'s table of the hook's environment is :func:`environment_table` (a test
+keeps it equal), and ``serve`` checks its ``--ring-dir`` with the same :class:`HookSettings`.
+
+A value is parsed when the hook asks for it, not when :class:`HookSettings` is made: a
+malformed variable fails the step that needs it (the ring's creation, whose failure note names
+the variable), exactly where the hook reads it, and never vLLM's startup as a whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hidden_state_proxy.option_table import Option, markdown_table
+from vllm_hidden_state_proxy.protocol import (
+    DEFAULT_RING_DIR,
+    HOOK_ENABLED_ENV,
+    LAYERS_ENV,
+    PLUGIN_NAME,
+    RING_DIR_ENV,
+    RING_DIR_MODE_ENV,
+    RING_LOCK_TIMEOUT_ENV,
+    RING_SLOTS_ENV,
+    VLLM_PLUGINS_ENV,
+)
+from vllm_hidden_state_proxy.ring.files import PRIVATE_MODES, ring_modes
+
+HOOK_MODES = ("off", "auto", "on")
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def hook_mode(raw: str) -> str:
+    """``"off"``, ``"on"`` (required) or ``"auto"`` for a ``HIDDEN_STATE_PROXY_HOOK`` value.
+
+    An unknown value is ``"auto"``: the safe reading (the hook runs, as without the variable).
+    """
+    value = raw.strip().lower()
+    if value in _OFF:
+        return "off"
+    if value in _ON:
+        return "on"
+    return "auto"
+
+
+def lock_timeout(raw: str) -> float:
+    """A ``HIDDEN_STATE_PROXY_RING_LOCK_TIMEOUT`` value; raises ``ValueError`` naming the
+    variable if it is not a finite number of seconds >= 0."""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{RING_LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds such as 30")
+    return seconds
+
+
+RING_DIR: Option[str] = Option(
+    DEFAULT_RING_DIR,
+    "ring directory (must match the proxy's)",
+    str,
+    env=RING_DIR_ENV,
+)
+#: The raw list: which layers it names depends on the model (``layers.parse_layers``).
+LAYERS: Option[str | None] = Option(
+    None,
+    "the layers captured, e.g. `4,8,-1`",
+    str,
+    env=LAYERS_ENV,
+    shown_default="(the final layer)",
+)
+RING_SLOTS: Option[int] = Option(
+    1024,
+    "slots per ring; one slot holds one request's record",
+    int,
+    env=RING_SLOTS_ENV,
+)
+RING_DIR_MODE: Option[tuple[int, int]] = Option(
+    PRIVATE_MODES,
+    "e.g. `0750` (files `0640`) when the proxy runs as another user of the same group; `0770` "
+    "also accepts a group-writable directory (a shared volume such as compose's and the chart's)",
+    ring_modes,
+    env=RING_DIR_MODE_ENV,
+    shown_default="`0700` (files `0600`)",
+)
+RING_LOCK_TIMEOUT: Option[float] = Option(
+    30.0,
+    "seconds the hook waits for the ring directory's lock (other servers' hooks hold it only "
+    "while adding their ring); then the engine has no ring, leaves a failure note naming the "
+    "holder's pid, and `serve` exits 1",
+    lock_timeout,
+    env=RING_LOCK_TIMEOUT_ENV,
+)
+HOOK: Option[str] = Option(
+    "auto",
+    "`auto` (or unset, empty, or any other word): the hook runs wherever its startup checks "
+    "pass (below); `0`/`false`/`no`/`off`: the hook wraps nothing (vLLM runs as without the "
+    "package; no ring, no failure note); `1`/`true`/`yes`/`on`: the hook is *required*: as "
+    "`auto`, and any failure to start its ring (not only refused settings or an incompatible "
+    "vLLM) makes the failure note fatal. `serve` removes it from vLLM's environment (`auto`)",
+    hook_mode,
+    env=HOOK_ENABLED_ENV,
+)
+
+#: Every variable the hook reads, in the order the docs list them.
+HOOK_VARIABLES: tuple[Option[Any], ...] = (
+    RING_DIR,
+    LAYERS,
+    RING_SLOTS,
+    RING_DIR_MODE,
+    RING_LOCK_TIMEOUT,
+    HOOK,
+)
+
+#: vLLM's own variable, which decides whether the hook is loaded at all (documented beside
+#: the hook's own; the hook does not read it).
+VLLM_PLUGINS: Option[str | None] = Option(
+    None,
+    f"if you set it, include `{PLUGIN_NAME}`",
+    str,
+    env=VLLM_PLUGINS_ENV,
+    shown_default="(all plugins)",
+)
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    """The hook's settings in ``environ`` (by default this process's environment, as it is when
+    a value is asked for); each property parses its variable then (see the module docstring)."""
+
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+
+    @property
+    def ring_dir(self) -> str:
+        return RING_DIR.read(self.environ)
+
+    @property
+    def layers(self) -> str | None:
+        """The layer list as given; ``None``: the final layer only."""
+        return LAYERS.read(self.environ)
+
+    @property
+    def ring_slots(self) -> int:
+        return RING_SLOTS.read(self.environ)
+
+    @property
+    def ring_modes(self) -> tuple[int, int]:
+        """(directory, file) modes; ``ValueError`` naming the variable if it is malformed."""
+        return RING_DIR_MODE.read(self.environ)
+
+    @property
+    def ring_lock_timeout(self) -> float:
+        """Seconds; ``ValueError`` naming the variable if it is malformed."""
+        return RING_LOCK_TIMEOUT.read(self.environ)
+
+    @property
+    def hook_mode(self) -> str:
+        """``"off"``, ``"auto"`` or ``"on"`` (required)."""
+        return HOOK.read(self.environ)
+
+
+def environment_table() -> str:
+    """The Markdown table of the hook's environment (``docs/api.md`` carries it verbatim)."""
+    return markdown_table((*HOOK_VARIABLES, VLLM_PLUGINS), ("variable", "default", "meaning"))
