@@ -60,9 +60,10 @@ ANSWER_POOLINGS = ("last_answer",)
 #: How many of a choice's latest computed positions the hook publishes when it finishes, each
 #: as a record under :func:`answer_key`. The hook cannot tell which computed position chose
 #: the final token: with async scheduling (and pipeline parallel batch queues) vLLM has already
-#: computed a step past it when the stop is seen. The proxy knows the answer's token count and
-#: looks up the one it needs.
-ANSWER_WINDOW = 4
+#: computed a step past it when the stop is seen, and a ``stop`` string is found in vLLM's
+#: front end, whose abort reaches the engine a few steps later. The proxy knows the answer's
+#: token count and looks up the one it needs. (Each finished choice takes this many ring slots.)
+ANSWER_WINDOW = 8
 
 # -- the embeddings template -----------------------------------------------------------------
 # The proxy's /v1/embeddings option, and the clients that build its prompts themselves (the

@@ -233,3 +233,33 @@ def test_concurrent_answers_beside_ordinary_traffic_are_never_misattributed(
         assert all(isinstance(other.result(), str) for other in others)
         for answer in answers:
             check_json(answer.result(), reference)
+
+
+def test_a_client_that_asks_for_no_token_ids_gets_vllms_answer_unchanged(
+    client: Any, direct_client: Any, model_name: str, reference: Reference
+) -> None:
+    """One choice: the proxy asks vLLM for nothing more (usage counts the tokens), so an
+    ``echo`` keeps its prompt; the vector is checked on ids from a direct request."""
+    prompt, sampling = "The lighthouse keeper", {"max_tokens": 5, "temperature": 0, "echo": True}
+    direct = direct_client.completions.create(model=model_name, prompt=prompt, **sampling)
+    flagged = client.completions.create(
+        model=model_name, prompt=prompt, **sampling, extra_body={"kv_transfer_params": kv()}
+    ).model_dump()
+    (choice,) = flagged["choices"]
+    assert choice["text"] == direct.choices[0].text and choice["text"].startswith(prompt)
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
+    ids = direct_client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]
+    params = flagged["kv_transfer_params"]
+    check_choice(
+        reference,
+        ids["prompt_token_ids"],
+        ids["token_ids"],
+        params["last_hidden_states_by_layer"],
+        params["last_hidden_state_info"],
+    )

@@ -3,6 +3,7 @@ one per choice, found by its token count, in JSON answers and on each choice's l
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -129,7 +130,7 @@ async def test_json_answer_gets_the_state_that_chose_the_last_token(
     (forwarded,) = vllm.requests
     sent = sent_document(forwarded)
     key = forwarded_key(forwarded)
-    assert sent["return_token_ids"] is True
+    assert "return_token_ids" not in sent  # one choice: usage counts its tokens
     assert sent["vllm_xargs"][POOLING_ENTRY] == "last_answer"
     assert CHOICES_ENTRY not in sent["vllm_xargs"]
     assert "cache_salt" not in sent  # the answer's states are computed, never cached
@@ -139,8 +140,7 @@ async def test_json_answer_gets_the_state_that_chose_the_last_token(
     assert kv["last_hidden_state_info"]["position"] == PROMPT_TOKENS + 2 - 2
     assert kv["last_hidden_state_info"]["num_output_tokens"] == 2
     assert kv["last_hidden_state_info"]["pooling"] == "last_answer"
-    # what the proxy asked for is taken out again, as vLLM writes it without
-    assert body["prompt_token_ids"] is None and body["choices"][0]["token_ids"] is None
+    assert body == {**json_answer(1, False), "kv_transfer_params": kv}  # vLLM's answer, as it was
 
 
 async def test_n_choices_get_one_vector_each_in_choice_order(
@@ -195,12 +195,16 @@ async def test_no_record_is_a_timeout(ring_dir: str, writer: RingWriter) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-def sse(chunk: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+FINGERPRINT = "fp-1"
 
 
-def stream_events(n: int, continuous: bool, usage: bool) -> list[bytes]:
-    """vLLM's chat stream of ``n`` choices, interleaved, with continuous usage per choice."""
+def sse(chunk: dict[str, Any], separator: bytes = b"\n\n") -> bytes:
+    return b"data: " + orjson.dumps(chunk) + separator
+
+
+def stream_events(n: int, continuous: bool, usage: bool, separator: bytes = b"\n\n") -> list[bytes]:
+    """vLLM's chat stream of ``n`` choices, interleaved, with continuous usage per choice; its
+    fingerprint on each choice's last chunk, or (with usage) on the usage chunk, as vLLM does."""
     events = []
     for i in range(n):
         chunk: dict[str, Any] = {
@@ -210,7 +214,7 @@ def stream_events(n: int, continuous: bool, usage: bool) -> list[bytes]:
         }
         if continuous:
             chunk["usage"] = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 0}
-        events.append(sse(chunk))
+        events.append(sse(chunk, separator))
     longest = max(len(ANSWERS[i]) for i in range(n))
     for step in range(longest):
         for i in range(n):
@@ -228,47 +232,67 @@ def stream_events(n: int, continuous: bool, usage: bool) -> list[bytes]:
                     }
                 ],
             }
+            if last and not usage:
+                chunk["system_fingerprint"] = FINGERPRINT
             if continuous:
                 chunk["usage"] = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": step + 1}
-            events.append(sse(chunk))
+            events.append(sse(chunk, separator))
     if usage:
-        events.append(sse({"id": "c", "choices": [], "usage": {"completion_tokens": 9}}))
-    events.append(b"data: [DONE]\n\n")
+        final = {"id": "c", "choices": [], "usage": {"completion_tokens": 9}}
+        events.append(sse({**final, "system_fingerprint": FINGERPRINT}, separator))
+    events.append(b"data: [DONE]" + separator)
     return events
 
 
-def stream_vllm(hook: RingWriter | None) -> FakeVLLM:
+def stream_vllm(
+    hook: RingWriter | None,
+    *,
+    piece: int = 1 << 20,
+    separator: bytes = b"\n\n",
+    published: int | None = None,
+) -> FakeVLLM:
+    """A streaming vLLM whose body arrives ``piece`` bytes at a time; the hook publishes the
+    records of the first ``published`` choices (all by default)."""
+
     async def handle(request: httpx.Request) -> httpx.Response:
         document = sent_document(request)
         key = forwarded_key(request)
         n = int(document.get("n") or 1)
         options = document["stream_options"]
         if hook is not None:
-            for i in range(n):
+            for i in range(n if published is None else published):
                 publish_window(hook, key, i, len(ANSWERS[i]))
-        events = stream_events(n, options["continuous_usage_stats"], options["include_usage"])
-        return httpx.Response(
-            200,
-            headers={"content-type": "text/event-stream"},
-            stream=httpx.ByteStream(b"".join(events)),
-        )
+        usage = options.get("include_usage") is True
+        continuous = usage and options.get("continuous_usage_stats") is True
+        body = b"".join(stream_events(n, continuous, usage, separator))
+
+        async def pieces() -> AsyncIterator[bytes]:
+            for at in range(0, len(body), piece):
+                yield body[at : at + piece]
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=pieces())
 
     return FakeVLLM(handle)
 
 
 def data_of(text: str) -> list[Any]:
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     events = [e for e in text.split("\n\n") if e]
     return [
         e.removeprefix("data: ") if e == "data: [DONE]" else orjson.loads(e[6:]) for e in events
     ]
 
 
+@pytest.mark.parametrize(
+    ("piece", "separator"), [(1 << 20, b"\n\n"), (1, b"\n\n"), (7, b"\r\n\r\n"), (3, b"\r\r")]
+)
+@pytest.mark.parametrize("n", [1, 2])
 async def test_a_stream_carries_each_choices_vector_on_its_last_chunk(
-    ring_dir: str, writer: RingWriter
+    ring_dir: str, writer: RingWriter, piece: int, separator: bytes, n: int
 ) -> None:
-    vllm = stream_vllm(writer)
+    vllm = stream_vllm(writer, piece=piece, separator=separator)
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
-        response = await proxy.client.post(CHAT, json=flagged(n=2, stream=True))
+        response = await proxy.client.post(CHAT, json=flagged(n=n, stream=True))
     assert response.status_code == 200
     (forwarded,) = vllm.requests
     key = forwarded_key(forwarded)
@@ -280,14 +304,19 @@ async def test_a_stream_carries_each_choices_vector_on_its_last_chunk(
     # the proxy's usage asks are gone: no chunk has usage, no usage-only chunk
     assert all("usage" not in chunk and chunk["choices"] for chunk in chunks)
     with_vectors = [c for c in chunks if "kv_transfer_params" in c]
-    assert [c["choices"][0]["finish_reason"] for c in with_vectors] == ["stop", "stop"]
+    assert [c["choices"][0]["finish_reason"] for c in with_vectors] == ["stop"] * n
     for chunk in with_vectors:
         index = chunk["choices"][0]["index"]
         vector = chunk["kv_transfer_params"]["last_hidden_state"]
         assert vector == expected_vector(key, index, len(ANSWERS[index]))
-    # every other chunk as vLLM streamed it (without the usage the proxy asked for)
-    plain = stream_events(2, continuous=False, usage=False)
+    # every other chunk as vLLM streamed it without the proxy's asks, in its order; one choice's
+    # last chunk with vLLM's fingerprint, taken from the usage chunk (several: without)
+    plain = stream_events(n, continuous=False, usage=False)
     expected_plain = [orjson.loads(e[6:]) for e in plain[:-1]]
+    if n > 1:
+        expected_plain = [
+            {k: v for k, v in c.items() if k != "system_fingerprint"} for c in expected_plain
+        ]
     stripped = [{k: v for k, v in c.items() if k != "kv_transfer_params"} for c in chunks]
     assert stripped == expected_plain
 
@@ -302,17 +331,24 @@ async def test_a_client_asking_for_usage_keeps_it(ring_dir: str, writer: RingWri
     assert all("usage" not in c for c in chunks[:-1])  # continuous usage was the proxy's ask
 
 
+@pytest.mark.parametrize("client_usage", [False, True])
 async def test_a_stream_whose_record_is_missing_ends_with_an_error_event(
-    ring_dir: str, writer: RingWriter
+    ring_dir: str, writer: RingWriter, client_usage: bool
 ) -> None:
     settings = settings_for(ring_dir, vector_timeout=0.05)
-    async with proxy_client(settings, stream_vllm(None)) as proxy:
-        response = await proxy.client.post(CHAT, json=flagged(stream=True))
+    extra = {"stream_options": {"include_usage": True}} if client_usage else {}
+    async with proxy_client(settings, stream_vllm(writer, published=1)) as proxy:
+        response = await proxy.client.post(CHAT, json=flagged(n=2, stream=True, **extra))
     assert response.status_code == 200  # the stream had started
     received = data_of(response.text)
     assert "[DONE]" not in received
     assert received[-1]["error"]["code"] == 504
-    assert not any("kv_transfer_params" in c for c in received[:-1])
+    chunks = received[:-1]
+    # everything before the failing choice's last chunk went out, choice 0's vectors with it
+    assert len(chunks) == len(stream_events(2, False, False)) - 2
+    finished = [c for c in chunks if c["choices"][0].get("finish_reason")]
+    assert [c["choices"][0]["index"] for c in finished] == [0]
+    assert "last_hidden_state" in finished[0]["kv_transfer_params"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,11 +374,12 @@ async def test_responses_and_embeddings_refuse_last_answer(
 
 
 def test_answer_asks_adds_what_counts_tokens_and_says_what_it_added() -> None:
+    assert answer_asks({}) == ({}, {}, AnswerAsks())  # one choice: usage says it
     fields, entries, asks = answer_asks({"n": 2})
     assert (fields, entries, asks) == (
         {"return_token_ids": True},
         {CHOICES_ENTRY: 2},
-        AnswerAsks(token_ids=True),
+        AnswerAsks(token_ids=True, choices=2),
     )
     fields, entries, asks = answer_asks(
         {"stream": True, "stream_options": {"include_usage": True, "x": 1}}
@@ -351,7 +388,10 @@ def test_answer_asks_adds_what_counts_tokens_and_says_what_it_added() -> None:
         "stream_options": {"include_usage": True, "x": 1, "continuous_usage_stats": True}
     }
     assert (entries, asks) == ({}, AnswerAsks(usage=False, continuous_usage=True))
-    assert answer_asks({"return_token_ids": True, "n": True})[1:] == ({}, AnswerAsks())
+    assert answer_asks({"return_token_ids": True, "n": 2})[2] == AnswerAsks(choices=2)
+    # continuous usage without include_usage: vLLM would have sent none
+    options = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert answer_asks(options)[2] == AnswerAsks(usage=True, continuous_usage=True)
     assert answer_asks({"stream": True, "stream_options": "bad"}) == ({}, {}, AnswerAsks())
 
 
@@ -361,8 +401,10 @@ def test_choice_counts_needs_token_ids_and_at_least_one_token() -> None:
         (0, 2, PROMPT_TOKENS),
         (1, 3, PROMPT_TOKENS),
     ]
+    (one,) = choice_counts(json_answer(1, False))  # one choice: from usage
+    assert (one.index, one.num_output_tokens, one.num_prompt_tokens) == (0, 2, PROMPT_TOKENS)
     with pytest.raises(ProxyError) as missing:
-        choice_counts(json_answer(1, False))
+        choice_counts(json_answer(2, False))
     assert missing.value.status == 502
     empty = json_answer(1, True)
     empty["choices"][0]["token_ids"] = []
@@ -376,3 +418,84 @@ def test_without_asked_token_ids_restores_vllms_nulls() -> None:
     restored = without_asked_token_ids(answer, AnswerAsks(token_ids=True))
     assert restored == json_answer(2, False)
     assert without_asked_token_ids(answer, AnswerAsks()) is answer
+
+
+async def test_a_prompt_list_gets_one_vector_per_merged_choice(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        document = sent_document(request)
+        key = forwarded_key(request)
+        offset = 1 if document["prompt"] == "b" else 0  # the second prompt's answers are longer
+        choices = []
+        for i in range(2):
+            ids = ANSWERS[i + offset]
+            publish_window(writer, key, i, len(ids))
+            choices.append({"index": i, "text": "x", "finish_reason": "length", "token_ids": ids})
+        answer = {"id": "cmpl", "object": "text_completion", "model": MODEL, "choices": choices}
+        return httpx.Response(200, json=answer)
+
+    vllm = FakeVLLM(handle)
+    body = {
+        "model": MODEL,
+        "prompt": ["a", "b"],
+        "n": 2,
+        "kv_transfer_params": flagged()["kv_transfer_params"],
+    }
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    keys = {sent_document(r)["prompt"]: forwarded_key(r) for r in vllm.requests}
+    answer = response.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert answer["kv_transfer_params"]["last_hidden_states"] == [
+        expected_vector(keys["a"], 0, 2),
+        expected_vector(keys["a"], 1, 3),
+        expected_vector(keys["b"], 0, 3),
+        expected_vector(keys["b"], 1, 4),
+    ]
+
+
+async def test_a_record_of_another_prompt_length_is_a_502(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = forwarded_key(request)
+        publish(writer, answer_record(key, 0, 2))
+        answer = json_answer(1, False)
+        answer["usage"]["prompt_tokens"] = PROMPT_TOKENS + 1
+        return httpx.Response(200, json=answer)
+
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
+        response = await proxy.client.post(CHAT, json=flagged())
+    assert response.status_code == 502
+    assert f"after a {PROMPT_TOKENS + 1}-token prompt" in error_of(response)["message"]
+
+
+@pytest.mark.parametrize(("name", "value"), [("echo", True), ("include_reasoning", False)])
+async def test_what_would_hide_the_counts_of_several_choices_is_refused(
+    ring_dir: str, writer: RingWriter, name: str, value: bool
+) -> None:
+    vllm = json_vllm(writer)
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        refused = await proxy.client.post(CHAT, json=flagged(n=2, **{name: value}))
+        single = await proxy.client.post(CHAT, json=flagged(**{name: value}))
+    assert refused.status_code == 400 and error_of(refused)["param"] == name
+    assert single.status_code == 200  # one choice: usage counts it, nothing is asked
+    assert len(vllm.requests) == 1
+
+
+async def test_a_last_chunk_without_its_count_ends_the_stream_with_a_502_event(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        events = stream_events(1, continuous=False, usage=False)  # as if vLLM ignored the ask
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=b"".join(events)
+        )
+
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
+        response = await proxy.client.post(CHAT, json=flagged(stream=True))
+    received = data_of(response.text)
+    assert received[-1]["error"]["code"] == 502
+    assert "token count" in received[-1]["error"]["message"]

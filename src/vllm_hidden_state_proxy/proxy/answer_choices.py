@@ -4,11 +4,14 @@ The worker hook publishes, when a choice finishes, the states of its latest comp
 each under :func:`~vllm_hidden_state_proxy.protocol.answer_key` of (request key, choice index,
 output token count it chose). The proxy knows which one it needs once it knows how many tokens
 the choice generated (``C``): the state that chose token ``C``, at position ``P + C - 2``. So
-the keyed request asks vLLM for the counts (:func:`answer_asks`), and the proxy takes them out
-of the answer again if the client did not ask for them itself:
+the proxy reads the counts from vLLM's answer, asking for them where vLLM would not say
+(:func:`answer_asks`) and taking them out again if the client did not ask for them itself:
 
-- a JSON answer: ``return_token_ids`` (each choice's ``token_ids``; ``prompt_token_ids``), set
-  back to ``null`` afterwards;
+- a JSON answer of one choice: ``usage.completion_tokens`` (nothing asked);
+- a JSON answer of ``n > 1`` choices: ``return_token_ids`` (each choice's ``token_ids``), set
+  back to ``null`` afterwards (so ``echo``, whose text vLLM leaves out with
+  ``return_token_ids``, and ``include_reasoning: false``, which hides the ids, are refused
+  with ``n > 1``: :func:`check_answerable`);
 - a stream: ``stream_options.include_usage`` and ``continuous_usage_stats`` (each chunk's
   ``usage.completion_tokens`` counts its choice's tokens so far), removed from the chunks
   afterwards (:mod:`.answer_stream`).
@@ -23,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, answer_key
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, record_mismatch
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, record_mismatch
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import WantedVectors, is_int
+from vllm_hidden_state_proxy.proxy.types import KV, POOLING, WantedVectors, is_int
 from vllm_hidden_state_proxy.proxy.vector_lookup import wait_for_record
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
 
@@ -46,28 +51,58 @@ class AnswerAsks:
     usage: bool = False
     #: ``stream_options.continuous_usage_stats: true``: each chunk's ``usage`` is removed.
     continuous_usage: bool = False
+    #: The request's ``n``.
+    choices: int = 1
+
+
+def _choices(document: dict[str, Any]) -> int:
+    n = document.get("n")
+    return n if is_int(n) and n > 1 else 1
+
+
+def check_answerable(document: dict[str, Any]) -> None:
+    """400 for a request whose answer would not say each choice's token count, or would say it
+    only by losing something the client asked for."""
+    if _choices(document) == 1 or document.get("stream") is True:
+        return
+    for name, value, why in (
+        ("echo", True, "vLLM leaves the echoed prompt out of the text with return_token_ids"),
+        ("include_reasoning", False, "vLLM then hides the answer's token ids"),
+    ):
+        if document.get(name) is value:
+            raise bad_request(
+                f"'{name}': {orjson.dumps(value).decode()} with 'n' > 1 is not supported "
+                f"together with {KV}.{POOLING} 'last_answer' ({why}, which the proxy needs "
+                "to find each choice's hidden state): send one choice per request, or stream.",
+                name,
+            )
 
 
 def answer_asks(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], AnswerAsks]:
     """(body fields to set, ``vllm_xargs`` entries to add, what was added) for a keyed request
     of ``document`` that wants its answer's vectors."""
     entries: dict[str, Any] = {}
-    n = document.get("n")
-    if is_int(n) and n > 1:
+    n = _choices(document)
+    if n > 1:
         entries[CHOICES_ENTRY] = n
     if document.get("stream") is True:
         options = document.get(_STREAM_OPTIONS)
         if options is not None and not isinstance(options, dict):
-            return {}, entries, AnswerAsks()  # vLLM refuses it with its own 400
+            return {}, entries, AnswerAsks(choices=n)  # vLLM refuses it with its own 400
         merged = dict(options or {})
+        usage = merged.get("include_usage") is True
+        # vLLM counts per chunk only with both: the client saw none without include_usage.
         asks = AnswerAsks(
-            usage=merged.get("include_usage") is not True,
-            continuous_usage=merged.get("continuous_usage_stats") is not True,
+            usage=not usage,
+            continuous_usage=not (usage and merged.get("continuous_usage_stats") is True),
+            choices=n,
         )
         merged["include_usage"] = True
         merged["continuous_usage_stats"] = True
         return {_STREAM_OPTIONS: merged}, entries, asks
-    asks = AnswerAsks(token_ids=document.get("return_token_ids") is not True)
+    if n == 1:
+        return {}, entries, AnswerAsks(choices=n)  # usage.completion_tokens says it
+    asks = AnswerAsks(token_ids=document.get("return_token_ids") is not True, choices=n)
     return {"return_token_ids": True}, entries, asks
 
 
@@ -89,28 +124,46 @@ def _not_counted(what: str) -> ProxyError:
     )
 
 
+def counted(index: int, num_output_tokens: Any, num_prompt_tokens: Any = None) -> ChoiceCount:
+    """A choice's count as vLLM's answer says it; ``ProxyError`` if it says none."""
+    if not is_int(num_output_tokens):
+        raise _not_counted(f"has no token count for choice {index}")
+    if num_output_tokens < 1:
+        raise ProxyError(
+            400,
+            f"Choice {index} generated no token (max_tokens 0?), so there is no answer state "
+            "to return: ask for at least one token.",
+        )
+    return ChoiceCount(
+        index, num_output_tokens, num_prompt_tokens if is_int(num_prompt_tokens) else None
+    )
+
+
 def choice_counts(completion: dict[str, Any]) -> list[ChoiceCount]:
-    """Each choice's token count, from a JSON answer asked for ``return_token_ids``."""
+    """Each choice's token count, from a JSON answer: its ``token_ids`` where they are (asked
+    for with ``n > 1``), else (one choice) the answer's ``usage``."""
     choices = completion.get("choices")
     if not isinstance(choices, list) or not choices:
         raise _not_counted("has no choices")
     prompt = completion.get(_PROMPT_TOKEN_IDS)  # chat: the answer's; completions: per choice
+    usage = completion.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
     counts = []
     for choice in choices:
         if not isinstance(choice, dict) or not is_int(choice.get("index")):
             raise _not_counted("has a choice without an index")
+        index = choice["index"]
         token_ids = choice.get(_TOKEN_IDS)
-        if not isinstance(token_ids, list):
-            raise _not_counted(f"has no token_ids for choice {choice['index']}")
-        if not token_ids:
-            raise ProxyError(
-                400,
-                f"Choice {choice['index']} generated no token (max_tokens 0?), so there is no "
-                "answer state to return: ask for at least one token.",
+        if isinstance(token_ids, list):
+            own_prompt = choice.get(_PROMPT_TOKEN_IDS, prompt)
+            prompt_length = len(own_prompt) if isinstance(own_prompt, list) else None
+            counts.append(counted(index, len(token_ids), prompt_length))
+        elif len(choices) == 1:
+            counts.append(
+                counted(index, usage.get("completion_tokens"), usage.get("prompt_tokens"))
             )
-        own_prompt = choice.get(_PROMPT_TOKEN_IDS, prompt)
-        prompt_length = len(own_prompt) if isinstance(own_prompt, list) else None
-        counts.append(ChoiceCount(choice["index"], len(token_ids), prompt_length))
+        else:
+            raise _not_counted(f"has no token_ids for choice {index}")
     return counts
 
 

@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks
+from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks, ChoiceCount, counted
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
@@ -40,58 +41,99 @@ from vllm_hidden_state_proxy.proxy.types import Send, is_int
 
 log = logging.getLogger("vllm_hidden_state_proxy")
 
-#: The vectors' fields for (choice index, its number of output tokens).
-ChoiceFields = Callable[[int, int], Awaitable[dict[str, Any]]]
+#: The vectors' fields for a finished choice.
+ChoiceFields = Callable[[ChoiceCount], Awaitable[dict[str, Any]]]
 
 
 class AnswerEvents:
-    """Rewrites one complete event at a time."""
+    """Rewrites a stream's complete events, one at a time.
+
+    When the proxy asked for ``include_usage``, vLLM puts ``system_fingerprint`` on the usage
+    chunk instead of on each choice's last chunk. With one choice, its last chunk is held until
+    the usage chunk comes (right after it) and given its fingerprint; with several, holding
+    would reorder the stream, so their last chunks go on without it. The usage chunk is dropped.
+    """
 
     def __init__(self, asks: AnswerAsks, fields: ChoiceFields) -> None:
         self.asks = asks
         self.fields = fields
+        #: Finished choices' chunks held for the usage chunk's fingerprint: (event, chunk, sep).
+        self._held: list[tuple[bytes, dict[str, Any], bytes]] = []
 
-    async def rewrite(self, event: bytes) -> bytes | None:
-        """The event to send on (``None``: drop it). Raises ``ProxyError``."""
+    async def rewrite(self, event: bytes, separator: bytes) -> bytes:
+        """What to send on for ``event`` (and its separator): nothing, it, or it rewritten
+        (with chunks held before it). Raises ``ProxyError``."""
         data = event_data(event)
         chunk = None if data is None else json_object(data)
         choices = None if chunk is None else chunk.get("choices")
         if chunk is None or not isinstance(choices, list):
-            return event  # [DONE], an error event, anything else: as vLLM wrote it
+            # [DONE], an error event, anything else: as vLLM wrote it, after what was held
+            return self.release() + event + separator
         if not choices:
-            return None if self.asks.usage and "usage" in chunk else event
+            if self.asks.usage and "usage" in chunk:
+                return self.release(chunk.get("system_fingerprint"))
+            return self.release() + event + separator
         usage = chunk.get("usage")
         changed = False
         if self.asks.continuous_usage and "usage" in chunk:
             chunk = {name: value for name, value in chunk.items() if name != "usage"}
             changed = True
         if any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices):
-            index = choices[0].get("index") if isinstance(choices[0], dict) else None
-            count = usage.get("completion_tokens") if isinstance(usage, dict) else None
-            if len(choices) != 1 or not is_int(index) or not is_int(count):
-                raise ProxyError(
-                    502,
-                    "vLLM streamed a choice's last chunk without its own token count (one choice "
-                    "per chunk, with continuous usage stats), which the proxy needs to find the "
-                    "answer's hidden state.",
-                )
-            chunk = with_kv_fields(chunk, await self.fields(index, count))
+            chunk = with_kv_fields(chunk, await self.fields(_finished(choices, usage)))
+            if self.asks.usage and self.asks.choices == 1:
+                self._held.append((event, chunk, separator))
+                return b""
             changed = True
-        return with_data(event, dump_json(chunk)) if changed else event
+        return _encoded(event, chunk) + separator if changed else event + separator
+
+    def release(self, fingerprint: Any = None) -> bytes:
+        """The held chunks, with ``fingerprint`` (vLLM's, from the usage chunk) if given."""
+        out = bytearray()
+        for event, chunk, separator in self._held:
+            if fingerprint is not None:
+                chunk = {**chunk, "system_fingerprint": fingerprint}
+            out += _encoded(event, chunk) + separator
+        self._held.clear()
+        return bytes(out)
 
 
-async def _rewrite_complete(buffer: bytearray, cursor: EventCursor, events: AnswerEvents) -> bytes:
-    """The rewritten complete events at the start of ``buffer``, which loses them."""
+def _finished(choices: list[Any], usage: Any) -> ChoiceCount:
+    index = choices[0].get("index") if isinstance(choices[0], dict) else None
+    if len(choices) != 1 or not is_int(index) or not isinstance(usage, dict):
+        raise ProxyError(
+            502,
+            "vLLM streamed a choice's last chunk without its own token count (one choice per "
+            "chunk, with continuous usage stats), which the proxy needs to find the answer's "
+            "hidden state.",
+        )
+    return counted(index, usage.get("completion_tokens"), usage.get("prompt_tokens"))
+
+
+def _encoded(event: bytes, chunk: dict[str, Any]) -> bytes:
+    try:
+        return with_data(event, dump_json(chunk))
+    except orjson.JSONEncodeError as exc:
+        raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
+
+
+async def _rewrite_complete(
+    buffer: bytearray, cursor: EventCursor, events: AnswerEvents
+) -> tuple[bytes, ProxyError | None]:
+    """The rewritten complete events at the start of ``buffer``, which loses them, and the
+    error that stopped the rewriting, if one did (what was rewritten before it goes out)."""
     out = bytearray()
+    error = None
     while (bounds := cursor.take(buffer)) is not None:
         start, end = bounds
-        rewritten = await events.rewrite(bytes(buffer[start:end]))
-        if rewritten is not None:
-            out += rewritten + buffer[end : cursor.next]  # its separator, as vLLM wrote it
+        try:
+            out += await events.rewrite(bytes(buffer[start:end]), bytes(buffer[end : cursor.next]))
+        except ProxyError as failure:
+            error = failure
+            break
     consumed = cursor.next
     del buffer[:consumed]
     cursor.rebase(consumed)
-    return bytes(out)
+    return bytes(out), error
 
 
 async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
@@ -128,22 +170,27 @@ async def relay_with_answer_vectors(
     events = AnswerEvents(asks, fields)
     limit = state.settings.max_answer_bytes
     try:
-        await _send_body(send, await _rewrite_complete(buffer, cursor, events))
-        async for chunk in chunks:
-            buffer += chunk
-            await _send_body(send, await _rewrite_complete(buffer, cursor, events))
-            if len(buffer) > limit:
-                raise ProxyError(
-                    502,
-                    f"vLLM streamed an event larger than {limit} bytes (the proxy's "
-                    "--max-answer-size).",
-                )
-    except ProxyError as error:
-        await _send_body(send, b"data: " + error.body() + b"\n\n", more=False)
-        return
+        out, error = await _rewrite_complete(buffer, cursor, events)
+        await _send_body(send, out)
+        if error is None:
+            async for chunk in chunks:
+                buffer += chunk
+                out, error = await _rewrite_complete(buffer, cursor, events)
+                await _send_body(send, out)
+                if error is None and len(buffer) > limit:
+                    error = ProxyError(
+                        502,
+                        f"vLLM streamed an event larger than {limit} bytes (the proxy's "
+                        "--max-answer-size).",
+                    )
+                if error is not None:
+                    break
     except httpx.TransportError as exc:
         # Headers are out: cut the connection, so the client sees a truncated stream.
         state.metrics.upstream_errors += 1
         log.warning("vLLM response broke off mid-stream: %r", exc)
         return
-    await _send_body(send, bytes(buffer), more=False)
+    if error is not None:  # the choices finished before it keep their vectors
+        await _send_body(send, events.release() + b"data: " + error.body() + b"\n\n", more=False)
+        return
+    await _send_body(send, events.release() + bytes(buffer), more=False)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
+from vllm_hidden_state_proxy.proxy.answer_choices import check_answerable
 from vllm_hidden_state_proxy.proxy.asgi import receive_body, run_until_disconnect, send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, Ordinary, inspect_body
@@ -68,6 +70,8 @@ class GenerationEndpoint(Endpoint):
 def resolve_wanted(state: ProxyState, flagged: Flagged) -> WantedVectors:
     """What ``flagged`` asks for, in absolute layers of the live rings; ``ProxyError`` (503 no
     ring, 400 a layer not captured) otherwise."""
+    if flagged.vectors.pooling in ANSWER_POOLINGS:
+        check_answerable(flagged.document)
     shapes = check_rings(state.rings, state.settings.ring_dir)
     wanted = resolve_layers(flagged.vectors, shapes)
     state.metrics.requests["flagged"] += 1

@@ -324,8 +324,7 @@ def _answer(
     if is_event_stream(response) and request.asks is not None:
         asks = request.asks
 
-        async def choice_fields(index: int, num_output_tokens: int) -> dict[str, Any]:
-            count = ChoiceCount(index, num_output_tokens)
+        async def choice_fields(count: ChoiceCount) -> dict[str, Any]:
             marks = state.rings.publish_marks()
             record = await choice_record(state, request.key, request.wanted, count, marks)
             return single_prompt_fields(record, request.wanted)
