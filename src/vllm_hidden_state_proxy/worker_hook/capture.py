@@ -61,7 +61,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import RING_DIR_ENV
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, RING_DIR_ENV
 from vllm_hidden_state_proxy.ring import (
     FailureNote,
     RingDirectoryConflict,
@@ -75,6 +75,7 @@ from vllm_hidden_state_proxy.ring.files import (
     create_directory,
     directory_locked,
 )
+from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows
 from vllm_hidden_state_proxy.worker_hook.compat import (
     describe_vllm,
     is_tested_version,
@@ -332,6 +333,10 @@ class StepCapture:
         self.captured = captured or CapturedLayers(1, (1,))
         self.selected = SelectedRequests(self.captured.layers, self.captured.num_hidden_layers)
         self.means = MeanPooling()
+        self.answers = AnswerRows()
+        #: Speculative decoding computes several positions per step and accepts some: the
+        #: position that chose an answer's token is not known (``"last_answer"`` refused).
+        self.speculative = False
         self.copier = copier  # chosen from the hidden states' device on first use if None
         self._errors = _LogOnce()
         self.publications = (
@@ -355,7 +360,9 @@ class StepCapture:
         except Exception as error:
             _leave_note(identity, error, view)
             raise
-        return cls(view, writer, model_name, captured=captured)
+        capture = cls(view, writer, model_name, captured=captured)
+        capture.speculative = getattr(vllm_config, "speculative_config", None) is not None
+        return capture
 
     @staticmethod
     def refuse(runner: Any, view: RunnerView, error: BaseException) -> None:
@@ -386,15 +393,21 @@ class StepCapture:
         selected = self.selected
         try:
             finished = scheduler_output.finished_req_ids
+            if len(self.answers):  # before observing: a finished id may be reused
+                self._publish_answers(finished, scheduler_output)
             if len(self.means):
                 # Before observing: a finished id may be reused by a new request in this step,
                 # which must not continue the old request's sum (keep_only cannot tell them
                 # apart).
                 self.means.forget(finished)
             selected.observe(scheduler_output.scheduled_new_reqs, finished)
+            if selected.pending:
+                self._track_answers()
         except Exception:
             self._errors.exception("reading the scheduler output")
             return
+        if len(self.answers):
+            self._keep_answers(runner, scheduler_output)
         if len(self.means):
             self.means.keep_only(selected.pending)
         if not selected.pending:
@@ -428,6 +441,70 @@ class StepCapture:
                 self._errors.exception("attaching the publication to vLLM's output")
         publications.publish_through(through)
 
+    def _track_answers(self) -> None:
+        """Take the new ``"last_answer"`` requests out of ``selected``: each choice publishes
+        records of its own when it finishes (:mod:`.answer_rows`)."""
+        pending = self.selected.pending
+        for req_id in [r for r, s in pending.items() if s.pooling in ANSWER_POOLINGS]:
+            selection = pending[req_id]
+            if selection.problem is not None:
+                continue  # answered with an error record when the request is scheduled
+            del pending[req_id]
+            problem = (
+                "speculative decoding computes several positions per step, so the state that "
+                "chose the answer's last token is not known: 'last_answer' is not supported on "
+                "this server"
+                if self.speculative
+                else self.answers.track(req_id, selection)
+            )
+            if problem is not None:
+                self._publish_error(selection.key, problem)
+
+    def _keep_answers(self, runner: Any, scheduler_output: Any) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        wanted = [rid for rid in self.answers.ids() if rid in scheduled]
+        if not wanted:
+            return
+        try:
+            captured = self.captured
+            layers = step_layers(runner, captured.num_hidden_layers, captured.aux_ids)
+            for request in self.view.scheduled(runner, scheduler_output, wanted):
+                self.answers.keep(request, layers)
+        except Exception:
+            self._errors.exception("keeping an answer's hidden states")
+            for finished in self.answers.finish(wanted):
+                self._publish_error(finished.key, STEP_FAILED)
+
+    def _publish_answers(self, finished_ids: Any, scheduler_output: Any) -> None:
+        """Publish the records of the answers that finished. A step with nothing scheduled
+        gets no ``sample_tokens`` (nor ``get_output``) from vLLM, so there they go out now."""
+        for finished in self.answers.finish(finished_ids):
+            if not finished.targets:
+                self._publish_error(
+                    finished.key, "the request ended before any state of its answer was computed"
+                )
+                continue
+            try:
+                if self.copier is None:
+                    self.copier = copier_for(finished.rows[0].device)
+                started = self.copier.start(finished.rows)
+            except Exception:
+                self._errors.exception("copying an answer's hidden states")
+                self._publish_error(finished.key, STEP_FAILED)
+                continue
+            if self.publications is not None:
+                number = self.publications.add(started, finished.targets)
+                if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+                    self.publications.publish_through(number)
+
+    def _publish_error(self, key: bytes, message: str) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.publish_error(key, message)
+        except Exception:
+            self._errors.exception("publishing an error record to the ring")
+
     def _fail(self, req_ids: list[str], message: str) -> None:
         """Error records for ``req_ids`` (still pending); they are not taken again."""
         for req_id in req_ids:
@@ -436,11 +513,7 @@ class StepCapture:
                 continue
             self.selected.mark_published(req_id, selection.key)
             self.means.forget([req_id])
-            if self.writer is not None:
-                try:
-                    self.writer.publish_error(selection.key, message)
-                except Exception:
-                    self._errors.exception("publishing an error record to the ring")
+            self._publish_error(selection.key, message)
 
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
         captured = self.captured

@@ -23,12 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import (
+    CHOICES_ENTRY,
     LAYERS_ENTRY,
     POOLING_ENTRY,
     POOLINGS,
     REQUEST_KEY_ENTRY,
     request_key_from_wire,
 )
+
+#: The most choices a request's choices entry may name.
+MAX_CHOICES = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,8 @@ class Selection:
     layers: tuple[int, ...]
     pooling: str = "last"
     problem: str | None = None
+    #: The request's ``n`` (``"last_answer"``: each choice is a child request of its own).
+    choices: int = 1
 
 
 def last_prompt_row(request: ScheduledRequest) -> int | None:
@@ -131,7 +137,10 @@ def selection_of(
         )
     if pooling not in POOLINGS:
         return Selection(key, (final_layer,), problem=f"unknown pooling {pooling!r}")
-    return Selection(key, tuple(sorted(layers)), pooling)
+    choices = extra_args.get(CHOICES_ENTRY, 1)
+    if isinstance(choices, bool) or not isinstance(choices, int) or not 1 <= choices <= MAX_CHOICES:
+        return Selection(key, (final_layer,), problem=f"malformed choice count {choices!r}")
+    return Selection(key, tuple(sorted(layers)), pooling, choices=choices)
 
 
 class SelectedRequests:
