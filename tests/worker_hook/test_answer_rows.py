@@ -160,3 +160,15 @@ def test_a_malformed_choice_count_is_an_error(
     args = {**answer_args(), CHOICES_ENTRY: choices}
     step(capture, runner, [("a", 3, 0, 3)], new={"a": args})
     assert "choice count" in error_of(reader.lookup(K)).message
+
+
+def test_a_request_resumed_as_new_keeps_its_rows(writer: RingWriter, reader: RingReader) -> None:
+    """V2's scheduler sends a preempted request back as a new one: its kept rows stay."""
+    runner, capture = capture_of(writer)
+    step(capture, runner, [("a", 3, 0, 3)], new={"a": answer_args()})  # position 2: row 2
+    step(capture, runner, [("a", 3, 3, 1)])  # position 3: row 0
+    step(capture, runner, [("x", 2, 0, 2), ("a", 3, 0, 5)], new={"a": answer_args()})  # row 6
+    step(capture, runner, [], finished=["a"])
+    assert_answer(reader, 0, 1, row=2, prompt=3)
+    assert_answer(reader, 0, 2, row=0, prompt=3)
+    assert_answer(reader, 0, 3, row=2 + 4, prompt=3)

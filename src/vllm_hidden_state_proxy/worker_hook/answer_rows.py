@@ -100,6 +100,9 @@ class AnswerRows:
 
     def track(self, req_id: str, selection: Selection) -> str | None:
         """Start keeping ``req_id``'s rows; the problem (for an error record) if it cannot be."""
+        tracked = self._answers.get(req_id)
+        if tracked is not None and tracked.key == selection.key:
+            return None  # resumed after preemption (V2 sends it as new again): keep its rows
         choice = choice_index(req_id, selection.choices)
         if choice is None:
             return (
