@@ -151,7 +151,8 @@ def http_status(
         with _DIRECT.open(url, timeout=timeout) as response:
             return int(response.status), response.read()
     except urllib.error.HTTPError as error:
-        return int(error.code), error.read()
+        with error:  # it holds the connection: closed here, not left to the collector
+            return int(error.code), error.read()
     except (urllib.error.URLError, OSError, ValueError):
         return None
 

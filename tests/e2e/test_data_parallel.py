@@ -46,12 +46,13 @@ def client_for(stack: RunningStack) -> Any:
 
 def _chat(stack: RunningStack, reference: Reference, index: int) -> None:
     messages = [{"role": "user", "content": f"Chat {index}: " + "rivers and hills " * (index % 6)}]
-    response = client_for(stack).chat.completions.create(
-        model=SERVED_MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=2,
-        extra_body={**NO_THINKING, "kv_transfer_params": FLAG},
-    )
+    with client_for(stack) as client:  # closed: its pooled sockets are not left to the GC
+        response = client.chat.completions.create(
+            model=SERVED_MODEL_NAME,
+            messages=messages,
+            max_completion_tokens=2,
+            extra_body={**NO_THINKING, "kv_transfer_params": FLAG},
+        )
     vector = response.model_dump()["kv_transfer_params"]["last_hidden_state"]
     ids = reference.chat_token_ids(messages, enable_thinking=False)
     assert_matches(vector, reference.last_hidden_state(ids))
@@ -59,18 +60,19 @@ def _chat(stack: RunningStack, reference: Reference, index: int) -> None:
 
 def _stream(stack: RunningStack, reference: Reference, index: int) -> None:
     messages = [{"role": "user", "content": f"Stream {index}: " + "a lighthouse " * (index % 5)}]
-    stream = client_for(stack).chat.completions.create(
-        model=SERVED_MODEL_NAME,
-        messages=messages,
-        max_completion_tokens=3,
-        stream=True,
-        extra_body={**NO_THINKING, "kv_transfer_params": FLAG},
-    )
-    vectors = [
-        extra["kv_transfer_params"]["last_hidden_state"]
-        for chunk in stream
-        if "kv_transfer_params" in (extra := chunk.model_extra or {})
-    ]
+    with client_for(stack) as client:
+        stream = client.chat.completions.create(
+            model=SERVED_MODEL_NAME,
+            messages=messages,
+            max_completion_tokens=3,
+            stream=True,
+            extra_body={**NO_THINKING, "kv_transfer_params": FLAG},
+        )
+        vectors = [
+            extra["kv_transfer_params"]["last_hidden_state"]
+            for chunk in stream
+            if "kv_transfer_params" in (extra := chunk.model_extra or {})
+        ]
     assert len(vectors) == 1, "one vector, on the first chunk with a choice"
     ids = reference.chat_token_ids(messages, enable_thinking=False)
     assert_matches(vectors[0], reference.last_hidden_state(ids))
@@ -78,12 +80,13 @@ def _stream(stack: RunningStack, reference: Reference, index: int) -> None:
 
 def _completions(stack: RunningStack, reference: Reference, index: int) -> None:
     prompts = [f"Completion {index}.{i}: the old mill " + "by the weir " * i for i in range(4)]
-    response = client_for(stack).completions.create(
-        model=SERVED_MODEL_NAME,
-        prompt=prompts,
-        max_tokens=1,
-        extra_body={"kv_transfer_params": FLAG},
-    )
+    with client_for(stack) as client:
+        response = client.completions.create(
+            model=SERVED_MODEL_NAME,
+            prompt=prompts,
+            max_tokens=1,
+            extra_body={"kv_transfer_params": FLAG},
+        )
     vectors = response.model_dump()["kv_transfer_params"]["last_hidden_states"]
     assert len(vectors) == len(prompts)
     for prompt, vector in zip(prompts, vectors, strict=True):
