@@ -199,12 +199,24 @@ async def _read_answer(
     """Read a whole answer; for a 200, the parsed body and the record (or ``ProxyError``)."""
     if response.status_code == 200:
         return await _read_completion(state, request, response, budget)
+    content = await _received(state, _read_body(response, budget))
+    return VllmAnswer(response.status_code, list(response.headers.raw), content)
+
+
+async def _received(state: ProxyState, reading: Awaitable[bytes]) -> bytes:
+    """The body ``reading`` reads; a broken exchange is the proxy's transport error."""
     try:
-        content = await _read_body(response, budget)
+        return await reading
     except httpx.HTTPError as failure:
         state.metrics.upstream_errors += 1
         raise transport_error(state.settings, failure) from failure
-    return VllmAnswer(response.status_code, list(response.headers.raw), content)
+
+
+def _completion_of(content: bytes) -> dict[str, Any]:
+    completion = parse_completion(content)
+    if completion is None:
+        raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
+    return completion
 
 
 def parse_completion(body: bytes) -> dict[str, Any] | None:
@@ -224,14 +236,7 @@ async def _read_completion(
     if request.asks is not None:
         return await _read_answer_completion(state, request, response, budget, request.asks)
     early = EarlyCapture(state.rings, request.key, request.marks)
-    try:
-        content = await early.during(_read_body(response, budget))
-    except httpx.HTTPError as failure:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, failure) from failure
-    completion = parse_completion(content)
-    if completion is None:
-        raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
+    completion = _completion_of(await _received(state, early.during(_read_body(response, budget))))
     record = await record_of(state, request, early.found)
     return JoinableAnswer(list(response.headers.raw), completion, (record,))
 
@@ -243,14 +248,7 @@ async def _read_answer_completion(
     budget: AnswerBudget,
     asks: AnswerAsks,
 ) -> JoinableAnswer:
-    try:
-        content = await _read_body(response, budget)
-    except httpx.HTTPError as failure:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, failure) from failure
-    completion = parse_completion(content)
-    if completion is None:
-        raise ProxyError(502, "vLLM answered 200 with a body that is not a JSON object.")
+    completion = _completion_of(await _received(state, _read_body(response, budget)))
     counts = choice_counts(completion)
     # Published as the answer ended: the rings' counters from here tell an overwrite.
     marks = state.rings.publish_marks()
