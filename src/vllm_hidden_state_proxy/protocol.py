@@ -15,6 +15,9 @@ Vocabulary (one word per concept, used in code, docs and messages):
   (pooling ``"last"``), averaged over every prompt position (pooling ``"mean"``), or at the
   last computed position of one generated answer (pooling ``"last_answer"``: the state that
   chose the answer's final token, see :func:`answer_key`).
+- **matrix**: one row per position instead of one vector, per layer: every prompt position
+  (pooling ``"all_prompt"``) or, for each generated answer, the state that chose each of its
+  tokens (``"all_answer"``). Variable in size, it travels through the ring's **arena**.
 - **choice**: one of the ``n`` answers of a request (vLLM's ``choices[i].index``).
 - **layer**: an index into Transformers' ``output_hidden_states``: 0 is the embeddings, ``k``
   the residual stream after ``k`` decoder layers, ``N`` (= ``num_hidden_layers``) and ``-1``
@@ -51,11 +54,16 @@ REQUEST_KEY_BYTES = 16
 
 #: The poolings a record can hold. ``"last"`` and ``"mean"`` are of the prompt (one record per
 #: request key); ``"last_answer"`` of each choice's answer (records under :func:`answer_key`).
-POOLINGS = ("last", "mean", "last_answer")
-#: The poolings of the prompt (all that ``/v1/embeddings`` can do: it generates no answer).
+POOLINGS = ("last", "mean", "last_answer", "all_prompt", "all_answer")
+#: The poolings of one vector per layer of the prompt (all that ``/v1/embeddings`` can do).
 PROMPT_POOLINGS = ("last", "mean")
 #: The poolings that are taken from the generated answer, once it is finished.
-ANSWER_POOLINGS = ("last_answer",)
+ANSWER_POOLINGS = ("last_answer", "all_answer")
+#: The poolings whose records hold one row per position (a matrix per layer), in the arena.
+MATRIX_POOLINGS = ("all_prompt", "all_answer")
+#: The poolings that need every prompt position computed (the prefix cache would skip some):
+#: the proxy sends them with a fresh ``cache_salt``.
+EVERY_PROMPT_POSITION = ("mean", "all_prompt")
 
 #: How many of a choice's latest computed positions the hook publishes when it finishes, each
 #: as a record under :func:`answer_key`. The hook cannot tell which computed position chose
@@ -87,6 +95,10 @@ RING_DIR_ENV = "HIDDEN_STATE_PROXY_RING_DIR"
 DEFAULT_RING_DIR = "/dev/shm/vllm-hidden-states"
 #: Slots per ring (hook).
 RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
+#: MiB of each ring's arena, where matrices travel (hook; 0: no matrices).
+ARENA_MIB_ENV = "HIDDEN_STATE_PROXY_ARENA_MIB"
+#: MiB one request's matrix record may take (hook; also in the ring header for the proxy).
+MAX_RECORD_MIB_ENV = "HIDDEN_STATE_PROXY_MAX_RECORD_MIB"
 #: Octal mode of the ring directory when proxy and vLLM run as different users (hook).
 RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
 #: Seconds the hook waits for the ring directory's lock (hook).
@@ -152,6 +164,12 @@ def answer_key(key: bytes, choice: int, num_output_tokens: int) -> bytes:
     return hashlib.blake2b(
         data, key=key, digest_size=REQUEST_KEY_BYTES, person=b"hsp-answer"
     ).digest()
+
+
+def all_answer_key(key: bytes, choice: int) -> bytes:
+    """The record key of choice ``choice``'s matrix (pooling ``"all_answer"``): the answer
+    key of no token, which no ``"last_answer"`` record uses."""
+    return answer_key(key, choice, 0)
 
 
 def request_key_to_wire(key: bytes) -> str:

@@ -61,6 +61,8 @@ def make_writer(
     num_hidden_layers: int = 1,
     model: str = MODEL,
     runner: str = "",
+    arena_size: int = 0,
+    max_record: int | None = None,
 ) -> RingWriter:
     """A real ring, as the worker hook creates it; ``layers`` default to the final one. The
     ring tests' and, with their fake model's shape, the proxy tests' (``fakes.create_writer``)."""
@@ -74,6 +76,8 @@ def make_writer(
         num_hidden_layers=num_hidden_layers,
         layers=layers,
         runner=runner,
+        arena_size=arena_size,
+        max_record=max_record,
     )
 
 

@@ -411,7 +411,7 @@ def corrupt_variants(directory: Path) -> dict[str, tuple[bytes, str]]:
         "truncated-body": (good[:-100], "bytes but the header describes"),
         "random": (os.urandom(len(good)), "bad magic"),
         "slot-count": (with_u32(20, 1 << 20), "header describes"),
-        "layers": (with_u32(120, 5), "captured layers"),
+        "layers": (with_u32(136, 5), "captured layers"),
         "runner": (good[:72] + b"\xff" + good[73:], "runner field"),
     }
 

@@ -595,7 +595,7 @@ def test_a_directory_of_garbage_only_answers_nothing(tmp_path: Path) -> None:
     write_file(directory / "ring-000000000000000a-dp0.bin", os.urandom(4096))
     write_file(
         directory / "ring-000000000000000b-dp0.bin",
-        MAGIC + struct.pack("<I", LAYOUT_VERSION) + bytes(120),
+        MAGIC + struct.pack("<I", LAYOUT_VERSION) + bytes(136),
     )
     write_file(directory / "ring-000000000000000c-dp0.failed", b'{"engine": 0}')
     os.mkfifo(directory / "ring-000000000000000d-dp0.bin")

@@ -32,15 +32,12 @@ from vllm_hidden_state_proxy.ring import layout
 from vllm_hidden_state_proxy.ring.layout import (
     KEY_BYTES,
     LAYOUT_VERSION,
-    MAX_ERROR_CHARS,
     MAX_HIDDEN_SIZE,
     MAX_LAYERS,
     MAX_NUM_HIDDEN_LAYERS,
     MAX_SLOT_COUNT,
     SLOT_HEADER_SIZE,
-    ErrorRecord,
     LayoutError,
-    Record,
     RingFormatError,
     RingShape,
     align,
@@ -48,11 +45,16 @@ from vllm_hidden_state_proxy.ring.layout import (
     check_layout,
     decode_payload,
     fixed_header_fields,
-    pack_error,
-    pack_record,
     parse_header,
     runner_field,
     slot_size_for,
+)
+from vllm_hidden_state_proxy.ring.records import (
+    MAX_ERROR_CHARS,
+    ErrorRecord,
+    Record,
+    pack_error,
+    pack_record,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ from vllm_hidden_state_proxy.ring.layout import (
 
 def test_the_layout_constants_agree() -> None:
     check_layout()
-    assert layout.FIXED_HEADER.size == layout.FIXED_HEADER_SIZE == 120
+    assert layout.FIXED_HEADER.size == layout.FIXED_HEADER_SIZE == 136
     assert layout.SLOT_META.size + layout.SLOT_KEY_OFFSET == layout.SLOT_PAYLOAD_OFFSET == 32
 
 
@@ -111,11 +113,11 @@ def test_the_layout_proof_survives_python_dash_o() -> None:
 
 @pytest.mark.parametrize(
     ("layer_count", "header_size"),
-    [(1, 128), (2, 128), (3, 192), (18, 192), (19, 256), (MAX_LAYERS, 4224)],
+    [(1, 192), (14, 192), (15, 256), (30, 256), (31, 320), (MAX_LAYERS, 4288)],
 )
 def test_header_size_grows_with_the_captured_layers(layer_count: int, header_size: int) -> None:
     shape = RingShape(3, 256, HIDDEN, MAX_NUM_HIDDEN_LAYERS, tuple(range(layer_count)))
-    assert shape.header_size == header_size == align(120 + 4 * layer_count)
+    assert shape.header_size == header_size == align(136 + 4 * layer_count)
     assert shape.index_offset == header_size
     assert shape.index_end == header_size + 3 * KEY_BYTES
     assert shape.slots_offset == align(shape.index_end)
@@ -157,9 +159,9 @@ def test_header_and_slot_bytes_match_the_ruler(tmp_path: Path) -> None:
         return value
 
     assert data[0:8] == b"VHSRING\x00"
-    assert u32(8) == LAYOUT_VERSION == 3
+    assert u32(8) == LAYOUT_VERSION == 4
     header_size = u32(12)
-    assert header_size == 192  # align64(120 + 4 * 3)
+    assert header_size == 192  # align64(136 + 4 * 3)
     slot_size = u32(16)
     assert slot_size % 64 == 0 and slot_size == slot_size_for(HIDDEN, 3, MODEL)
     assert u32(20) == 5
@@ -173,8 +175,9 @@ def test_header_and_slot_bytes_match_the_ruler(tmp_path: Path) -> None:
     assert u32(64) == 12
     assert u32(68) == 3
     assert data[72:120] == b"vLLM 9.9 V1 TestRunner".ljust(48, b"\x00")
-    assert struct.unpack_from("<3I", data, 120) == (0, 4, 12)  # ascending
-    assert data[132:header_size] == bytes(header_size - 132)
+    assert (u64(120), u64(128)) == (0, 0)  # no arena
+    assert struct.unpack_from("<3I", data, 136) == (0, 4, 12)  # ascending
+    assert data[148:header_size] == bytes(header_size - 148)
 
     index = header_size
     assert data[index : index + 16] == key
@@ -219,7 +222,7 @@ def test_a_good_header_parses() -> None:
     header = parse_header(GOOD, SIZE)
     assert header.shape == GOOD_SHAPE
     assert (header.epoch, header.writer_pid, header.engine, header.instance) == (1, 1, 0, 7)
-    assert fixed_header_fields(GOOD) == (128, 2)
+    assert fixed_header_fields(GOOD) == (192, 2)
     assert header.runner == ""
 
 
@@ -231,9 +234,9 @@ def test_the_runner_field_keeps_printable_ascii_and_is_cut_to_fit() -> None:
 HEADER_PROBLEMS = {
     "bad-magic": (b"NOTRING\x00" + GOOD[8:], SIZE, "bad magic"),
     "not-ready": (with_u32(GOOD, 8, 0), SIZE, r"not ready \(layout version 0"),
-    "empty": (b"", SIZE, r"truncated header \(0 of 120 bytes\)"),
+    "empty": (b"", SIZE, r"truncated header \(0 of 136 bytes\)"),
     "truncated-fixed": (GOOD[:40], SIZE, "truncated header"),
-    "truncated-layers": (GOOD[:124], SIZE, r"truncated header \(124 of 128 bytes\)"),
+    "truncated-layers": (GOOD[:140], SIZE, r"truncated header \(140 of 192 bytes\)"),
     "runner-not-ascii": (GOOD[:72] + b"\x80" + GOOD[73:], SIZE, "runner field"),
     "key-size": (with_u32(GOOD, 24, 8), SIZE, "key size 8"),
     "slot-count-0": (with_u32(GOOD, 20, 0), SIZE, "slot count 0 out of range"),
@@ -242,8 +245,8 @@ HEADER_PROBLEMS = {
     "hidden-size-huge": (with_u32(GOOD, 28, MAX_HIDDEN_SIZE + 1), SIZE, "hidden size"),
     "layer-count-0": (with_u32(GOOD, 68, 0), SIZE, "captured layer count 0"),
     "layer-count-huge": (with_u32(GOOD, 68, MAX_LAYERS + 1), SIZE, "captured layer count"),
-    "layer-count-disagrees": (with_u32(GOOD, 68, 15), SIZE, r"header size 128 \(expected 192\)"),
-    "header-size": (with_u32(GOOD, 12, 64), SIZE, r"header size 64 \(expected 128\)"),
+    "layer-count-disagrees": (with_u32(GOOD, 68, 15), SIZE, r"header size 192 \(expected 256\)"),
+    "header-size": (with_u32(GOOD, 12, 64), SIZE, r"header size 64 \(expected 192\)"),
     "slot-size-odd": (with_u32(GOOD, 16, GOOD_SHAPE.slot_size + 1), SIZE, "slot size"),
     "slot-size-small": (with_u32(GOOD, 16, 64), SIZE, "need a multiple of 64"),
     "file-too-small": (GOOD, SIZE - 1, "bytes but the header describes"),
@@ -259,7 +262,7 @@ def test_header_problems_are_refused(raw: bytes, file_size: int, message: str) -
         parse_header(raw, file_size)
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [1, 2, 3, 0xFFFFFFFF])
 def test_another_layout_version_names_different_releases(version: int) -> None:
     with pytest.raises(RingFormatError) as caught:
         parse_header(with_u32(GOOD, 8, version), SIZE)

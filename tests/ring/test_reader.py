@@ -40,13 +40,15 @@ from vllm_hidden_state_proxy.ring import (
 from vllm_hidden_state_proxy.ring.layout import (
     HDR_PUBLISH_COUNT_OFFSET,
     KEY_BYTES,
-    MAX_ERROR_CHARS,
     SLOT_CRC_OFFSET,
     SLOT_KEY_OFFSET,
     SLOT_LEN_OFFSET,
     SLOT_PAYLOAD_OFFSET,
     SLOT_SEQ_OFFSET,
     RingShape,
+)
+from vllm_hidden_state_proxy.ring.records import (
+    MAX_ERROR_CHARS,
 )
 
 

@@ -24,9 +24,6 @@ from vllm_hidden_state_proxy.ring.files import Owners
 from vllm_hidden_state_proxy.ring.layout import (
     LAYOUT_VERSION,
     MAX_LAYERS,
-    ErrorRecord,
-    Found,
-    Record,
     RingFormatError,
     RingHeader,
     RingShape,
@@ -34,6 +31,11 @@ from vllm_hidden_state_proxy.ring.layout import (
 )
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, FailureNote, live_notes
 from vllm_hidden_state_proxy.ring.reader import RingReader
+from vllm_hidden_state_proxy.ring.records import (
+    ErrorRecord,
+    Found,
+    Record,
+)
 from vllm_hidden_state_proxy.ring.writer import RingInUseError, RingWriter
 
 __all__ = [

@@ -41,9 +41,16 @@ from vllm_hidden_state_proxy.ring.files import (
     parse_name,
     self_and_root,
 )
-from vllm_hidden_state_proxy.ring.layout import Found, RingFormatError, RingHeader, RingShape
+from vllm_hidden_state_proxy.ring.layout import (
+    RingFormatError,
+    RingHeader,
+    RingShape,
+)
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
 from vllm_hidden_state_proxy.ring.reader import RingReader
+from vllm_hidden_state_proxy.ring.records import (
+    Found,
+)
 
 logger = logging.getLogger("vllm_hidden_state_proxy.ring")
 

@@ -1,7 +1,7 @@
 """The ring file's layout: the byte ruler, its constants, header validation and record coding.
 
 File ``<directory>/ring-<instance>-dp<engine>.bin`` (one per engine), little-endian throughout
-(N = slot count, Z = slot size, L = captured layer count)::
+(N = slot count, Z = slot size, L = captured layer count, A = arena size)::
 
     offset                                                   constants (offset / struct format)
          0 +-----------------------------------------------+
@@ -21,8 +21,10 @@ File ``<directory>/ring-<instance>-dp<engine>.bin`` (one per engine), little-end
         68 | captured layer count u32 (L)                  | HDR_LAYER_COUNT_OFFSET / ..._FMT
         72 | runner: ASCII, NUL-padded            48 bytes | HDR_RUNNER_OFFSET / ..._FMT
            |   "vLLM <version> <V1|V2> <runner class>"     |
-       120 | captured layers u32 x L (ascending, 0..N)     | HDR_LAYERS_OFFSET / LAYER_FMT
-           | zero padding up to H = align64(120 + 4 L)     |
+       120 | arena size u64 (A, multiple of 64; 0: none)   | HDR_ARENA_SIZE_OFFSET / ..._FMT
+       128 | max record bytes u64 (a matrix's payload)     | HDR_MAX_RECORD_OFFSET / ..._FMT
+       136 | captured layers u32 x L (ascending, 0..N)     | HDR_LAYERS_OFFSET / LAYER_FMT
+           | zero padding up to H = align64(136 + 4 L)     |
          H +-----------------------------------------------+ index offset (= H)
            | request key of slot 0                16 bytes | INDEX_ENTRY_SIZE (= KEY_BYTES)
            | request key of slot 1  (all zeros when empty) |
@@ -34,7 +36,9 @@ File ``<directory>/ring-<instance>-dp<engine>.bin`` (one per engine), little-end
            | slot 0                                        |
     S + Z  +-----------------------------------------------+
            | ...                                           |
-  S + N*Z  +-----------------------------------------------+ = file size
+  S + N*Z  +-----------------------------------------------+ = R (arena offset)
+           | the arena: blocks, written round and round    |
+  R + A    +-----------------------------------------------+ = file size
 
     (*) 0 while the file is being made; the writer stores LAYOUT_VERSION there last.
 
@@ -48,14 +52,39 @@ File ``<directory>/ring-<instance>-dp<engine>.bin`` (one per engine), little-end
            | msgpack map, a record:                        |
            |   "key": bytes (16)     "model": str          |
            |   "position": int       "num_prompt_tokens": int
-           |   "pooling": "last" | "mean"                  |
+           |   "pooling": one of protocol.POOLINGS         |
            |   "layers": [int] (a subset of the captured)  |
            |   "vectors": bytes (LE f32, layer after layer)|
+           | or a matrix record (pooling all_prompt,       |
+           | all_answer): the same without "vectors", and  |
+           |   "rows": int (R >= 1, positions per layer)   |
+           |   "arena": [offset, length, crc32, seq]: its  |
+           |     block (LE f32 [L, R, hidden], layer after |
+           |     layer, position after position)           |
            | or an error record:                           |
            |   "key": bytes (16)     "error": str          |
+           |   "status": int (the HTTP status it means)    |
            +-----------------------------------------------+
            | unused up to Z                                |
         +Z +-----------------------------------------------+
+
+    one arena block, at R + offset (offset a multiple of 64)
+        +0 +-----------------------------------------------+
+           | seqlock counter u64: the record's seq, odd    | ARENA_SEQ_OFFSET / ARENA_SEQ_FMT
+           |   while written or once written over          |
+        +8 | request key                          16 bytes | ARENA_KEY_OFFSET / ARENA_KEY_FMT
+       +24 | payload length u64                            | ARENA_LEN_OFFSET / ARENA_LEN_FMT
+       +32 | crc32 of the payload u32 (zlib.crc32)         | ARENA_CRC_OFFSET / ARENA_CRC_FMT
+       +36 | zero padding up to 64                         |
+       +64 +-----------------------------------------------+ ARENA_PAYLOAD_OFFSET
+           | payload: the matrix's float32 bytes           |
+           +-----------------------------------------------+ up to a multiple of 64
+
+The slot record is written after its block, so a reader that finds the slot finds the block
+complete, unless newer blocks have been written over it since (the writer marks each block it
+writes over odd first): the reader checks seq, key, length and CRC against the slot's record,
+copies the payload, and checks the seq again. Any difference: the record was written over, an
+error record to the proxy (503, naming the arena's size), never another request's rows.
 
 A layer index ``k`` is Transformers' ``output_hidden_states`` index: 0 the embeddings, ``k`` the
 residual stream after ``k`` decoder layers, ``N`` the final layer after the final norm.
@@ -68,16 +97,26 @@ from __future__ import annotations
 import itertools
 import struct
 import sys
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from vllm_hidden_state_proxy.protocol import POOLINGS, REQUEST_KEY_BYTES
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, REQUEST_KEY_BYTES
+from vllm_hidden_state_proxy.ring.records import (
+    ERROR_STATUSES,
+    HOOK_FAILED_STATUS,
+    MAX_ERROR_CHARS,
+    ArenaBlock,
+    ErrorRecord,
+    Found,
+    Record,
+    matrix_bytes,
+    pack_error,
+    pack_record,
+    record_fields,
+)
 
 MAGIC = b"VHSRING\x00"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 KEY_BYTES = REQUEST_KEY_BYTES
 
 #: Native 8-byte format (a single memcpy in CPython's struct) where native == little-endian;
@@ -114,12 +153,16 @@ HDR_LAYER_COUNT_OFFSET = 68
 HDR_LAYER_COUNT_FMT = "<I"
 HDR_RUNNER_OFFSET = 72
 HDR_RUNNER_FMT = "<48s"
-HDR_LAYERS_OFFSET = 120
+HDR_ARENA_SIZE_OFFSET = 120
+HDR_ARENA_SIZE_FMT = "<Q"
+HDR_MAX_RECORD_OFFSET = 128
+HDR_MAX_RECORD_FMT = "<Q"
+HDR_LAYERS_OFFSET = 136
 LAYER_FMT = "<I"
 #: The fixed part of the header, before the captured layers.
 FIXED_HEADER_SIZE = HDR_LAYERS_OFFSET
 #: The fixed part in one format (version included; the writer rewrites it last).
-FIXED_HEADER_FMT = "<8sIIIIIIQIIQQII48s"
+FIXED_HEADER_FMT = "<8sIIIIIIQIIQQII48sQQ"
 
 INDEX_ENTRY_SIZE = KEY_BYTES
 
@@ -137,20 +180,35 @@ SLOT_HEADER_SIZE = SLOT_PAYLOAD_OFFSET
 #: key, length and crc read/written in one go, at SLOT_KEY_OFFSET.
 SLOT_META_FMT = f"<{KEY_BYTES}sII"
 
+ARENA_SEQ_OFFSET = 0
+ARENA_SEQ_FMT = _U64_ATOMIC_FMT
+ARENA_KEY_OFFSET = 8
+ARENA_KEY_FMT = f"<{KEY_BYTES}s"
+ARENA_LEN_OFFSET = 24
+ARENA_LEN_FMT = "<Q"
+ARENA_CRC_OFFSET = 32
+ARENA_CRC_FMT = "<I"
+ARENA_PAD_OFFSET = 36
+ARENA_PAYLOAD_OFFSET = 64
+#: key, length and crc in one go, at ARENA_KEY_OFFSET.
+ARENA_META_FMT = f"<{KEY_BYTES}sQI"
+
 #: Sanity limits a reader applies to a header before mapping anything.
 MAX_SLOT_COUNT = 1 << 24
 MAX_HIDDEN_SIZE = 1 << 24
 MAX_SLOT_SIZE = 1 << 30
 MAX_NUM_HIDDEN_LAYERS = 1 << 16
 MAX_LAYERS = 1024
-#: Longest error message an error record carries (longer ones are cut).
-MAX_ERROR_CHARS = 1000
+#: The largest arena a header may describe (1 TiB).
+MAX_ARENA_SIZE = 1 << 40
 
 FIXED_HEADER = struct.Struct(FIXED_HEADER_FMT)
 VERSION = struct.Struct(HDR_VERSION_FMT)
 PUBLISH_COUNT = struct.Struct(HDR_PUBLISH_COUNT_FMT)
 SEQ = struct.Struct(SLOT_SEQ_FMT)
+ARENA_SEQ = struct.Struct(ARENA_SEQ_FMT)
 SLOT_META = struct.Struct(SLOT_META_FMT)
+ARENA_META = struct.Struct(ARENA_META_FMT)
 ZERO_KEY = bytes(KEY_BYTES)
 
 
@@ -183,6 +241,8 @@ def check_layout() -> None:
         (HDR_NUM_LAYERS_OFFSET, HDR_NUM_LAYERS_FMT),
         (HDR_LAYER_COUNT_OFFSET, HDR_LAYER_COUNT_FMT),
         (HDR_RUNNER_OFFSET, HDR_RUNNER_FMT),
+        (HDR_ARENA_SIZE_OFFSET, HDR_ARENA_SIZE_FMT),
+        (HDR_MAX_RECORD_OFFSET, HDR_MAX_RECORD_FMT),
         (HDR_LAYERS_OFFSET, ""),
     ]
     slot_fields = [
@@ -192,7 +252,14 @@ def check_layout() -> None:
         (SLOT_CRC_OFFSET, SLOT_CRC_FMT),
         (SLOT_PAYLOAD_OFFSET, ""),
     ]
-    for fields in (header_fields, slot_fields):
+    arena_fields = [
+        (ARENA_SEQ_OFFSET, ARENA_SEQ_FMT),
+        (ARENA_KEY_OFFSET, ARENA_KEY_FMT),
+        (ARENA_LEN_OFFSET, ARENA_LEN_FMT),
+        (ARENA_CRC_OFFSET, ARENA_CRC_FMT),
+        (ARENA_PAD_OFFSET, ""),
+    ]
+    for fields in (header_fields, slot_fields, arena_fields):
         for (offset, fmt), (next_offset, _) in itertools.pairwise(fields):
             if offset + struct.calcsize(fmt) != next_offset:
                 raise LayoutError(f"field at {offset} ({fmt}) does not end at {next_offset}")
@@ -200,6 +267,10 @@ def check_layout() -> None:
         raise LayoutError(f"fixed header packs {FIXED_HEADER.size} bytes, not {FIXED_HEADER_SIZE}")
     if SLOT_KEY_OFFSET + SLOT_META.size != SLOT_PAYLOAD_OFFSET:
         raise LayoutError("slot key, length and crc do not end at the payload")
+    if ARENA_KEY_OFFSET + ARENA_META.size != ARENA_PAD_OFFSET or ARENA_PAD_OFFSET > 64:
+        raise LayoutError("arena block key, length and crc do not end at its padding")
+    if ARENA_PAYLOAD_OFFSET % SLOT_ALIGN:
+        raise LayoutError("an arena block's payload must start 64-byte aligned")
     if HDR_PUBLISH_COUNT_OFFSET % 8 or SLOT_SEQ_OFFSET % 8 or SLOT_ALIGN % 8:
         raise LayoutError("the publish counter and the seqlock must be 8-byte aligned")
 
@@ -222,11 +293,16 @@ class RingShape:
     num_hidden_layers: int
     #: Captured layers, ascending absolute indices in [0, N].
     layers: tuple[int, ...]
+    #: Bytes of the arena (a multiple of 64; 0: the ring carries no matrices).
+    arena_size: int = 0
+    #: The most bytes one matrix record's payload may have (at most ``arena_size``).
+    max_record: int = 0
     # Derived once (lookups read them on every call).
     header_size: int = field(init=False)
     index_offset: int = field(init=False)
     index_end: int = field(init=False)
     slots_offset: int = field(init=False)
+    arena_offset: int = field(init=False)
     file_size: int = field(init=False)
     payload_capacity: int = field(init=False)
 
@@ -234,12 +310,14 @@ class RingShape:
         header_size = align(FIXED_HEADER_SIZE + struct.calcsize(LAYER_FMT) * len(self.layers))
         index_end = header_size + self.slot_count * INDEX_ENTRY_SIZE
         slots_offset = align(index_end)
+        arena_offset = slots_offset + self.slot_count * self.slot_size
         derived = {
             "header_size": header_size,
             "index_offset": header_size,
             "index_end": index_end,
             "slots_offset": slots_offset,
-            "file_size": slots_offset + self.slot_count * self.slot_size,
+            "arena_offset": arena_offset,
+            "file_size": arena_offset + self.arena_size,
             "payload_capacity": self.slot_size - SLOT_HEADER_SIZE,
         }
         for name, value in derived.items():
@@ -301,6 +379,8 @@ def pack_header(header: RingHeader) -> bytes:
         shape.num_hidden_layers,
         len(shape.layers),
         runner_field(header.runner),
+        shape.arena_size,
+        shape.max_record,
     )
     layers = struct.pack(f"<{len(shape.layers)}I", *shape.layers)
     return (fixed + layers).ljust(shape.header_size, b"\x00")
@@ -341,6 +421,8 @@ def parse_header(raw: bytes, file_size: int) -> RingHeader:
         num_hidden_layers,
         layer_count,
         runner,
+        arena_size,
+        max_record,
     ) = FIXED_HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise RingFormatError(f"bad magic {magic!r} (expected {MAGIC!r})")
@@ -375,11 +457,18 @@ def parse_header(raw: bytes, file_size: int) -> RingHeader:
             f"slot size {slot_size} invalid for hidden size {hidden_size} and {layer_count} "
             f"layers (need a multiple of {SLOT_ALIGN} in [{min_slot}, {MAX_SLOT_SIZE}])"
         )
-    shape = RingShape(slot_count, slot_size, hidden_size, num_hidden_layers, layers)
+    if arena_size % SLOT_ALIGN or not 0 <= max_record <= arena_size <= MAX_ARENA_SIZE:
+        raise RingFormatError(
+            f"arena of {arena_size} bytes (max record {max_record}) invalid (need a multiple of "
+            f"{SLOT_ALIGN} up to {MAX_ARENA_SIZE}, and a max record no larger)"
+        )
+    shape = RingShape(
+        slot_count, slot_size, hidden_size, num_hidden_layers, layers, arena_size, max_record
+    )
     if file_size != shape.file_size:
         raise RingFormatError(
             f"file is {file_size} bytes but the header describes {shape.file_size} "
-            f"({slot_count} slots x {slot_size} bytes)"
+            f"({slot_count} slots x {slot_size} bytes, an arena of {arena_size})"
         )
     raw_runner = runner.rstrip(b"\x00")
     text = raw_runner.decode("ascii", "replace")
@@ -389,75 +478,8 @@ def parse_header(raw: bytes, file_size: int) -> RingHeader:
 
 
 # ---------------------------------------------------------------------------------------------
-# Records
+# Records in a ring (their coding: :mod:`.records`)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """The vectors published for one request key."""
-
-    key: bytes
-    model: str
-    #: Prompt position of the "last" vectors (num_prompt_tokens - 1).
-    position: int
-    num_prompt_tokens: int
-    pooling: str
-    #: Absolute layer indices, in the order of ``vectors``.
-    layers: tuple[int, ...]
-    hidden_size: int
-    #: Little-endian float32, ``hidden_size`` values per layer, layer after layer.
-    vectors: bytes
-
-    def vector(self, layer: int) -> bytes:
-        """One layer's vector (little-endian float32 bytes); ``KeyError`` if not in the record."""
-        try:
-            index = self.layers.index(layer)
-        except ValueError:
-            raise KeyError(layer) from None
-        size = 4 * self.hidden_size
-        return self.vectors[index * size : (index + 1) * size]
-
-    def floats(self, layer: int) -> list[float]:
-        """One layer's vector as Python floats."""
-        values = array("f")
-        values.frombytes(self.vector(layer))
-        if sys.byteorder == "big":
-            values.byteswap()
-        return values.tolist()
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorRecord:
-    """The hook's word that it could not produce this request key's vectors, and why."""
-
-    key: bytes
-    message: str
-
-
-Found = Record | ErrorRecord
-
-
-def pack_record(record: Record) -> bytes:
-    packed: bytes = msgpack.packb(
-        {
-            "key": record.key,
-            "model": record.model,
-            "position": record.position,
-            "num_prompt_tokens": record.num_prompt_tokens,
-            "pooling": record.pooling,
-            "layers": list(record.layers),
-            "vectors": record.vectors,
-        },
-        use_bin_type=True,
-    )
-    return packed
-
-
-def pack_error(key: bytes, message: str) -> bytes:
-    text = message[:MAX_ERROR_CHARS].encode("utf-8", "replace").decode("utf-8")
-    packed: bytes = msgpack.packb({"key": key, "error": text}, use_bin_type=True)
-    return packed
 
 
 def slot_size_for(hidden_size: int, layer_count: int, model: str) -> int:
@@ -479,35 +501,54 @@ def slot_size_for(hidden_size: int, layer_count: int, model: str) -> int:
         hidden_size=hidden_size,
         vectors=bytes(4 * hidden_size * layer_count),
     )
-    worst_error = pack_error(ZERO_KEY, "\U0010ffff" * MAX_ERROR_CHARS)
-    return align(SLOT_HEADER_SIZE + max(len(pack_record(worst_record)), len(worst_error)))
+    worst_matrix = pack_record(
+        Record(**{**record_fields(worst_record), "rows": most}), ArenaBlock(most, most, most, most)
+    )
+    worst_error = pack_error(ZERO_KEY, "\U0010ffff" * MAX_ERROR_CHARS, max(ERROR_STATUSES))
+    payload = max(len(pack_record(worst_record)), len(worst_matrix), len(worst_error))
+    return align(SLOT_HEADER_SIZE + payload)
 
 
-def decode_payload(obj: Any, key: bytes, shape: RingShape) -> Found | None:
-    """A decoded payload as a record for ``key``, or ``None`` if it is not exactly one."""
+def arena_block_size(length: int) -> int:
+    """The arena bytes a block of a ``length``-byte payload takes."""
+    return align(ARENA_PAYLOAD_OFFSET + length)
+
+
+#: A decoded slot: a record, or a matrix record with the block its rows are still to be read from.
+Decoded = Found | tuple[Record, ArenaBlock]
+
+
+def decode_payload(obj: Any, key: bytes, shape: RingShape) -> Decoded | None:
+    """A decoded payload as a record for ``key`` (a matrix record: with its block, its rows
+    still to be read), or ``None`` if it is not exactly one."""
     if type(obj) is not dict or obj.get("key") != key or type(obj["key"]) is not bytes:
         return None
     if "error" in obj:
         message = obj["error"]
-        return ErrorRecord(key, message) if type(message) is str else None
-    vectors = obj.get("vectors")
+        status = obj.get("status", HOOK_FAILED_STATUS)
+        if type(message) is not str or type(status) is not int or status not in ERROR_STATUSES:
+            return None
+        return ErrorRecord(key, message, status)
     layers = obj.get("layers")
     position = obj.get("position")
     num_prompt_tokens = obj.get("num_prompt_tokens")
     pooling = obj.get("pooling")
     model = obj.get("model")
     if (
-        type(vectors) is not bytes
-        or type(layers) is not list
+        type(layers) is not list
         or not layers
         or not all(type(layer) is int and layer in shape.layers for layer in layers)
         or len(set(layers)) != len(layers)
-        or len(vectors) != 4 * shape.hidden_size * len(layers)
         or type(position) is not int
         or type(num_prompt_tokens) is not int
         or pooling not in POOLINGS
         or type(model) is not str
     ):
+        return None
+    if pooling in MATRIX_POOLINGS:
+        return _matrix_record(obj, key, shape, model, position, num_prompt_tokens, pooling, layers)
+    vectors = obj.get("vectors")
+    if type(vectors) is not bytes or len(vectors) != 4 * shape.hidden_size * len(layers):
         return None
     return Record(
         key=key,
@@ -519,3 +560,37 @@ def decode_payload(obj: Any, key: bytes, shape: RingShape) -> Found | None:
         hidden_size=shape.hidden_size,
         vectors=vectors,
     )
+
+
+def _matrix_record(
+    obj: dict[str, Any],
+    key: bytes,
+    shape: RingShape,
+    model: str,
+    position: int,
+    num_prompt_tokens: int,
+    pooling: str,
+    layers: list[int],
+) -> tuple[Record, ArenaBlock] | None:
+    rows = obj.get("rows")
+    block = obj.get("arena")
+    if (
+        type(rows) is not int
+        or rows < 1
+        or type(block) is not list
+        or len(block) != 4
+        or not all(type(value) is int and value >= 0 for value in block)
+    ):
+        return None
+    offset, length, crc, seq = block
+    if (
+        length != matrix_bytes(rows, len(layers), shape.hidden_size)
+        or length > shape.max_record
+        or offset % SLOT_ALIGN
+        or offset + arena_block_size(length) > shape.arena_size
+        or seq & 1
+    ):
+        return None
+    prompt, hidden = num_prompt_tokens, shape.hidden_size
+    record = Record(key, model, position, prompt, pooling, tuple(layers), hidden, b"", rows)
+    return record, ArenaBlock(offset, length, crc, seq)

@@ -7,7 +7,10 @@ plus the new entries, whatever the slot count, and the proxy's cost per lookup s
 rings are added. For a slot found that way it reads the seq (must be even), checks the slot's
 key, CRCs the payload and decodes it straight out of the mapping, re-reads the seq (must be
 unchanged), then requires the payload's own key to be the requested one and its shape to match
-the header. Anything else is a miss (``None``), never another request's record.
+the header. Anything else is a miss (``None``), never another request's record. A matrix
+record's rows are then copied out of its arena block, whose seq, key, length and CRC must be
+the slot record's, and whose seq must be unchanged after the copy; otherwise newer blocks
+have been written over it, and the lookup answers an error record (503) saying so.
 
 **Memory ordering.** The writer stores, in program order: index entry := zero, seq odd, slot
 key/length/CRC/payload, seq even, index entry := key, publish counter += 1 (:mod:`.writer`),
@@ -48,10 +51,12 @@ import os
 import time
 import zlib
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     Owners,
@@ -60,6 +65,10 @@ from vllm_hidden_state_proxy.ring.files import (
     writer_alive,
 )
 from vllm_hidden_state_proxy.ring.layout import (
+    ARENA_KEY_OFFSET,
+    ARENA_META,
+    ARENA_PAYLOAD_OFFSET,
+    ARENA_SEQ,
     FIXED_HEADER_SIZE,
     HDR_PUBLISH_COUNT_OFFSET,
     INDEX_ENTRY_SIZE,
@@ -70,7 +79,6 @@ from vllm_hidden_state_proxy.ring.layout import (
     SLOT_META,
     SLOT_PAYLOAD_OFFSET,
     ZERO_KEY,
-    Found,
     RingFormatError,
     RingHeader,
     RingShape,
@@ -78,8 +86,24 @@ from vllm_hidden_state_proxy.ring.layout import (
     fixed_header_fields,
     parse_header,
 )
+from vllm_hidden_state_proxy.ring.records import (
+    ArenaBlock,
+    ErrorRecord,
+    Found,
+    Record,
+)
 
 logger = logging.getLogger("vllm_hidden_state_proxy.ring")
+
+
+def written_over(arena_size: int) -> str:
+    """The error of a matrix record whose rows newer records took the place of."""
+    return (
+        f"the rows were written over in the engine's arena ({arena_size >> 20} MiB) by newer "
+        f"records before the proxy read them: raise {ARENA_MIB_ENV} in vLLM's environment, or "
+        "retry"
+    )
+
 
 #: Seconds after its first read during which an index entry may still have been read stale on a
 #: weakly ordered CPU (see *Memory ordering*): a miss reads such entries again.
@@ -291,7 +315,26 @@ class RingReader(ClosesOnExit):
                 return None
         if SEQ.unpack_from(mm, off)[0] != seq:
             return None  # overwritten while we read it
-        return decode_payload(obj, key, shape)
+        decoded = decode_payload(obj, key, shape)
+        if isinstance(decoded, tuple):
+            return self._read_block(*decoded)
+        return decoded
+
+    def _read_block(self, record: Record, block: ArenaBlock) -> Found | None:
+        """``record`` with its rows, copied out of ``block``; an error record if newer blocks
+        have been written over it."""
+        mm = self._mm
+        if mm is None:
+            return None
+        base = self._shape.arena_offset + block.offset
+        if ARENA_SEQ.unpack_from(mm, base)[0] == block.seq:
+            key, n, crc = ARENA_META.unpack_from(mm, base + ARENA_KEY_OFFSET)
+            if key == record.key and n == block.length and crc == block.crc:
+                start = base + ARENA_PAYLOAD_OFFSET
+                rows = mm[start : start + n]
+                if ARENA_SEQ.unpack_from(mm, base)[0] == block.seq and zlib.crc32(rows) == crc:
+                    return replace(record, vectors=rows)
+        return ErrorRecord(record.key, written_over(self._shape.arena_size), 503)
 
     def _check_size(self) -> None:
         fd = self._fd

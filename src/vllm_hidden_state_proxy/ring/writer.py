@@ -6,6 +6,13 @@ counter += 1. The seq and publish counter are stored with the host's native 8-by
 (``struct`` native mode, little-endian hosts) so they are single aligned stores. The writer
 never waits for readers: slots are reused in FIFO order.
 
+**A matrix record** (pooling ``all_prompt``/``all_answer``) first writes its rows as a block
+in the arena, at the arena's write head (back to its start when the block would not fit
+before its end): every older block the new one covers gets an odd seq first (written over),
+then seq odd -> key, length, crc, payload -> seq even; then the slot record pointing at it
+goes out as above. So the arena, like the slots, is reused oldest first, and a reader tells a
+block written over from its own record (see :mod:`.layout`).
+
 The writer never truncates its file (a mapping of a shrunk file faults with SIGBUS): a restarted
 writer makes a new file, named for its instance and engine, and old files of dead writers are
 swept (see :mod:`.files`).
@@ -22,10 +29,11 @@ import os
 import secrets
 import threading
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_hidden_state_proxy.protocol import POOLINGS, RING_DIR_ENV
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, RING_DIR_ENV
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     PRIVATE_MODES,
@@ -38,11 +46,16 @@ from vllm_hidden_state_proxy.ring.files import (
     sweep_dead,
 )
 from vllm_hidden_state_proxy.ring.layout import (
+    ARENA_KEY_OFFSET,
+    ARENA_META,
+    ARENA_PAYLOAD_OFFSET,
+    ARENA_SEQ,
     HDR_PUBLISH_COUNT_OFFSET,
     HDR_VERSION_OFFSET,
     INDEX_ENTRY_SIZE,
     KEY_BYTES,
     LAYOUT_VERSION,
+    MAX_ARENA_SIZE,
     MAX_SLOT_COUNT,
     MAX_SLOT_SIZE,
     PUBLISH_COUNT,
@@ -52,14 +65,20 @@ from vllm_hidden_state_proxy.ring.layout import (
     SLOT_PAYLOAD_OFFSET,
     VERSION,
     ZERO_KEY,
-    Record,
     RingHeader,
     RingShape,
+    arena_block_size,
     check_layers,
-    pack_error,
     pack_header,
-    pack_record,
     slot_size_for,
+)
+from vllm_hidden_state_proxy.ring.records import (
+    HOOK_FAILED_STATUS,
+    ArenaBlock,
+    Record,
+    matrix_bytes,
+    pack_error,
+    pack_record,
 )
 
 logger = logging.getLogger("vllm_hidden_state_proxy.ring")
@@ -87,6 +106,11 @@ class RingWriter(ClosesOnExit):
         self._mm: mmap.mmap | None = mm
         self._count = 0
         self._lock = threading.Lock()
+        #: The arena's write head, the blocks not yet written over ((offset, end), oldest
+        #: first from just past the head), and the count of blocks written.
+        self._head = 0
+        self._blocks: deque[tuple[int, int]] = deque()
+        self._block_count = 0
         forget_in_forked_children(self)
 
     # -- fixed facts ---------------------------------------------------------------------------
@@ -126,12 +150,16 @@ class RingWriter(ClosesOnExit):
         dir_mode: int = PRIVATE_MODES[0],
         file_mode: int = PRIVATE_MODES[1],
         runner: str = "",
+        arena_size: int = 0,
+        max_record: int | None = None,
     ) -> RingWriter:
         """Make ``<directory>/ring-<instance>-dp<engine>.bin`` and hold its liveness lock.
 
         ``layers`` (absolute indices, default: the final layer ``num_hidden_layers`` only) are
         what records of this ring may hold; ``runner`` says which vLLM and model runner the
-        hook wraps (the header keeps 48 ASCII characters of it). Sweeps files of writers that
+        hook wraps (the header keeps 48 ASCII characters of it). ``arena_size`` bytes (rounded
+        down to a multiple of 64) carry matrix records of at most ``max_record`` bytes each
+        (default: the arena's size). Sweeps files of writers that
         are gone; raises :class:`RingInUseError` (and leaves everything as it was) if a live
         writer holds the name.
         """
@@ -153,7 +181,16 @@ class RingWriter(ClosesOnExit):
         slot_size = slot_size_for(hidden_size, len(captured), model)
         if slot_size > MAX_SLOT_SIZE:
             raise ValueError(f"slot size {slot_size} exceeds {MAX_SLOT_SIZE} (model name?)")
-        shape = RingShape(slot_count, slot_size, hidden_size, num_hidden_layers, captured)
+        arena = arena_size // 64 * 64
+        record_limit = arena if max_record is None else max_record
+        if not 0 <= record_limit <= arena <= MAX_ARENA_SIZE:
+            raise ValueError(
+                f"an arena of {arena_size} bytes for records of {record_limit} is out of range "
+                f"(a max record no larger than the arena, at most {MAX_ARENA_SIZE})"
+            )
+        shape = RingShape(
+            slot_count, slot_size, hidden_size, num_hidden_layers, captured, arena, record_limit
+        )
         header = RingHeader(
             shape=shape,
             epoch=secrets.randbits(64) or 1,
@@ -225,21 +262,31 @@ class RingWriter(ClosesOnExit):
         num_prompt_tokens: int,
         layers: Sequence[int] | None = None,
         pooling: str = "last",
+        rows: int = 1,
     ) -> None:
-        """Publish ``vectors`` (LE float32, one ``hidden_size`` block per layer of ``layers``,
-        default: the final layer) under ``key``."""
+        """Publish ``vectors`` (LE float32, ``rows`` x ``hidden_size`` values per layer of
+        ``layers``, default: the final layer) under ``key``; a matrix pooling's through the
+        arena (``ValueError`` if it is larger than the ring's max record)."""
         _check_key(key)
         taken = (self.shape.num_hidden_layers,) if layers is None else tuple(layers)
         if not taken or len(set(taken)) != len(taken) or not set(taken) <= set(self.layers):
             raise ValueError(f"layers {taken} are not distinct captured layers {self.layers}")
-        expected = 4 * self.hidden_size * len(taken)
-        if len(vectors) != expected:
-            raise ValueError(
-                f"vectors must be {expected} bytes (float32 x {self.hidden_size} x "
-                f"{len(taken)} layers), got {len(vectors)}"
-            )
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
+        matrix = pooling in MATRIX_POOLINGS
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or (rows > 1 > matrix):
+            raise ValueError(f"rows must be 1, or at least 1 for a matrix pooling: {rows!r}")
+        expected = matrix_bytes(rows, len(taken), self.hidden_size)
+        if len(vectors) != expected:
+            raise ValueError(
+                f"vectors must be {expected} bytes (float32 x {self.hidden_size} x {rows} rows "
+                f"x {len(taken)} layers), got {len(vectors)}"
+            )
+        if matrix and expected > self.shape.max_record:
+            raise ValueError(
+                f"a matrix record of {expected} bytes exceeds this ring's max record of "
+                f"{self.shape.max_record}"
+            )
         for name, value in (("position", position), ("num_prompt_tokens", num_prompt_tokens)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int")
@@ -253,41 +300,89 @@ class RingWriter(ClosesOnExit):
             pooling=pooling,
             layers=taken,
             hidden_size=self.hidden_size,
-            vectors=bytes(vectors),
+            vectors=b"" if matrix else bytes(vectors),
+            rows=rows,
         )
-        self._write(key, pack_record(record))
+        if not matrix:
+            self._write(key, pack_record(record))
+            return
+        with self._lock:  # block and slot in one go: two writers could not interleave them
+            block = self._write_block(key, vectors)
+            self._write_slot(key, pack_record(record, block))
 
-    def publish_error(self, key: bytes, message: str) -> None:
-        """Publish an error record: the proxy answers this request key with ``message`` at once
-        instead of waiting for vectors that will not come."""
+    def publish_error(self, key: bytes, message: str, status: int = HOOK_FAILED_STATUS) -> None:
+        """Publish an error record: the proxy answers this request key with ``message`` (and
+        ``status``) at once instead of waiting for vectors that will not come."""
         _check_key(key)
-        self._write(key, pack_error(key, message))
+        self._write(key, pack_error(key, message, status))
+
+    def _write_block(self, key: bytes, payload: bytes | memoryview) -> ArenaBlock:
+        """Write ``payload`` as the arena's newest block (the lock is held)."""
+        mm = self._mm
+        if mm is None:
+            raise ValueError("ring writer is closed")
+        shape = self.shape
+        n = len(payload)
+        size = arena_block_size(n)
+        if size > shape.arena_size:
+            raise ValueError(f"a block of {size} bytes exceeds the arena of {shape.arena_size}")
+        head = self._head
+        if head + size > shape.arena_size:  # the tail's blocks go too: they are the oldest
+            self._write_over(head, shape.arena_size)
+            head = 0
+        self._write_over(head, head + size)
+        self._block_count += 1
+        seq = (2 * self._block_count) & 0xFFFFFFFFFFFFFFFE
+        base = shape.arena_offset + head
+        ARENA_SEQ.pack_into(mm, base, seq | 1)
+        crc = zlib.crc32(payload)
+        ARENA_META.pack_into(mm, base + ARENA_KEY_OFFSET, key, n, crc)
+        start = base + ARENA_PAYLOAD_OFFSET
+        mm[start : start + n] = payload
+        ARENA_SEQ.pack_into(mm, base, seq)
+        self._blocks.append((head, head + size))
+        self._head = head + size
+        return ArenaBlock(head, n, crc, seq)
+
+    def _write_over(self, start: int, end: int) -> None:
+        """Mark the blocks in ``[start, end)`` written over (odd seq), oldest first."""
+        mm = self._mm
+        blocks = self._blocks
+        base = self.shape.arena_offset
+        while mm is not None and blocks and start <= blocks[0][0] < end:
+            offset, _ = blocks.popleft()
+            seq = ARENA_SEQ.unpack_from(mm, base + offset)[0]
+            ARENA_SEQ.pack_into(mm, base + offset, seq | 1)
 
     def _write(self, key: bytes, payload: bytes) -> None:
+        with self._lock:
+            self._write_slot(key, payload)
+
+    def _write_slot(self, key: bytes, payload: bytes) -> None:
+        """Write ``payload`` into the next slot (the lock is held)."""
         n = len(payload)
         capacity = self.shape.payload_capacity
         if n > capacity:  # cannot happen given slot_size_for; keep the file sane
             raise ValueError(f"payload of {n} bytes exceeds the slot capacity {capacity}")
         crc = zlib.crc32(payload)
         shape = self.shape
-        with self._lock:
-            mm = self._mm
-            if mm is None:
-                raise ValueError("ring writer is closed")
-            count = self._count
-            slot = count % shape.slot_count
-            idx = shape.index_offset + slot * INDEX_ENTRY_SIZE
-            off = shape.slots_offset + slot * shape.slot_size
-            mm[idx : idx + KEY_BYTES] = ZERO_KEY
-            seq = SEQ.unpack_from(mm, off)[0] | 1  # odd: writer at work
-            SEQ.pack_into(mm, off, seq)
-            SLOT_META.pack_into(mm, off + SLOT_KEY_OFFSET, key, n, crc)
-            start = off + SLOT_PAYLOAD_OFFSET
-            mm[start : start + n] = payload
-            SEQ.pack_into(mm, off, (seq + 1) & 0xFFFFFFFFFFFFFFFF)  # even: done
-            mm[idx : idx + KEY_BYTES] = key
-            self._count = count + 1
-            PUBLISH_COUNT.pack_into(mm, HDR_PUBLISH_COUNT_OFFSET, self._count)
+        mm = self._mm
+        if mm is None:
+            raise ValueError("ring writer is closed")
+        count = self._count
+        slot = count % shape.slot_count
+        idx = shape.index_offset + slot * INDEX_ENTRY_SIZE
+        off = shape.slots_offset + slot * shape.slot_size
+        mm[idx : idx + KEY_BYTES] = ZERO_KEY
+        seq = SEQ.unpack_from(mm, off)[0] | 1  # odd: writer at work
+        SEQ.pack_into(mm, off, seq)
+        SLOT_META.pack_into(mm, off + SLOT_KEY_OFFSET, key, n, crc)
+        start = off + SLOT_PAYLOAD_OFFSET
+        mm[start : start + n] = payload
+        SEQ.pack_into(mm, off, (seq + 1) & 0xFFFFFFFFFFFFFFFF)  # even: done
+        mm[idx : idx + KEY_BYTES] = key
+        self._count = count + 1
+        PUBLISH_COUNT.pack_into(mm, HDR_PUBLISH_COUNT_OFFSET, self._count)
 
     def close(self) -> None:
         """Unmap and release the liveness lock. The file stays: readers may still be reading it.

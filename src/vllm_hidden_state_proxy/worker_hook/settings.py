@@ -13,15 +13,17 @@ the variable), exactly where the hook reads it, and never vLLM's startup as a wh
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hidden_state_proxy.option_table import Option, markdown_table
 from vllm_hidden_state_proxy.protocol import (
+    ARENA_MIB_ENV,
     DEFAULT_RING_DIR,
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
+    MAX_RECORD_MIB_ENV,
     PLUGIN_NAME,
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
@@ -81,6 +83,39 @@ RING_SLOTS: Option[int] = Option(
     int,
     env=RING_SLOTS_ENV,
 )
+
+
+def mebibytes(variable: str) -> Callable[[str], int]:
+    """The parser of ``variable``, a size in MiB (an integer from 0 to 2**20), giving bytes;
+    it raises ``ValueError`` naming the variable for anything else."""
+
+    def parse(raw: str) -> int:
+        text = raw.strip()
+        if not text.isdigit() or int(text) > 1 << 20:
+            raise ValueError(f"{variable}={raw!r} is not a size in MiB (an integer, e.g. 256)")
+        return int(text) << 20
+
+    return parse
+
+
+ARENA: Option[int] = Option(
+    256 << 20,
+    "MiB of each engine's arena, the part of its ring file that matrices travel through "
+    "(poolings `all_prompt`, `all_answer`); reserved in the ring directory's file system at "
+    "startup; also what the matrices being gathered in the worker may take together (past it a "
+    "request's record is an error: 503). `0`: no matrices",
+    mebibytes(ARENA_MIB_ENV),
+    env=ARENA_MIB_ENV,
+    shown_default="`256`",
+)
+MAX_RECORD: Option[int] = Option(
+    64 << 20,
+    "MiB one request's matrix record may take (rows x layers x hidden size x 4 bytes); past it "
+    "the request is refused with a 413 naming this variable (at most the arena's size)",
+    mebibytes(MAX_RECORD_MIB_ENV),
+    env=MAX_RECORD_MIB_ENV,
+    shown_default="`64`",
+)
 RING_DIR_MODE: Option[tuple[int, int]] = Option(
     PRIVATE_MODES,
     "e.g. `0750` (files `0640`) when the proxy runs as another user of the same group; `0770` "
@@ -113,6 +148,8 @@ HOOK_VARIABLES: tuple[Option[Any], ...] = (
     RING_DIR,
     LAYERS,
     RING_SLOTS,
+    ARENA,
+    MAX_RECORD,
     RING_DIR_MODE,
     RING_LOCK_TIMEOUT,
     HOOK,
@@ -148,6 +185,16 @@ class HookSettings:
     @property
     def ring_slots(self) -> int:
         return RING_SLOTS.read(self.environ)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes; ``ValueError`` naming the variable if it is malformed."""
+        return ARENA.read(self.environ)
+
+    @property
+    def max_record_bytes(self) -> int:
+        """Bytes; ``ValueError`` naming the variable if it is malformed."""
+        return MAX_RECORD.read(self.environ)
 
     @property
     def ring_modes(self) -> tuple[int, int]:

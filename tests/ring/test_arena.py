@@ -1,0 +1,185 @@
+"""The ring's arena (ring/writer.py, ring/reader.py): matrix records of any size up to the
+ring's max record, written round and round; a record whose block newer ones have written over
+is an error record (503) naming the arena, never rows of another record."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.ring.helpers import HIDDEN, key_for, make_writer
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV
+from vllm_hidden_state_proxy.ring import RingReader
+from vllm_hidden_state_proxy.ring.layout import ARENA_PAYLOAD_OFFSET, arena_block_size, parse_header
+from vllm_hidden_state_proxy.ring.records import ErrorRecord, Record
+from vllm_hidden_state_proxy.ring.writer import RingWriter
+
+LAYERS = (0, 1)
+
+
+def matrix(seed: int, rows: int, layers: int = len(LAYERS)) -> bytes:
+    values = np.random.default_rng(seed).standard_normal((layers, rows, HIDDEN))
+    return values.astype("<f4").tobytes()
+
+
+def arena_writer(tmp_path: Path, arena_size: int, max_record: int | None = None) -> RingWriter:
+    return make_writer(
+        tmp_path,
+        LAYERS,
+        num_hidden_layers=1,
+        slot_count=64,
+        arena_size=arena_size,
+        max_record=max_record,
+    )
+
+
+def publish_matrix(writer: RingWriter, index: int, rows: int, pooling: str = "all_prompt") -> bytes:
+    data = matrix(index, rows)
+    writer.publish(
+        key_for(index),
+        data,
+        position=0,
+        num_prompt_tokens=rows,
+        layers=LAYERS,
+        pooling=pooling,
+        rows=rows,
+    )
+    return data
+
+
+def test_a_matrix_record_comes_back_row_for_row(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 20) as writer, RingReader.open(writer.path) as reader:
+        data = publish_matrix(writer, 1, rows=7)
+        found = reader.lookup(key_for(1))
+        assert isinstance(found, Record)
+        assert (found.rows, found.pooling, found.layers) == (7, "all_prompt", LAYERS)
+        assert found.vectors == data
+        size = 7 * HIDDEN * 4
+        assert found.vector(1) == data[size:]
+        assert found.first_rows(3).vector(1) == data[size : size + 3 * HIDDEN * 4]
+        assert found.first_rows(3).rows == 3
+
+
+def test_the_header_carries_the_arena_and_the_max_record(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, (1 << 20) + 5, 4096) as writer:
+        raw = writer.path.read_bytes()
+        header = parse_header(raw, len(raw))
+        assert (header.shape.arena_size, header.shape.max_record) == (1 << 20, 4096)
+        assert header.shape.file_size == header.shape.arena_offset + (1 << 20)
+
+
+def test_blocks_written_over_are_errors_naming_the_arena(tmp_path: Path) -> None:
+    rows = 5
+    block = arena_block_size(rows * len(LAYERS) * HIDDEN * 4)
+    with arena_writer(tmp_path, 3 * block) as writer, RingReader.open(writer.path) as reader:
+        written = {i: publish_matrix(writer, i, rows) for i in range(1, 8)}
+        for index in range(1, 8):
+            found = reader.lookup(key_for(index))
+            if index <= 4:  # the arena holds the newest three
+                assert isinstance(found, ErrorRecord), index
+                assert found.status == 503
+                assert ARENA_MIB_ENV in found.message
+            else:
+                assert isinstance(found, Record) and found.vectors == written[index]
+
+
+def test_a_block_that_does_not_fit_before_the_end_starts_over(tmp_path: Path) -> None:
+    small = arena_block_size(1 * len(LAYERS) * HIDDEN * 4)
+    big_rows = 4
+    big = arena_block_size(big_rows * len(LAYERS) * HIDDEN * 4)
+    with arena_writer(tmp_path, big + 2 * small) as writer, RingReader.open(writer.path) as reader:
+        publish_matrix(writer, 1, 1)
+        publish_matrix(writer, 2, 1)
+        publish_matrix(writer, 3, 1)  # after two smalls: room for one more before the end
+        data = publish_matrix(writer, 4, big_rows)  # from the start: 1 and 2 (and 3) go
+        for index in (1, 2, 3):
+            assert isinstance(reader.lookup(key_for(index)), ErrorRecord), index
+        found = reader.lookup(key_for(4))
+        assert isinstance(found, Record) and found.vectors == data
+
+
+def test_a_torn_block_is_never_returned(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 16) as writer, RingReader.open(writer.path) as reader:
+        publish_matrix(writer, 1, 3)
+        shape = writer.shape
+        with open(writer.path, "r+b") as f:  # one payload byte changed: the CRC differs
+            f.seek(shape.arena_offset + ARENA_PAYLOAD_OFFSET + 10)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        found = reader.lookup(key_for(1))
+        assert isinstance(found, ErrorRecord) and found.status == 503
+
+
+def test_a_block_of_another_key_is_never_returned(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 16) as writer, RingReader.open(writer.path) as reader:
+        publish_matrix(writer, 1, 3)
+        with open(writer.path, "r+b") as f:
+            f.seek(writer.shape.arena_offset + 8)
+            f.write(key_for(2))
+        found = reader.lookup(key_for(1))
+        assert isinstance(found, ErrorRecord) and found.status == 503
+
+
+def test_a_matrix_over_the_max_record_is_refused_by_the_writer(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 16, 64) as writer:
+        with pytest.raises(ValueError, match="max record"):
+            publish_matrix(writer, 1, 3)
+
+
+@pytest.mark.parametrize(("arena", "max_record"), [(1 << 16, (1 << 16) + 64), (-64, None)])
+def test_impossible_arenas_are_refused_at_creation(
+    tmp_path: Path, arena: int, max_record: int | None
+) -> None:
+    with pytest.raises(ValueError, match="arena"):
+        arena_writer(tmp_path, arena, max_record)
+
+
+def test_a_header_whose_max_record_exceeds_its_arena_is_refused(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 16) as writer:
+        raw = bytearray(writer.path.read_bytes())
+    struct.pack_into("<Q", raw, 128, (1 << 16) + 64)
+    with pytest.raises(Exception, match="arena"):
+        parse_header(bytes(raw), len(raw))
+
+
+def test_a_vector_pooling_with_rows_is_refused(tmp_path: Path) -> None:
+    with arena_writer(tmp_path, 1 << 16) as writer:
+        with pytest.raises(ValueError, match="rows"):
+            writer.publish(
+                key_for(1),
+                matrix(1, 2),
+                position=0,
+                num_prompt_tokens=2,
+                layers=LAYERS,
+                pooling="mean",
+                rows=2,
+            )
+
+
+@pytest.mark.parametrize("status", [413, 503])
+def test_error_records_carry_their_status(tmp_path: Path, status: int) -> None:
+    with arena_writer(tmp_path, 0) as writer, RingReader.open(writer.path) as reader:
+        writer.publish_error(key_for(1), "too big", status)
+        writer.publish_error(key_for(2), "failed")
+        assert reader.lookup(key_for(1)) == ErrorRecord(key_for(1), "too big", status)
+        assert reader.lookup(key_for(2)) == ErrorRecord(key_for(2), "failed", 502)
+
+
+def test_many_rounds_of_mixed_sizes_return_only_whole_records(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    with arena_writer(tmp_path, 1 << 15) as writer, RingReader.open(writer.path) as reader:
+        written: dict[int, bytes] = {}
+        for index in range(1, 200):
+            written[index] = publish_matrix(writer, index, int(rng.integers(1, 9)))
+            for probe in rng.integers(1, index + 1, size=3):
+                found = reader.lookup(key_for(int(probe)))
+                if isinstance(found, Record):
+                    assert found.vectors == written[int(probe)]
+                else:
+                    assert found is None or found.status == 503
+        newest = reader.lookup(key_for(199))
+        assert isinstance(newest, Record) and newest.vectors == written[199]
