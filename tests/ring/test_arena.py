@@ -125,9 +125,8 @@ def test_a_block_of_another_key_is_never_returned(tmp_path: Path) -> None:
 
 
 def test_a_matrix_over_the_max_record_is_refused_by_the_writer(tmp_path: Path) -> None:
-    with arena_writer(tmp_path, 1 << 16, 64) as writer:
-        with pytest.raises(ValueError, match="max record"):
-            publish_matrix(writer, 1, 3)
+    with arena_writer(tmp_path, 1 << 16, 64) as writer, pytest.raises(ValueError, match="max"):
+        publish_matrix(writer, 1, 3)
 
 
 @pytest.mark.parametrize(("arena", "max_record"), [(1 << 16, (1 << 16) + 64), (-64, None)])
@@ -147,17 +146,16 @@ def test_a_header_whose_max_record_exceeds_its_arena_is_refused(tmp_path: Path) 
 
 
 def test_a_vector_pooling_with_rows_is_refused(tmp_path: Path) -> None:
-    with arena_writer(tmp_path, 1 << 16) as writer:
-        with pytest.raises(ValueError, match="rows"):
-            writer.publish(
-                key_for(1),
-                matrix(1, 2),
-                position=0,
-                num_prompt_tokens=2,
-                layers=LAYERS,
-                pooling="mean",
-                rows=2,
-            )
+    with arena_writer(tmp_path, 1 << 16) as writer, pytest.raises(ValueError, match="rows"):
+        writer.publish(
+            key_for(1),
+            matrix(1, 2),
+            position=0,
+            num_prompt_tokens=2,
+            layers=LAYERS,
+            pooling="mean",
+            rows=2,
+        )
 
 
 @pytest.mark.parametrize("status", [413, 503])

@@ -18,7 +18,7 @@ from vllm_hidden_state_proxy.protocol import (
     RING_SLOTS_ENV,
 )
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
-from vllm_hidden_state_proxy.worker_hook import capture as capture_module
+from vllm_hidden_state_proxy.worker_hook import ring_start
 
 HOOK_LOGGER = "vllm.hidden_state_hook"
 #: The instance number of the ``writer`` fixture's ring.
@@ -122,10 +122,10 @@ def ring_env(ring_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(autouse=True)
 def _release_failure_notes() -> Iterator[None]:
     """Failure notes are held for the process's lifetime; release the ones a test left."""
-    before = len(capture_module._NOTES)
+    before = len(ring_start._NOTES)
     try:
         yield
     finally:
-        for note in capture_module._NOTES[before:]:
+        for note in ring_start._NOTES[before:]:
             note.close()
-        del capture_module._NOTES[before:]
+        del ring_start._NOTES[before:]

@@ -64,7 +64,7 @@ from vllm_hidden_state_proxy.ring.files import (
     ring_name,
 )
 from vllm_hidden_state_proxy.ring.notes import read_live_note
-from vllm_hidden_state_proxy.worker_hook import capture as capture_module
+from vllm_hidden_state_proxy.worker_hook import ring_start
 from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import PendingRows, SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
@@ -803,10 +803,10 @@ def test_when_not_even_a_note_can_be_written_the_error_still_propagates(
 
     monkeypatch.setenv(RING_SLOTS_ENV, "0")
     monkeypatch.setattr(FailureNote, "write", no_space)
-    notes = len(capture_module._NOTES)
+    notes = len(ring_start._NOTES)
     with pytest.raises(ValueError, match="slot_count"):
         for_runner(FakeV1Runner(vllm_config=engine_config(0)))
-    assert len(capture_module._NOTES) == notes
+    assert len(ring_start._NOTES) == notes
     [warning] = [r for r in hook_log.records if r.levelno == logging.WARNING]
     assert "could not leave a failure note" in warning.getMessage()
 
@@ -847,10 +847,10 @@ def test_an_untrusted_directory_gets_no_ring_no_note_and_a_log_line_saying_why(
 ) -> None:
     _untrusted(ring_env, how)
     before = sorted(os.listdir(ring_env.parent))
-    notes = len(capture_module._NOTES)
+    notes = len(ring_start._NOTES)
     with pytest.raises(UntrustedDirectory, match=why):
         for_runner(FakeV1Runner(vllm_config=engine_config(0)))
-    assert len(capture_module._NOTES) == notes  # a note there could not be trusted
+    assert len(ring_start._NOTES) == notes  # a note there could not be trusted
     assert sorted(os.listdir(ring_env.parent)) == before
     if ring_env.is_dir():
         assert os.listdir(ring_env) == []

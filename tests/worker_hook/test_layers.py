@@ -1,4 +1,4 @@
-"""layers.py and capture.prepare_layers: which layers a server captures, and asking the model.
+"""layers.py and ring_start.prepare_layers: which layers a server captures, and asking the model.
 
 The models are stand-ins (vLLM's ``supports_eagle3`` is an ``isinstance`` check against the
 runtime-checkable ``SupportsEagle3`` protocol, so what a model must have is exactly that
@@ -27,8 +27,8 @@ from vllm_hidden_state_proxy.protocol import LAYERS_ENV
 from vllm_hidden_state_proxy.ring import RingReader
 from vllm_hidden_state_proxy.ring.files import note_name
 from vllm_hidden_state_proxy.ring.notes import read_live_note
-from vllm_hidden_state_proxy.worker_hook import capture as capture_module
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
+from vllm_hidden_state_proxy.worker_hook import ring_start
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import (
     CapturedLayers,
@@ -39,6 +39,7 @@ from vllm_hidden_state_proxy.worker_hook.layers import (
     parse_layers,
     stack_problem,
 )
+from vllm_hidden_state_proxy.worker_hook.ring_start import prepare_layers
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
 # -- parse_layers ---------------------------------------------------------------------------------
@@ -408,7 +409,7 @@ def test_vllms_own_decoder_stacks(module: str, name: str, problem: str | None) -
 # -- prepare_layers (run by the load_model wrapper) ----------------------------------------------
 
 
-LAYERS_ATTR = capture_module._LAYERS_ATTR
+LAYERS_ATTR = ring_start.LAYERS_ATTR
 
 
 def test_prepare_layers_asks_the_model_and_leaves_the_layers_on_the_runner(

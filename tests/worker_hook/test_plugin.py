@@ -24,10 +24,11 @@ from vllm_hidden_state_proxy.ring import RingDirectory, RingReader
 from vllm_hidden_state_proxy.ring.files import note_name, ring_name
 from vllm_hidden_state_proxy.ring.notes import read_live_note
 from vllm_hidden_state_proxy.worker_hook import plugin
-from vllm_hidden_state_proxy.worker_hook.capture import _LAYERS_ATTR, StepCapture
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
+from vllm_hidden_state_proxy.worker_hook.ring_start import LAYERS_ATTR
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView, V2RunnerView
 
 ENTRY_POINT = "vllm_hidden_state_proxy.worker_hook.plugin:register"
@@ -535,7 +536,7 @@ def patched_runner(engine: int = 0, **kw: Any) -> RunnerMethods:
 def test_the_ring_exists_after_initialize_kv_cache_before_any_request(ring_env: Path) -> None:
     runner = patched_runner(engine=3)
     assert runner.load_model() == "loaded"
-    assert runner.__dict__[_LAYERS_ATTR] == CapturedLayers(FINAL, (FINAL,))
+    assert runner.__dict__[LAYERS_ATTR] == CapturedLayers(FINAL, (FINAL,))
     runner.initialize_kv_cache("cfg")
     capture = runner.__dict__[plugin._CAPTURE_ATTR]
     try:

@@ -7,9 +7,11 @@ import pytest
 
 from vllm_hidden_state_proxy import protocol
 from vllm_hidden_state_proxy.protocol import (
+    ARENA_MIB_ENV,
     DEFAULT_RING_DIR,
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
+    MAX_RECORD_MIB_ENV,
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
     RING_LOCK_TIMEOUT_ENV,
@@ -127,12 +129,29 @@ def test_a_lock_timeout_must_be_finite_and_not_negative(raw: str) -> None:
     assert HookSettings({RING_LOCK_TIMEOUT_ENV: "0"}).ring_lock_timeout == 0.0
 
 
+@pytest.mark.parametrize("variable", [ARENA_MIB_ENV, MAX_RECORD_MIB_ENV])
+def test_sizes_in_mib_are_integers_and_name_their_variable(variable: str) -> None:
+    assert HookSettings({variable: "3"}).arena_bytes in (3 << 20, 256 << 20)
+    settings = HookSettings({ARENA_MIB_ENV: "0", MAX_RECORD_MIB_ENV: "7"})
+    assert (settings.arena_bytes, settings.max_record_bytes) == (0, 7 << 20)
+    assert (HookSettings({}).arena_bytes, HookSettings({}).max_record_bytes) == (
+        256 << 20,
+        64 << 20,
+    )
+    for raw in ("-1", "1.5", "lots", str((1 << 20) + 1)):
+        with pytest.raises(ValueError, match=variable):
+            settings = HookSettings({variable: raw})
+            _ = settings.arena_bytes if variable == ARENA_MIB_ENV else settings.max_record_bytes
+
+
 def test_the_table_names_every_hook_variable_of_the_protocol_once() -> None:
     names = [variable.env for variable in HOOK_VARIABLES]
     hook_names = {
         RING_DIR_ENV,
         LAYERS_ENV,
         RING_SLOTS_ENV,
+        ARENA_MIB_ENV,
+        MAX_RECORD_MIB_ENV,
         RING_DIR_MODE_ENV,
         RING_LOCK_TIMEOUT_ENV,
         HOOK_ENABLED_ENV,

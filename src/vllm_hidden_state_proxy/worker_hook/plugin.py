@@ -36,8 +36,9 @@ from types import ModuleType
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
-from vllm_hidden_state_proxy.worker_hook.capture import StepCapture, prepare_layers
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS, WRAPPED_ATTR
+from vllm_hidden_state_proxy.worker_hook.ring_start import prepare_layers
 from vllm_hidden_state_proxy.worker_hook.runners import (
     RefusedSettings,
     RunnerView,
