@@ -554,7 +554,7 @@ def test_mean_with_positions_served_from_the_prefix_cache_is_an_error_record(
         step(capture, runner, [("m", 12, nc, ns)], new={"m": flag} if number == 0 else None)
     message = error_of(reader.lookup(key(1))).message
     assert gap in message
-    assert "mean pooling needs all 12 prompt positions" in message
+    assert "this pooling needs all 12 prompt positions" in message
     assert writer.publish_count() == 1
     assert capture.selected.pending == {}
     assert len(capture.means) == 0

@@ -243,7 +243,7 @@ def test_mean_rows_skip_recomputed_positions(
 def test_mean_rows_past_the_sum_are_a_gap(nc: int, covered: int, gap: str) -> None:
     with pytest.raises(MeanGap, match=gap) as raised:
         mean_rows(req(P=16, nc=nc, ns=2), covered)
-    assert "mean pooling needs all 16 prompt positions" in str(raised.value)
+    assert "this pooling needs all 16 prompt positions" in str(raised.value)
     assert "cache_salt" in str(raised.value)
 
 

@@ -18,6 +18,11 @@ only after the step that sampled it, and with async scheduling has by then run t
   ``answer_key(key, choice, p - P + 2)``: the proxy, which knows the answer's token count,
   looks up the one it needs.
 
+With ``"all_answer"`` a choice keeps every sampling position (up to ``max_tokens`` of them:
+the ones past it choose no token) and publishes one matrix record under
+``all_answer_key(key, choice)``, its rows from the last prompt position on; the proxy keeps as
+many as the answer has tokens (a step computed past the stop adds rows it drops).
+
 Each choice of ``n > 1`` is a child request ``"{index}_{parent id}"`` in vLLM
 (``vllm/v1/engine/parallel_sampling.py``); the proxy sends ``n`` as the choices entry, and the
 index is read from the id. Pure bookkeeping: the tensors are whatever the capture passes.
@@ -29,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import ANSWER_WINDOW, answer_key
+from vllm_hidden_state_proxy.protocol import ANSWER_WINDOW, all_answer_key, answer_key
 from vllm_hidden_state_proxy.worker_hook.publication_queue import RecordTarget
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest, Selection
 
@@ -66,6 +71,9 @@ class _Answer:
     key: bytes
     choice: int
     layers: tuple[int, ...]
+    pooling: str = "last_answer"
+    #: ``"all_answer"``: the most positions kept (vLLM's ``max_tokens``).
+    max_rows: int | None = None
     num_prompt_tokens: int = 0
     #: Kept sampling positions -> their ``[len(layers), hidden]`` rows, oldest first.
     rows: dict[int, Any] = field(default_factory=dict)
@@ -74,11 +82,13 @@ class _Answer:
 @dataclass(frozen=True)
 class FinishedAnswer:
     """A finished choice's records: ``rows`` (one 1-D tensor per layer, position after
-    position) become ``targets``; no targets if none of its positions was computed."""
+    position; for a matrix, one 2-D tensor) become ``targets``; no targets if none of its
+    positions was computed, or ``problem`` says why there are none."""
 
     key: bytes
-    rows: list[Any]
+    rows: Any
     targets: list[RecordTarget]
+    problem: str | None = None
 
 
 class AnswerRows:
@@ -111,7 +121,14 @@ class AnswerRows:
             )
         if len(self._answers) >= self.limit:
             return f"more than {self.limit} answers are in flight in this vLLM worker"
-        self._answers[req_id] = _Answer(selection.key, choice, selection.layers)
+        matrix = selection.pooling == "all_answer"
+        self._answers[req_id] = _Answer(
+            selection.key,
+            choice,
+            selection.layers,
+            selection.pooling,
+            selection.max_tokens if matrix else None,
+        )
         return None
 
     def keep(self, request: ScheduledRequest, step_layers: Mapping[int, Any]) -> None:
@@ -123,12 +140,17 @@ class AnswerRows:
         if answer is None or found is None:
             return
         position, row = found
+        if (
+            answer.max_rows is not None
+            and position >= request.num_prompt_tokens - 1 + answer.max_rows
+        ):
+            return  # past max_tokens: it chooses no token of the answer
         # torch.stack copies: the step's hidden states are overwritten by the next step.
         rows = torch.stack([step_layers[layer][row] for layer in answer.layers])
         answer.rows.pop(position, None)
         answer.rows[position] = rows
         answer.num_prompt_tokens = request.num_prompt_tokens
-        while len(answer.rows) > self.window:
+        while answer.pooling != "all_answer" and len(answer.rows) > self.window:
             del answer.rows[min(answer.rows)]
 
     def finish(self, req_ids: Iterable[str]) -> list[FinishedAnswer]:
@@ -137,6 +159,9 @@ class AnswerRows:
         for req_id in req_ids:
             answer = self._answers.pop(req_id, None)
             if answer is None:
+                continue
+            if answer.pooling == "all_answer":
+                finished.append(_matrix_of(answer))
                 continue
             rows: list[Any] = []
             targets = []
@@ -159,3 +184,31 @@ class AnswerRows:
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._answers.pop(req_id, None)
+
+
+def _matrix_of(answer: _Answer) -> FinishedAnswer:
+    """An ``"all_answer"`` choice's one record: its kept positions from the last prompt
+    position on, which must all be there."""
+    import torch
+
+    positions = sorted(answer.rows)
+    if not positions:
+        return FinishedAnswer(answer.key, [], [])
+    first = answer.num_prompt_tokens - 1
+    if positions != list(range(first, first + len(positions))):
+        problem = (
+            f"positions {first}..{positions[-1]} of the answer were not all computed in "
+            "this vLLM worker's steps, so its matrix is incomplete"
+        )
+        return FinishedAnswer(answer.key, [], [], problem)
+    kept = torch.stack([answer.rows[position] for position in positions], dim=1)
+    matrix = kept.reshape(len(answer.layers) * len(positions), kept.shape[-1])
+    target = RecordTarget(
+        all_answer_key(answer.key, answer.choice),
+        position=first,
+        num_prompt_tokens=answer.num_prompt_tokens,
+        layers=answer.layers,
+        pooling="all_answer",
+        rows=len(positions),
+    )
+    return FinishedAnswer(answer.key, matrix, [target])

@@ -8,7 +8,10 @@ error from the proxy at once) and carries on.
 Per flagged request (see :mod:`.selection`): with pooling ``"last"``, the rows of its last
 prompt position in each wanted layer, in the step that computes that position; with ``"mean"``,
 its prompt rows summed per layer in every step that computes some (:mod:`.pooling`), and the
-mean in the step that completes the prompt.
+mean in the step that completes the prompt; with ``"all_prompt"``, those rows kept, and the
+matrix of them all in that step (its bytes reserved first, :mod:`.matrix_budget`). The
+answer's poolings (``"last_answer"``, ``"all_answer"``) keep rows per choice and publish when it
+finishes (:mod:`.answer_rows`).
 
 **CPU** (``device_copy.SyncRowCopier``): the rows are copied and published before
 ``execute_model`` returns; there is no device work to overlap.
@@ -61,11 +64,13 @@ import logging
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
+from vllm_hidden_state_proxy.ring.records import matrix_bytes
 from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import engine_identity, is_publishing_rank
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
-from vllm_hidden_state_proxy.worker_hook.pooling import MeanPooling
+from vllm_hidden_state_proxy.worker_hook.matrix_budget import MatrixBudget, Refusal
+from vllm_hidden_state_proxy.worker_hook.pooling import MeanPooling, PromptMatrix
 from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
 from vllm_hidden_state_proxy.worker_hook.ring_start import (
     create_ring,
@@ -121,7 +126,10 @@ class StepCapture:
         self.captured = captured or CapturedLayers(1, (1,))
         self.selected = SelectedRequests(self.captured.layers, self.captured.num_hidden_layers)
         self.means = MeanPooling()
+        self.matrices = PromptMatrix()
         self.answers = AnswerRows()
+        shape = getattr(writer, "shape", None)
+        self.budget = MatrixBudget(getattr(shape, "arena_size", 0), getattr(shape, "max_record", 0))
         #: Speculative decoding computes several positions per step and accepts some: the
         #: position that chose an answer's token is not known (``"last_answer"`` refused).
         self.speculative = False
@@ -188,6 +196,8 @@ class StepCapture:
                 # which must not continue the old request's sum (keep_only cannot tell them
                 # apart).
                 self.means.forget(finished)
+            if len(self.matrices):
+                self.matrices.forget(finished)
             selected.observe(scheduler_output.scheduled_new_reqs, finished)
             if selected.pending:
                 self._track_answers()
@@ -198,6 +208,10 @@ class StepCapture:
             self._keep_answers(runner, scheduler_output)
         if len(self.means):
             self.means.keep_only(selected.pending)
+        if len(self.matrices):
+            self.matrices.keep_only(selected.pending)
+        if len(self.budget):
+            self.budget.keep_only({*selected.pending, *self.answers.ids()})
         if not selected.pending:
             return
         wanted = [rid for rid in selected.pending if rid in scheduler_output.num_scheduled_tokens]
@@ -238,15 +252,33 @@ class StepCapture:
             if selection.problem is not None:
                 continue  # answered with an error record when the request is scheduled
             del pending[req_id]
-            problem = (
-                "speculative decoding computes several positions per step, so the state that "
-                "chose the answer's last token is not known: 'last_answer' is not supported on "
-                "this server"
-                if self.speculative
-                else self.answers.track(req_id, selection)
-            )
+            if self.speculative:
+                self._publish_error(
+                    selection.key,
+                    "speculative decoding computes several positions per step, so the state "
+                    "that chose an answer's token is not known: the answer's poolings are not "
+                    "supported on this server",
+                )
+                continue
+            refusal = self._reserve_answer(req_id, selection)
+            if refusal is not None:
+                self._publish_error(selection.key, refusal.message, refusal.status)
+                continue
+            problem = self.answers.track(req_id, selection)
             if problem is not None:
+                self.budget.release([req_id])
                 self._publish_error(selection.key, problem)
+
+    def _reserve_answer(self, req_id: str, selection: Selection) -> Refusal | None:
+        """An ``"all_answer"`` choice's bytes, reserved before any row is kept."""
+        if selection.pooling != "all_answer":
+            return None
+        rows = selection.max_tokens
+        if rows is None:
+            return Refusal("an 'all_answer' request needs max_tokens (vLLM did not set it)", 413)
+        hidden = int(getattr(self.writer, "hidden_size", 0))
+        what = f"an all_answer matrix of up to {rows} rows x {len(selection.layers)} layers"
+        return self.budget.reserve(req_id, matrix_bytes(rows, len(selection.layers), hidden), what)
 
     def _keep_answers(self, runner: Any, scheduler_output: Any) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -266,10 +298,14 @@ class StepCapture:
     def _publish_answers(self, finished_ids: Any, scheduler_output: Any) -> None:
         """Publish the records of the answers that finished. A step with nothing scheduled
         gets no ``sample_tokens`` (nor ``get_output``) from vLLM, so there they go out now."""
+        if len(self.budget):
+            self.budget.release(finished_ids)
         for finished in self.answers.finish(finished_ids):
             if not finished.targets:
                 self._publish_error(
-                    finished.key, "the request ended before any state of its answer was computed"
+                    finished.key,
+                    finished.problem
+                    or "the request ended before any state of its answer was computed",
                 )
                 continue
             try:
@@ -285,29 +321,35 @@ class StepCapture:
                 if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
                     self.publications.publish_through(number)
 
-    def _publish_error(self, key: bytes, message: str) -> None:
+    def _publish_error(self, key: bytes, message: str, status: int = 502) -> None:
         if self.writer is None:
             return
         try:
-            self.writer.publish_error(key, message)
+            self.writer.publish_error(key, message, status)
         except Exception:
             self._errors.exception("publishing an error record to the ring")
 
-    def _fail(self, req_ids: list[str], message: str) -> None:
+    def _fail(self, req_ids: list[str], message: str, status: int = 502) -> None:
         """Error records for ``req_ids`` (still pending); they are not taken again."""
         for req_id in req_ids:
             selection = self.selected.pending.get(req_id)
             if selection is None:
                 continue
             self.selected.mark_published(req_id, selection.key)
-            self.means.forget([req_id])
-            self._publish_error(selection.key, message)
+            self._forget_prompt([req_id])
+            self._publish_error(selection.key, message, status)
+
+    def _forget_prompt(self, req_ids: list[str]) -> None:
+        self.means.forget(req_ids)
+        self.matrices.forget(req_ids)
+        self.budget.release(req_ids)
 
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
         captured = self.captured
         layers = step_layers(runner, captured.num_hidden_layers, captured.aux_ids)
         rows: list[Any] = []
         targets: list[RecordTarget] = []
+        matrices: list[tuple[Any, RecordTarget]] = []
         try:
             for request in self.view.scheduled(runner, scheduler_output, wanted):
                 selection = self.selected.pending.get(request.req_id)
@@ -319,32 +361,41 @@ class StepCapture:
                 vectors = self._vectors(request, selection, layers)
                 if vectors is None:
                     continue
-                rows.extend(vectors)
-                targets.append(
-                    RecordTarget(
-                        selection.key,
-                        position=request.num_prompt_tokens - 1,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        layers=selection.layers,
-                        pooling=selection.pooling,
-                    )
+                matrix = selection.pooling == "all_prompt"
+                target = RecordTarget(
+                    selection.key,
+                    position=0 if matrix else request.num_prompt_tokens - 1,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    layers=selection.layers,
+                    pooling=selection.pooling,
+                    rows=request.num_prompt_tokens if matrix else 1,
                 )
+                if matrix:  # its own copy: one tensor, not a view per row
+                    matrices.append((vectors, target))
+                else:
+                    rows.extend(vectors)
+                    targets.append(target)
                 # The key is claimed now: whether or not the copy succeeds, it is not taken
                 # again.
                 self.selected.mark_published(request.req_id, selection.key)
-            if not rows:
+            copies = [(rows, targets)] if rows else []
+            copies.extend((matrix_rows, [target]) for matrix_rows, target in matrices)
+            if not copies:
                 return
             if self.copier is None:
-                self.copier = copier_for(rows[0].device)
-            started = self.copier.start(rows)
+                self.copier = copier_for(copies[0][0][0].device)
+            started = [(self.copier.start(copied), to) for copied, to in copies]
         except Exception:
             # The keys claimed so far are no longer pending, so the caller's error records
             # (for the step's pending keys) would miss them: answer them here.
             if self.publications is not None:
-                self.publications.publish_errors(targets, STEP_FAILED)
+                self.publications.publish_errors(
+                    [*targets, *(target for _, target in matrices)], STEP_FAILED
+                )
             raise
         if self.publications is not None:
-            self.publications.add(started, targets)
+            for pending, to in started:
+                self.publications.add(pending, to)
 
     def _vectors(
         self, request: ScheduledRequest, selection: Selection, layers: dict[int, Any]
@@ -355,14 +406,34 @@ class StepCapture:
             row = last_prompt_row(request)
             return None if row is None else [layers[layer][row] for layer in selection.layers]
         try:
+            if selection.pooling == "all_prompt":
+                return self._prompt_matrix(request, selection, layers)
             return self.means.add(request, selection.layers, layers)
         except MeanGap as gap:
-            self.means.forget([request.req_id])
+            self._forget_prompt([request.req_id])
             if self.selected.has_sibling(request.req_id, selection.key):
                 self.selected.drop([request.req_id])  # another child of n > 1 can still do it
             else:
                 self._fail([request.req_id], str(gap))
             return None
+
+    def _prompt_matrix(
+        self, request: ScheduledRequest, selection: Selection, layers: dict[int, Any]
+    ) -> Any | None:
+        """This step's part of an ``"all_prompt"`` matrix; the matrix once it is complete. Its
+        bytes are reserved when its request is first seen (a refusal: an error record)."""
+        if request.req_id not in self.matrices:
+            prompt, count = request.num_prompt_tokens, len(selection.layers)
+            hidden = int(layers[selection.layers[0]].shape[-1])
+            what = f"an all_prompt matrix of {prompt} rows x {count} layers x {hidden}"
+            refusal = self.budget.reserve(request.req_id, matrix_bytes(prompt, count, hidden), what)
+            if refusal is not None:
+                self._fail([request.req_id], refusal.message, refusal.status)
+                return None
+        matrix = self.matrices.add(request, selection.layers, layers)
+        if matrix is not None:
+            self.budget.release([request.req_id])  # the copy holds it from here
+        return matrix
 
 
 def _publishing_first(get_output: Any, publications: PublicationQueue, through: int) -> Any:

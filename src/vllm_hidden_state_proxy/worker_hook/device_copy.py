@@ -1,7 +1,8 @@
 """Copy selected rows of a step's hidden states to the host as little-endian float32.
 
 Two copiers share one interface, ``start(rows) -> PendingRows``, where ``rows`` are 1-D
-device tensors of one length (views into a step's hidden states, or mean-pooled vectors):
+device tensors of one length (views into a step's hidden states, or mean-pooled vectors), or
+one 2-D tensor of such rows (a matrix):
 
 - :class:`SyncRowCopier` (CPU tensors): the copy is done when ``start`` returns. On CPU there
   is no device work to overlap, so this stays synchronous and simple.
@@ -57,6 +58,8 @@ def stack_as_float32(rows: Sequence[Any]) -> Any:
     """One ``[len(rows), hidden_size]`` float32 tensor on the rows' device."""
     import torch
 
+    if isinstance(rows, torch.Tensor):  # already one 2-D tensor of rows
+        return rows.to(torch.float32)
     dtypes = {row.dtype for row in rows}
     if len(dtypes) == 1:
         return torch.stack(list(rows)).to(torch.float32)

@@ -1,10 +1,17 @@
-"""Mean pooling across a prompt's prefill steps, on the device, in float32.
+"""The poolings over every prompt position, across a prompt's prefill steps, on the device.
 
-A mean-pooled request's prompt may be computed over several steps (chunked prefill). Each step
-adds its prompt rows' sum, per wanted layer, into the request's ``[layers, hidden_size]``
-float32 accumulator on the hidden states' device (queued behind the forward pass, like the
-copies: nothing waits). When every prompt position has been added, the accumulator divided by
-the prompt length is the request's vectors, ready to be copied like any other rows.
+A request's prompt may be computed over several steps (chunked prefill); which rows of a step
+extend it, and the gap left by the prefix cache, are :func:`.selection.mean_rows`'s.
+
+- ``"mean"`` (:class:`MeanPooling`): each step adds its prompt rows' sum, per wanted layer,
+  into the request's ``[layers, hidden_size]`` float32 accumulator on the hidden states' device
+  (queued behind the forward pass, like the copies: nothing waits). When every prompt position
+  has been added, the accumulator divided by the prompt length is the request's vectors, ready
+  to be copied like any other rows.
+- ``"all_prompt"`` (:class:`PromptMatrix`): each step keeps a copy of its prompt rows,
+  ``[layers, rows, hidden_size]`` in the model's dtype (the step's hidden states are
+  overwritten by the next); the last one joins them into the ``[layers * P, hidden_size]``
+  matrix that is copied to the host. What they may take is :mod:`.matrix_budget`'s.
 """
 
 from __future__ import annotations
@@ -14,6 +21,62 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest, mean_rows
+
+
+@dataclass
+class _Parts:
+    parts: list[Any]  # tensors [len(layers), rows, hidden_size]
+    covered: int = 0
+
+
+class PromptMatrix:
+    """The kept prompt rows of the ``"all_prompt"`` requests in flight, by vLLM request id."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, _Parts] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._kept
+
+    def add(
+        self,
+        request: ScheduledRequest,
+        layers: Sequence[int],
+        step_layers: Mapping[int, Any],
+    ) -> Any | None:
+        """Keep this step's prompt rows of ``request``; once the whole prompt is in, its
+        ``[len(layers) * P, hidden_size]`` matrix (layer after layer), else ``None``. Raises
+        ``MeanGap``."""
+        import torch
+
+        state = self._kept.get(request.req_id)
+        rows = mean_rows(request, 0 if state is None else state.covered)
+        if rows is None:
+            return None
+        if state is None:
+            state = self._kept[request.req_id] = _Parts([])
+        # torch.stack copies: the step's hidden states are overwritten by the next step.
+        state.parts.append(
+            torch.stack([step_layers[layer][rows.first : rows.end] for layer in layers])
+        )
+        state.covered = rows.covered
+        if state.covered < request.num_prompt_tokens:
+            return None
+        del self._kept[request.req_id]
+        joined = state.parts[0] if len(state.parts) == 1 else torch.cat(state.parts, dim=1)
+        return joined.reshape(len(layers) * request.num_prompt_tokens, joined.shape[-1])
+
+    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
+        for req_id in req_ids:
+            self._kept.pop(req_id, None)
+
+    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
+        """Drop the rows of requests that are no longer pending (finished, aborted)."""
+        for req_id in [r for r in self._kept if r not in req_ids]:
+            del self._kept[req_id]
 
 
 @dataclass

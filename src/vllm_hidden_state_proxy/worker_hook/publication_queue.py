@@ -33,13 +33,20 @@ PUBLISH_FAILED = "writing the hidden states to the ring failed in the vLLM worke
 
 @dataclass(frozen=True, slots=True)
 class RecordTarget:
-    """What the next ``len(layers)`` copied rows are published as: one record."""
+    """What the next ``len(layers) * rows`` copied rows are published as: one record (a
+    matrix's rows layer after layer, position after position)."""
 
     key: bytes
     position: int
     num_prompt_tokens: int
     layers: tuple[int, ...]
     pooling: str = "last"
+    rows: int = 1
+
+    @property
+    def row_count(self) -> int:
+        """The copied rows this record takes."""
+        return len(self.layers) * self.rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +147,14 @@ class PublicationQueue:
                 self._on_error("publishing an error record to the ring")
 
     def _publish(self, targets: list[RecordTarget], vectors: list[bytes]) -> None:
-        if len(vectors) != sum(len(target.layers) for target in targets):
+        if len(vectors) != sum(target.row_count for target in targets):
             self._on_error("matching copied rows to their keys")
             self.publish_errors(targets, COPY_FAILED)
             return
         at = 0
         for target in targets:
-            rows = vectors[at : at + len(target.layers)]
-            at += len(target.layers)
+            rows = vectors[at : at + target.row_count]
+            at += target.row_count
             try:
                 self._writer.publish(
                     target.key,
@@ -156,6 +163,7 @@ class PublicationQueue:
                     num_prompt_tokens=target.num_prompt_tokens,
                     layers=target.layers,
                     pooling=target.pooling,
+                    rows=target.rows,
                 )
             except Exception:
                 self._on_error("publishing a hidden state to the ring")

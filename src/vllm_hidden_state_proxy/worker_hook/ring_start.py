@@ -195,6 +195,8 @@ def create_ring(
             layers=captured.layers,
             model=model_name,
             slot_count=slots,
+            arena_size=settings.arena_bytes,
+            max_record=min(settings.max_record_bytes, settings.arena_bytes),
             dir_mode=dir_mode,
             file_mode=file_mode,
             runner=f"vLLM {vllm_version()} {view.name.upper()} {type(runner).__name__}",

@@ -57,6 +57,8 @@ class Selection:
     problem: str | None = None
     #: The request's ``n`` (``"last_answer"``: each choice is a child request of its own).
     choices: int = 1
+    #: vLLM's ``max_tokens`` of the request (bounds an ``"all_answer"`` matrix), if known.
+    max_tokens: int | None = None
 
 
 def last_prompt_row(request: ScheduledRequest) -> int | None:
@@ -91,8 +93,8 @@ def mean_rows(request: ScheduledRequest, covered: int) -> MeanRows | None:
     nc, ns, prompt = request.num_computed, request.num_scheduled, request.num_prompt_tokens
     if nc > covered:
         raise MeanGap(
-            f"mean pooling needs all {prompt} prompt positions, but positions {covered}..{nc - 1}"
-            " were served from the prefix cache (the proxy sends a fresh cache_salt with mean "
+            f"this pooling needs all {prompt} prompt positions, but positions {covered}..{nc - 1}"
+            " were served from the prefix cache (the proxy sends a fresh cache_salt with such "
             "requests; was this one sent around it?)"
         )
     start, end = max(nc, covered), min(nc + ns, prompt)
@@ -140,7 +142,10 @@ def selection_of(
     choices = extra_args.get(CHOICES_ENTRY, 1)
     if isinstance(choices, bool) or not isinstance(choices, int) or not 1 <= choices <= MAX_CHOICES:
         return Selection(key, (final_layer,), problem=f"malformed choice count {choices!r}")
-    return Selection(key, tuple(sorted(layers)), pooling, choices=choices)
+    max_tokens = getattr(sampling_params, "max_tokens", None)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = None
+    return Selection(key, tuple(sorted(layers)), pooling, choices=choices, max_tokens=max_tokens)
 
 
 class SelectedRequests:

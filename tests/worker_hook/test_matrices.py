@@ -1,0 +1,196 @@
+"""Matrices in the worker (capture.StepCapture with pooling.PromptMatrix, answer_rows and
+matrix_budget): every prompt position's rows across prefill chunks, every answer position's
+rows per choice, their bytes bounded before any row is kept (413 one request, 503 the engine)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.worker_hook.fakes import (
+    CAPTURED,
+    FINAL,
+    HIDDEN,
+    MODEL,
+    FakeV1Runner,
+    by_position,
+    error_of,
+    key,
+    record_of,
+    step,
+    xargs,
+)
+from vllm_hidden_state_proxy.protocol import (
+    ARENA_MIB_ENV,
+    CHOICES_ENTRY,
+    MAX_RECORD_MIB_ENV,
+    all_answer_key,
+)
+from vllm_hidden_state_proxy.ring import RingReader, RingWriter
+from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
+from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
+
+K = key(5)
+LAYERS = [0, FINAL]
+ROW_BYTES = 4 * HIDDEN
+
+
+def arena_ring(directory: Path, arena: int, max_record: int | None = None) -> RingWriter:
+    return RingWriter.create(
+        directory,
+        hidden_size=HIDDEN,
+        model=MODEL,
+        slot_count=32,
+        num_hidden_layers=CAPTURED.num_hidden_layers,
+        layers=CAPTURED.layers,
+        arena_size=arena,
+        max_record=max_record,
+    )
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Iterator[tuple[RingWriter, RingReader]]:
+    with arena_ring(tmp_path, 1 << 20) as writer, RingReader.open(writer.path) as reader:
+        yield writer, reader
+
+
+def capture_of(writer: RingWriter) -> tuple[FakeV1Runner, StepCapture]:
+    runner = FakeV1Runner(torch.float32, content=by_position)
+    return runner, StepCapture(V1RunnerView(), writer, MODEL, captured=CAPTURED)
+
+
+def rows_of(req_id: str, positions: range, layer: int) -> bytes:
+    return b"".join(
+        struct.pack(f"<{HIDDEN}f", *by_position(req_id, 0, position, layer))
+        for position in positions
+    )
+
+
+def test_all_prompt_joins_every_chunk_layer_after_layer(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    args = xargs(K, pooling="all_prompt", layers=LAYERS)
+    step(capture, runner, [("x", 3, 0, 3), ("a", 10, 0, 4)], new={"a": args})
+    assert writer.publish_count() == 0
+    step(capture, runner, [("a", 10, 4, 4)])
+    step(capture, runner, [("a", 10, 8, 2), ("x", 3, 3, 1)])
+    record = record_of(reader.lookup(K))
+    assert (record.pooling, record.rows, record.position, record.num_prompt_tokens) == (
+        "all_prompt",
+        10,
+        0,
+        10,
+    )
+    for layer in LAYERS:
+        assert record.vector(layer) == rows_of("a", range(10), layer)
+    assert len(capture.matrices) == len(capture.budget) == 0
+
+
+def test_all_prompt_with_positions_from_the_prefix_cache_is_an_error(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    args = xargs(K, pooling="all_prompt")
+    step(capture, runner, [("a", 10, 4, 6)], new={"a": args})  # 0..3 from the cache
+    error = error_of(reader.lookup(K))
+    assert "prefix cache" in error.message and error.status == 502
+    assert len(capture.matrices) == len(capture.budget) == 0
+
+
+def test_a_matrix_over_the_max_record_is_a_413_before_any_row_is_kept(tmp_path: Path) -> None:
+    with (
+        arena_ring(tmp_path, 1 << 20, 9 * ROW_BYTES) as writer,
+        RingReader.open(writer.path) as reader,
+    ):
+        runner, capture = capture_of(writer)
+        step(capture, runner, [("a", 10, 0, 4)], new={"a": xargs(K, pooling="all_prompt")})
+        error = error_of(reader.lookup(K))
+        assert error.status == 413 and MAX_RECORD_MIB_ENV in error.message
+        assert "10 rows" in error.message
+        assert len(capture.matrices) == len(capture.budget) == 0
+        step(capture, runner, [("a", 10, 4, 6)])  # the rest of it: nothing more published
+        assert writer.publish_count() == 1
+
+
+def test_matrices_together_past_the_arena_are_a_503(tmp_path: Path) -> None:
+    with (
+        arena_ring(tmp_path, 64 * 64, 12 * ROW_BYTES) as writer,
+        RingReader.open(writer.path) as reader,
+    ):  # 4096 bytes: room for 256 rows of 4 floats, one request may take 12
+        runner, capture = capture_of(writer)
+        capture.budget.arena_bytes = 20 * ROW_BYTES  # two of 12 rows do not fit together
+        other = key(6)
+        new = {"a": xargs(K, pooling="all_prompt"), "b": xargs(other, pooling="all_prompt")}
+        step(capture, runner, [("a", 12, 0, 4), ("b", 12, 0, 4)], new=new)
+        error = error_of(reader.lookup(other))
+        assert error.status == 503 and ARENA_MIB_ENV in error.message
+        step(capture, runner, [("a", 12, 4, 8)])
+        assert record_of(reader.lookup(K)).rows == 12
+        assert len(capture.budget) == 0
+
+
+def test_a_server_without_an_arena_answers_matrices_with_a_503(tmp_path: Path) -> None:
+    with arena_ring(tmp_path, 0) as writer, RingReader.open(writer.path) as reader:
+        runner, capture = capture_of(writer)
+        step(capture, runner, [("a", 5, 0, 5)], new={"a": xargs(K, pooling="all_prompt")})
+        error = error_of(reader.lookup(K))
+        assert error.status == 503 and f"{ARENA_MIB_ENV}=0" in error.message
+
+
+def answer_args(choices: int = 1) -> dict[str, object]:
+    args = xargs(K, pooling="all_answer", layers=LAYERS)
+    if choices > 1:
+        args[CHOICES_ENTRY] = choices
+    return args
+
+
+def test_all_answer_keeps_every_sampling_position_per_choice(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    new = {"0_p": answer_args(2), "1_p": answer_args(2)}
+    step(capture, runner, [("0_p", 4, 0, 2), ("1_p", 4, 0, 4)], new=new)
+    step(capture, runner, [("0_p", 4, 2, 2), ("1_p", 4, 4, 1)])
+    step(capture, runner, [("0_p", 4, 4, 1), ("1_p", 4, 5, 1)])
+    step(capture, runner, [("1_p", 4, 6, 1)], finished=["0_p"])
+    step(capture, runner, [], finished=["1_p"])
+    for choice, last in ((0, 4), (1, 6)):
+        record = record_of(reader.lookup(all_answer_key(K, choice)))
+        assert (record.pooling, record.position, record.rows) == ("all_answer", 3, last - 2)
+        for layer in LAYERS:
+            assert record.vector(layer) == rows_of(f"{choice}_p", range(3, last + 1), layer)
+    assert len(capture.answers) == len(capture.budget) == 0
+
+
+def test_all_answer_keeps_no_position_past_max_tokens(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)  # the fake's max_tokens is 8
+    step(capture, runner, [("a", 3, 0, 3)], new={"a": answer_args()})
+    for done in range(10):  # positions 3..12: 2..9 choose tokens 1..8; 10 and past, none
+        step(capture, runner, [("a", 3, 3 + done, 1)])
+    step(capture, runner, [], finished=["a"])
+    record = record_of(reader.lookup(all_answer_key(K, 0)))
+    assert (record.position, record.rows) == (2, 8)
+    assert record.vector(FINAL) == rows_of("a", range(2, 10), FINAL)
+
+
+def test_all_answer_over_the_max_record_is_a_413_at_once(tmp_path: Path) -> None:
+    with (
+        arena_ring(tmp_path, 1 << 20, 2 * 7 * ROW_BYTES) as writer,
+        RingReader.open(writer.path) as reader,
+    ):  # two layers of 8 rows (max_tokens) do not fit in 2 x 7
+        runner, capture = capture_of(writer)
+        step(capture, runner, [("a", 3, 0, 3)], new={"a": answer_args()})
+        error = error_of(reader.lookup(K))
+        assert error.status == 413 and MAX_RECORD_MIB_ENV in error.message
+        assert len(capture.answers) == len(capture.budget) == 0
