@@ -16,6 +16,10 @@ the proxy reads the counts from vLLM's answer, asking for them where vLLM would 
   ``usage.completion_tokens`` counts its choice's tokens so far), removed from the chunks
   afterwards (:mod:`.answer_stream`).
 
+With ``"all_answer"`` a choice has one record, under
+:func:`~vllm_hidden_state_proxy.protocol.all_answer_key`: its rows from the last prompt position
+on, of which the proxy keeps the first ``C`` (the states that chose tokens ``1 .. C``).
+
 The record is checked against the count (its position, its prompt length against vLLM's
 ``prompt_token_ids`` where the answer has them): a record that does not fit is a 502, never a
 vector of another position.
@@ -28,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, answer_key
+from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, all_answer_key, answer_key
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, record_mismatch
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import KV, POOLING, WantedVectors, is_int
@@ -196,32 +200,38 @@ async def choice_record(
 ) -> Record:
     """The record of one finished choice; ``ProxyError`` if there is none or it does not fit
     (an error record under the request key answers for every choice)."""
+    pooling = wanted.request.pooling
+    matrix = pooling == "all_answer"
     record = await wait_for_record(
         state.rings,
-        answer_key(key, count.index, count.num_output_tokens),
+        all_answer_key(key, count.index)
+        if matrix
+        else answer_key(key, count.index, count.num_output_tokens),
         marks,
         state.settings.vector_timeout,
         state.metrics,
         error_key=key,
     )
     layers = wanted.distinct_layers
-    if record.pooling != "last_answer" or not set(layers) <= set(record.layers):
-        raise record_mismatch(record.layers, record.pooling, layers, "last_answer")
-    expected = record.num_prompt_tokens + count.num_output_tokens - 2
+    if record.pooling != pooling or not set(layers) <= set(record.layers):
+        raise record_mismatch(record.layers, record.pooling, layers, pooling)
+    first = record.num_prompt_tokens - 1
+    expected = first if matrix else record.num_prompt_tokens + count.num_output_tokens - 2
     prompt_differs = (
         count.num_prompt_tokens is not None and count.num_prompt_tokens != record.num_prompt_tokens
     )
-    if record.position != expected or prompt_differs:
+    too_few = matrix and record.rows < count.num_output_tokens
+    if record.position != expected or prompt_differs or too_few:
         raise ProxyError(
             502,
             f"The vLLM worker hook's answer record of choice {count.index} is of position "
-            f"{record.position} of a {record.num_prompt_tokens}-token prompt, but vLLM's answer "
-            f"has {count.num_output_tokens} tokens"
+            f"{record.position} ({record.rows} rows) of a {record.num_prompt_tokens}-token "
+            f"prompt, but vLLM's answer has {count.num_output_tokens} tokens"
             + (f" after a {count.num_prompt_tokens}-token prompt" if prompt_differs else "")
             + f" (position {expected}): the worker hook and this proxy disagree; please report "
             "it.",
         )
-    return record
+    return record.first_rows(count.num_output_tokens) if matrix else record
 
 
 async def choice_records(

@@ -11,6 +11,11 @@ there are kept):
 - ``last_hidden_states_by_layer``: with ``last_hidden_state_layers``, each requested layer,
   written as in the request (``"4"``, ``"-1"``), to its vector.
 - ``last_hidden_state_info`` (on request): where and what the vectors are.
+- A matrix pooling (``"all_prompt"``, ``"all_answer"``) puts, where a vector would be, an object
+  ``{"shape": [rows, hidden_size], "dtype", "data"}``: ``data`` base64 of the little-endian
+  rows one after another (the default for matrices), or a list of rows (``"float"``).
+- ``last_hidden_state_dtype`` ``"float16"``/``"bfloat16"`` rounds base64 values to 16 bits
+  (to nearest, ties to even; bfloat16 is float32's upper half).
 - A request with several prompts (``/v1/completions`` with a list) gets the same fields in the
   plural (``last_hidden_states``, ``last_hidden_state_infos``) or, for layers, a list of
   objects: one entry per prompt, in prompt order.
@@ -26,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
@@ -55,10 +61,37 @@ def float32_view(vector: bytes) -> Floats:
     return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
 
 
-def encode_vector(vector: bytes, fmt: str) -> Floats | str:
+def as_dtype(vector: bytes, dtype: str) -> bytes:
+    """Little-endian float32 bytes as little-endian ``dtype`` bytes (rounded to nearest even)."""
+    if dtype == "float32":
+        return vector
+    values = np.frombuffer(vector, dtype="<f4")
+    if dtype == "float16":
+        return values.astype("<f2").tobytes()
+    bits = values.view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # a NaN stays a (quiet) NaN, not an infinity
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype("<u2").tobytes()
+
+
+def encode_vector(vector: bytes, fmt: str, dtype: str = "float32") -> Floats | str:
     if fmt == "base64":
-        return base64.b64encode(vector).decode("ascii")
+        return base64.b64encode(as_dtype(vector, dtype)).decode("ascii")
     return float32_view(vector)
+
+
+def encode_matrix(
+    rows: bytes, count: int, hidden_size: int, fmt: str, dtype: str = "float32"
+) -> dict[str, Any]:
+    """A matrix of ``count`` rows (little-endian float32 bytes) as its JSON object."""
+    data: Floats | str = encode_vector(rows, fmt, dtype)
+    if not isinstance(data, str):
+        data = data.reshape(count, hidden_size)
+    return {
+        "shape": [count, hidden_size],
+        "dtype": dtype if fmt == "base64" else "float32",
+        "data": data,
+    }
 
 
 def dump_json(document: Any) -> bytes:
@@ -72,15 +105,20 @@ def dump_json(document: Any) -> bytes:
 
 
 def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
+    request = wanted.request
     info: dict[str, Any] = {
         "position": record.position,
         "num_prompt_tokens": record.num_prompt_tokens,
         "hidden_size": record.hidden_size,
-        "dtype": "float32",
+        "dtype": request.dtype if request.format == "base64" else "float32",
         "pooling": record.pooling,
     }
     if record.pooling == "last_answer":  # the state that chose this token of the answer
         info["num_output_tokens"] = record.position - record.num_prompt_tokens + 2
+    if record.pooling in MATRIX_POOLINGS:  # rows of positions position, position + 1, ...
+        info["rows"] = record.rows
+    if record.pooling == "all_answer":
+        info["num_output_tokens"] = record.rows
     if wanted.final_layer in wanted.layers:
         info["layer"] = "final_norm"
     if wanted.request.layers is not None:
@@ -89,13 +127,20 @@ def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
 
 
 def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
-    fmt = wanted.request.format
+    fmt, dtype = wanted.request.format, wanted.request.dtype
+    matrix = record.pooling in MATRIX_POOLINGS
+
+    def encoded(layer: int) -> Any:
+        if matrix:
+            return encode_matrix(record.vector(layer), record.rows, record.hidden_size, fmt, dtype)
+        return encode_vector(record.vector(layer), fmt, dtype)
+
     fields: dict[str, Any] = {}
     if wanted.final_layer in wanted.layers:
-        fields[VECTOR] = encode_vector(record.vector(wanted.final_layer), fmt)
+        fields[VECTOR] = encoded(wanted.final_layer)
     if wanted.request.layers is not None:
         fields[BY_LAYER] = {
-            str(label): encode_vector(record.vector(layer), fmt)
+            str(label): encoded(layer)
             for label, layer in zip(wanted.request.layers, wanted.layers, strict=True)
         }
     return fields

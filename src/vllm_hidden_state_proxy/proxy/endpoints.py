@@ -20,7 +20,11 @@ from vllm_hidden_state_proxy.proxy.inspection import Flagged, Ordinary, inspect_
 from vllm_hidden_state_proxy.proxy.relay import pass_through
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send, WantedVectors
-from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vector_lookup import (
+    check_matrix_room,
+    check_rings,
+    resolve_layers,
+)
 
 
 class Endpoint(ABC):
@@ -74,5 +78,6 @@ def resolve_wanted(state: ProxyState, flagged: Flagged) -> WantedVectors:
         check_answerable(flagged.document)
     shapes = check_rings(state.rings, state.settings.ring_dir)
     wanted = resolve_layers(flagged.vectors, shapes)
+    check_matrix_room(flagged.document, wanted, shapes)
     state.metrics.requests["flagged"] += 1
     return wanted

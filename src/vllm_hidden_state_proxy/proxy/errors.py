@@ -143,8 +143,9 @@ def rings_of_other_models(shapes: Sequence[RingShape], ring_dir: str) -> ProxyEr
     )
 
 
-def hook_error(message: str) -> ProxyError:
-    return ProxyError(502, f"The vLLM worker hook could not produce the hidden state: {message}")
+def hook_error(message: str, status: int = 502) -> ProxyError:
+    """The hook's error record: 502 it failed, 413 a limit of one request, 503 of the engine."""
+    return ProxyError(status, f"The vLLM worker hook could not produce the hidden state: {message}")
 
 
 def record_mismatch(

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import POOLINGS, XARGS_PREFIX
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.reserved_entries import (
     could_spell_reserved,
@@ -30,6 +30,8 @@ from vllm_hidden_state_proxy.proxy.reserved_entries import (
     unreadable_refusal,
 )
 from vllm_hidden_state_proxy.proxy.types import (
+    DTYPE,
+    DTYPES,
     FLAG,
     FORMAT,
     FORMATS,
@@ -177,7 +179,20 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
     flag = kv.get(FLAG, False)
     if not isinstance(flag, bool):
         raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
-    fmt = check_format(kv.get(FORMAT, "float"), f"{KV}.{FORMAT}")
+    pooling = check_pooling(kv.get(POOLING, "last"), f"{KV}.{POOLING}")
+    # Matrices are base64 unless the client asks for lists: they can be megabytes.
+    default_format = "base64" if pooling in MATRIX_POOLINGS else "float"
+    fmt = check_format(kv.get(FORMAT, default_format), f"{KV}.{FORMAT}")
+    dtype = kv.get(DTYPE, "float32")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad_request(
+            f"'{KV}.{DTYPE}' must be one of {', '.join(DTYPES)}, not {dtype!r}.", f"{KV}.{DTYPE}"
+        )
+    if dtype != "float32" and fmt != "base64":
+        raise bad_request(
+            f"'{KV}.{DTYPE}': {dtype!r} needs '{KV}.{FORMAT}': 'base64' (JSON lists are float32).",
+            f"{KV}.{DTYPE}",
+        )
     info = kv.get(INFO, False)
     if not isinstance(info, bool):
         raise bad_request(f"'{KV}.{INFO}' must be a boolean.", f"{KV}.{INFO}")
@@ -196,10 +211,9 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
             "ones count from the end, -1 is the final layer after the final norm).",
             f"{KV}.{LAYERS}",
         )
-    pooling = check_pooling(kv.get(POOLING, "last"), f"{KV}.{POOLING}")
     # Each label once, in the order first given: they are the answer's keys.
     requested = None if layers is None else tuple(dict.fromkeys(layers))
-    return flag, VectorRequest(fmt, info, requested, pooling)
+    return flag, VectorRequest(fmt, info, requested, pooling, dtype)
 
 
 def inspect_body(body: bytes) -> Decision:

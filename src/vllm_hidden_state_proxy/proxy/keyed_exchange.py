@@ -24,6 +24,7 @@ import orjson
 
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
+    EVERY_PROMPT_POSITION,
     LAYERS_ENTRY,
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
@@ -71,9 +72,9 @@ def keyed_body(
     entries: dict[str, Any] | None = None,
 ) -> bytes:
     """A keyed request's body: ``document`` with its request key and what to capture in
-    ``vllm_xargs`` (plus ``entries``); a mean-pooled request also gets a fresh ``cache_salt``,
-    since the hook must see every prompt position and the prefix cache would skip the cached
-    ones."""
+    ``vllm_xargs`` (plus ``entries``); a mean-pooled or ``"all_prompt"`` request also gets a
+    fresh ``cache_salt``, since the hook must see every prompt position and the prefix cache
+    would skip the cached ones."""
     xargs = document.get(XARGS)
     merged = dict(xargs) if isinstance(xargs, dict) else {}
     merged.update(entries or {})
@@ -84,7 +85,7 @@ def keyed_body(
     if wanted.request.pooling != "last":
         merged[POOLING_ENTRY] = wanted.request.pooling
     sent = {**document, XARGS: merged}
-    if wanted.request.pooling == "mean":
+    if wanted.request.pooling in EVERY_PROMPT_POSITION:
         sent["cache_salt"] = secrets.token_hex(16)
     return encode_document(sent)
 

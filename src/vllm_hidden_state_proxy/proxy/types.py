@@ -42,9 +42,12 @@ LAYERS = "last_hidden_state_layers"
 POOLING = "last_hidden_state_pooling"
 #: In the request (true asks for it) and in the answer (where and what the vectors are).
 INFO = "last_hidden_state_info"
+#: The float type of base64 values: the captured float32, or rounded to 16 bits.
+DTYPE = "last_hidden_state_dtype"
 #: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
-OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING)
+OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING, DTYPE)
 FORMATS = ("float", "base64")
+DTYPES = ("float32", "float16", "bfloat16")
 
 #: In the answer, inside ``kv_transfer_params``; a list of prompts gets the plurals.
 VECTOR = "last_hidden_state"
@@ -76,6 +79,8 @@ class VectorRequest:
     #: when absent: the final layer, in the singular field only.
     layers: tuple[int, ...] | None = None
     pooling: str = "last"
+    #: Of base64 values (``"float"`` lists are always float32).
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ first lookup normally finds it. When it does not:
   once, saying to raise the slot count;
 - otherwise the lookup is repeated with a growing interval until ``--vector-timeout``: 504.
 
-An error record (the hook could not produce this request's vectors) is a 502 with its message.
+An error record (the hook could not produce this request's vectors) is an error with its
+message and its status: 502 (the hook failed), 413 (a matrix larger than one request may take),
+503 (the engine's arena is busy, or was written over before the proxy read it).
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from vllm_hidden_state_proxy.protocol import absolute_layer
+from vllm_hidden_state_proxy.protocol import (
+    ARENA_MIB_ENV,
+    MATRIX_POOLINGS,
+    MAX_RECORD_MIB_ENV,
+    absolute_layer,
+)
 from vllm_hidden_state_proxy.proxy.errors import (
+    ProxyError,
     bad_request,
     engines_without_ring,
     hook_error,
@@ -34,7 +42,14 @@ from vllm_hidden_state_proxy.proxy.errors import (
     vector_timeout,
 )
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.types import KV, LAYERS, RingSource, VectorRequest, WantedVectors
+from vllm_hidden_state_proxy.proxy.types import (
+    KV,
+    LAYERS,
+    RingSource,
+    VectorRequest,
+    WantedVectors,
+    is_int,
+)
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     Found,
@@ -68,7 +83,7 @@ def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> 
 
 def _as_record(found: Found) -> Record:
     if isinstance(found, ErrorRecord):
-        raise hook_error(found.message)
+        raise hook_error(found.message, found.status)
     return found
 
 
@@ -221,3 +236,38 @@ def resolve_layers(
             )
         resolved.append(absolute)
     return WantedVectors(request, tuple(resolved), final)
+
+
+def check_matrix_room(
+    document: dict[str, Any], wanted: WantedVectors, shapes: Sequence[RingShape]
+) -> None:
+    """Before a matrix pooling is sent: 503 if the server carries no matrices; for
+    ``"all_answer"`` with ``max_tokens`` (or ``max_completion_tokens``), 413 if that many rows
+    would be more than one request may take. (Without it, the hook decides with vLLM's own
+    default, and an ``"all_prompt"`` prompt's length is known only in vLLM.)"""
+    if wanted.request.pooling not in MATRIX_POOLINGS:
+        return
+    if any(shape.arena_size == 0 for shape in shapes):
+        raise ProxyError(
+            503,
+            f"This vLLM server carries no matrices (pooling {wanted.request.pooling!r}): its "
+            f"worker hook runs with {ARENA_MIB_ENV}=0. Restart it with an arena.",
+        )
+    if wanted.request.pooling != "all_answer":
+        return
+    limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
+    rows = next((value for value in limits if is_int(value)), None)
+    if rows is None:
+        return
+    limit = min(shape.max_record for shape in shapes)
+    size = 4 * rows * len(wanted.distinct_layers) * shapes[0].hidden_size
+    if size > limit:
+        param = "max_completion_tokens" if is_int(limits[0]) else "max_tokens"
+        raise ProxyError(
+            413,
+            f"An all_answer matrix of up to {rows} rows x {len(wanted.distinct_layers)} layers "
+            f"x {shapes[0].hidden_size} float32 takes {size / (1 << 20):.1f} MiB, more than one "
+            f"request may ({MAX_RECORD_MIB_ENV}={limit >> 20} in vLLM's environment): ask for "
+            f"fewer tokens or layers.",
+            param,
+        )
