@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.reference import COUNTED, MEASURED
-from tests.e2e.server import SERVED_MODEL_NAME, SHARED_LAYERS, RunningStack, run_serve
+from tests.e2e.server import (
+    SERVED_MODEL_NAME,
+    SHARED_HOOK_ENV,
+    SHARED_LAYERS,
+    RunningStack,
+    run_serve,
+)
 from tests.model_fixtures import model_fixtures
 
 tiny_model_dir, reference = model_fixtures("session")
@@ -45,7 +51,9 @@ def vllm_rpc_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     layers = ["--hidden-state-layers", ",".join(SHARED_LAYERS)]
-    with run_serve(tiny_model_dir, tmp_path_factory.mktemp("serve"), layers) as running:
+    with run_serve(
+        tiny_model_dir, tmp_path_factory.mktemp("serve"), layers, SHARED_HOOK_ENV
+    ) as running:
         yield running
 
 

@@ -68,6 +68,15 @@ class Reference:
         vector = rows[-1] if pooling == "last" else rows.mean(dim=0)
         return [float(x) for x in vector]
 
+    def layer_rows(self, token_ids: Sequence[int], layer: int) -> list[list[float]]:
+        """Every position's row of ``hidden_states[layer][0]``."""
+        import torch
+
+        with torch.no_grad():
+            ids = torch.tensor([list(token_ids)], dtype=torch.long)
+            states = self.model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        return [[float(x) for x in row] for row in states[layer][0].to(torch.float32)]
+
     def argmax_next_token(self, vector: Sequence[float]) -> int:
         import torch
 

@@ -31,7 +31,7 @@ from vllm_hidden_state_proxy.processes import (
     stop_process_group,
     wait_until_healthy,
 )
-from vllm_hidden_state_proxy.protocol import UPSTREAM_API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, MAX_RECORD_MIB_ENV, UPSTREAM_API_KEY_ENV
 
 #: vLLM options used by the shared test server (small batches force chunked prefill).
 MAX_NUM_BATCHED_TOKENS = 128
@@ -57,6 +57,10 @@ SERVED_MODEL_NAME = "tiny-chat"
 #: The layers the shared stack captures (``serve --hidden-state-layers``): the embeddings, the
 #: first decoder layer's output and the final layer of the two-layer tiny model.
 SHARED_LAYERS = ("0", "1", "-1")
+#: The hook's matrix limits in the shared stack: one request's matrix may take 1 MiB (683 rows
+#: of the three shared layers), all of them together the arena's 32 MiB.
+MAX_RECORD_MIB = 1
+SHARED_HOOK_ENV = {MAX_RECORD_MIB_ENV: str(MAX_RECORD_MIB), ARENA_MIB_ENV: "32"}
 #: The proxy's request size limit in the shared test stack (413 above it).
 MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0

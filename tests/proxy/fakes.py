@@ -93,6 +93,7 @@ create_writer = functools.partial(
     slot_count=16,
     instance=1,
     num_hidden_layers=FINAL,
+    arena_size=1 << 20,
 )
 
 
@@ -202,7 +203,7 @@ def publish(hook: Hook, found: Found) -> None:
     if isinstance(hook, FakeRing):
         hook.publish(found)
     elif isinstance(found, ErrorRecord):
-        hook.publish_error(found.key, found.message)
+        hook.publish_error(found.key, found.message, found.status)
     else:
         hook.publish(
             found.key,
@@ -211,6 +212,7 @@ def publish(hook: Hook, found: Found) -> None:
             num_prompt_tokens=found.num_prompt_tokens,
             layers=found.layers,
             pooling=found.pooling,
+            rows=found.rows,
         )
 
 
