@@ -12,14 +12,20 @@ from vllm_hidden_state_proxy.bench.answers import ANSWER_TOKENS, measure_answers
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.turns import round_robin
 
-ARMS = ["direct", "flagged_last", "flagged_last_answer"]
+ARMS = [
+    "direct",
+    "flagged_last",
+    "flagged_last_answer",
+    "flagged_all_prompt",
+    "flagged_all_answer",
+]
 
 
 def arm_of(document: dict[str, Any]) -> str:
     kv = document.get("kv_transfer_params")
     if kv is None:
         return "direct"
-    return "flagged_last_answer" if kv.get("last_hidden_state_pooling") else "flagged_last"
+    return f"flagged_{kv.get('last_hidden_state_pooling', 'last')}"
 
 
 def test_the_arms_take_turns_with_answers_of_the_same_length() -> None:
@@ -29,6 +35,7 @@ def test_the_arms_take_turns_with_answers_of_the_same_length() -> None:
     assert table.get("direct", "p50 / direct") == 1.0
     assert table.get("flagged_last_answer", "p50 / flagged_last") is not None
     assert table.get("flagged_last", "p50 / flagged_last") is None
+    assert all(int(table.get(arm, "answer bytes") or 0) > 0 for arm in ARMS)
     seen = [document for _, _, document in fake.seen]
     assert [arm_of(document) for document in seen] == [arm for _, arm in round_robin(ARMS, 1)] + [
         arm for _, arm in round_robin(ARMS, 4)

@@ -8,7 +8,13 @@ arms interleaved round-robin.
   finishes; the proxy asks vLLM for the token ids, waits for the record after vLLM's answer,
   and takes the ids out again.
 
-The ratio ``last_answer / last`` is what the answer's state adds to a flagged request.
+- ``flagged_all_prompt``: every prompt position's state (pooling ``"all_prompt"``, a matrix
+  through the ring's arena, base64; sent with a fresh ``cache_salt``: a full prefill).
+- ``flagged_all_answer``: every answer position's state (``"all_answer"``, one matrix per choice
+  through the arena when the answer finishes).
+
+The ratio ``last_answer / last`` is what the answer's state adds to a flagged request; the
+matrices' rows say what moving every position costs, beside the bytes of their answers.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import itertools
 
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import ChatStack, Route
+from vllm_hidden_state_proxy.bench.client import CHAT_PATH, ChatStack, Route, chat_body, timed_post
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
@@ -38,6 +44,18 @@ def routes(stack: ChatStack) -> list[Route]:
             "base64",
             "last_answer",
         ),
+        stack.via_proxy(
+            "flagged_all_prompt",
+            "through the proxy: every prompt position (all_prompt)",
+            "base64",
+            "all_prompt",
+        ),
+        stack.via_proxy(
+            "flagged_all_answer",
+            "through the proxy: every answer position (all_answer)",
+            "base64",
+            "all_answer",
+        ),
     ]
 
 
@@ -47,13 +65,24 @@ async def measure_answers(
     arms = routes(stack)
     indices = itertools.count(5_000_000)
     samples: dict[str, list[float]] = {route.name: [] for route in arms}
+    sizes: dict[str, list[int]] = {route.name: [] for route in arms}
 
     async def warm_up(client: httpx.AsyncClient, route: Route) -> None:
         await stack.chat_request(client, route, indices, ANSWER_TOKENS)()
 
     async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
-        chat = stack.chat_request(client, route, indices, ANSWER_TOKENS)
-        samples[route.name].append(await chat())
+        body = chat_body(
+            stack.model,
+            next(indices),
+            flag=route.flag,
+            max_tokens=ANSWER_TOKENS,
+            pooling=route.pooling,
+        )
+        timed = (await timed_post(client, CHAT_PATH, body)).require_ok(
+            route.name, route.flag is not None
+        )
+        samples[route.name].append(timed.seconds)
+        sizes[route.name].append(len(timed.body))
         return 1
 
     task = progress.task("answers (one request at a time, arms interleaved)", requests * len(arms))
@@ -71,7 +100,8 @@ async def measure_answers(
             **summary_cells(summaries[route.name]),
         }
         row["p50 / direct"] = ratio(p50, summaries["direct"].p50)
-        if route.pooling == "last_answer":
+        if route.pooling != "last":
             row["p50 / flagged_last"] = ratio(p50, summaries["flagged_last"].p50)
+        row["answer bytes"] = sum(sizes[route.name]) // max(len(sizes[route.name]), 1)
         rows.append(row)
     return Table(TITLE, rows)
