@@ -48,22 +48,33 @@ POOLING_ENTRY = XARGS_PREFIX + "pooling"
 #: vLLM runs each choice as a child request ``"{index}_{parent id}"``
 #: (``vllm/v1/engine/parallel_sampling.py``), which the hook reads the choice index from.
 CHOICES_ENTRY = XARGS_PREFIX + "choices"
+#: ``vllm_xargs`` entry with pooling ``"spans"``: the spans, ``[[start, end], ...]`` (token
+#: positions of the prompt, ``end`` exclusive).
+SPANS_ENTRY = XARGS_PREFIX + "spans"
 
 #: Request key length in bytes (128-bit random).
 REQUEST_KEY_BYTES = 16
 
-#: The poolings a record can hold. ``"last"`` and ``"mean"`` are of the prompt (one record per
-#: request key); ``"last_answer"`` of each choice's answer (records under :func:`answer_key`).
-POOLINGS = ("last", "mean", "last_answer", "all_prompt", "all_answer")
+#: The poolings a client asks for. ``"last"``, ``"mean"`` and ``"all_prompt"`` are of the
+#: prompt (one record per request key); ``"last_answer"`` and ``"all_answer"`` of each choice's
+#: answer (records under :func:`answer_key` and :func:`all_answer_key`).
+REQUESTED_POOLINGS = ("last", "mean", "last_answer", "all_prompt", "all_answer")
+#: ``"mean"`` over given token spans of the prompt (the client's ``"mean"`` with spans): one
+#: row per span, a matrix. Sent with :data:`SPANS_ENTRY`.
+SPANS_POOLING = "spans"
+#: The poolings a record (and the pooling entry) can hold.
+POOLINGS = (*REQUESTED_POOLINGS, SPANS_POOLING)
 #: The poolings of one vector per layer of the prompt (all that ``/v1/embeddings`` can do).
 PROMPT_POOLINGS = ("last", "mean")
 #: The poolings that are taken from the generated answer, once it is finished.
 ANSWER_POOLINGS = ("last_answer", "all_answer")
 #: The poolings whose records hold one row per position (a matrix per layer), in the arena.
-MATRIX_POOLINGS = ("all_prompt", "all_answer")
+MATRIX_POOLINGS = ("all_prompt", "all_answer", SPANS_POOLING)
 #: The poolings that need every prompt position computed (the prefix cache would skip some):
 #: the proxy sends them with a fresh ``cache_salt``.
-EVERY_PROMPT_POSITION = ("mean", "all_prompt")
+EVERY_PROMPT_POSITION = ("mean", "all_prompt", SPANS_POOLING)
+#: The most spans one request may name.
+MAX_SPANS = 1024
 
 #: How many of a choice's latest computed positions the hook publishes when it finishes, each
 #: as a record under :func:`answer_key`. The hook cannot tell which computed position chose

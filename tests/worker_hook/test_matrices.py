@@ -8,6 +8,8 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     CHOICES_ENTRY,
     MAX_RECORD_MIB_ENV,
+    SPANS_ENTRY,
     all_answer_key,
 )
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
@@ -194,3 +197,50 @@ def test_all_answer_over_the_max_record_is_a_413_at_once(tmp_path: Path) -> None
         error = error_of(reader.lookup(K))
         assert error.status == 413 and MAX_RECORD_MIB_ENV in error.message
         assert len(capture.answers) == len(capture.budget) == 0
+
+
+def span_means(req_id: str, spans: list[list[int]], layer: int) -> npt.NDArray[np.float32]:
+    rows = np.array(
+        [by_position(req_id, 0, position, layer) for position in range(max(e for _, e in spans))]
+    )
+    return np.array([rows[s:e].mean(axis=0) for s, e in spans], dtype=np.float32)
+
+
+def test_spans_are_mean_pooled_across_chunks_in_the_worker(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    spans = [[0, 10], [2, 5], [3, 7], [9, 10], [4, 5]]  # within, across and at chunk ends
+    args = {**xargs(K, pooling="spans", layers=LAYERS), SPANS_ENTRY: spans}
+    step(capture, runner, [("x", 3, 0, 3), ("a", 10, 0, 4)], new={"a": args})
+    step(capture, runner, [("a", 10, 4, 3)])
+    assert writer.publish_count() == 0
+    step(capture, runner, [("a", 10, 7, 3)])
+    record = record_of(reader.lookup(K))
+    assert (record.pooling, record.rows, record.num_prompt_tokens) == ("spans", 5, 10)
+    for layer in LAYERS:
+        got = np.frombuffer(record.vector(layer), "<f4").reshape(len(spans), HIDDEN)
+        np.testing.assert_allclose(got, span_means("a", spans, layer), rtol=1e-5, atol=1e-5)
+    assert len(capture.spans) == len(capture.budget) == 0
+
+
+def test_a_span_past_the_prompt_is_a_400(ring: tuple[RingWriter, RingReader]) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    args = {**xargs(K, pooling="spans"), SPANS_ENTRY: [[0, 2], [3, 11]]}
+    step(capture, runner, [("a", 10, 0, 10)], new={"a": args})
+    error = error_of(reader.lookup(K))
+    assert error.status == 400 and "[3, 11]" in error.message and "10 tokens" in error.message
+    assert len(capture.spans) == len(capture.budget) == 0
+
+
+@pytest.mark.parametrize("spans", [[], [[3, 3]], [[1]], [[-1, 2]], "0:2", [[0, True]]])
+def test_malformed_spans_are_an_error_record(
+    ring: tuple[RingWriter, RingReader], spans: object
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer)
+    args = {**xargs(K, pooling="spans"), SPANS_ENTRY: spans}
+    step(capture, runner, [("a", 10, 0, 10)], new={"a": args})
+    assert "malformed spans" in error_of(reader.lookup(K)).message

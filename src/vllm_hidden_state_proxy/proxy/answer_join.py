@@ -111,8 +111,10 @@ def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
         "num_prompt_tokens": record.num_prompt_tokens,
         "hidden_size": record.hidden_size,
         "dtype": request.dtype if request.format == "base64" else "float32",
-        "pooling": record.pooling,
+        "pooling": request.pooling,
     }
+    if request.spans is not None:
+        info["spans"] = [list(span) for span in request.spans]
     if record.pooling == "last_answer":  # the state that chose this token of the answer
         info["num_output_tokens"] = record.position - record.num_prompt_tokens + 2
     if record.pooling in MATRIX_POOLINGS:  # rows of positions position, position + 1, ...

@@ -19,7 +19,12 @@ from typing import Any
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, XARGS_PREFIX
+from vllm_hidden_state_proxy.protocol import (
+    MATRIX_POOLINGS,
+    MAX_SPANS,
+    REQUESTED_POOLINGS,
+    XARGS_PREFIX,
+)
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.reserved_entries import (
     could_spell_reserved,
@@ -40,6 +45,7 @@ from vllm_hidden_state_proxy.proxy.types import (
     LAYERS,
     OWN_FIELDS,
     POOLING,
+    SPANS,
     XARGS,
     VectorRequest,
     is_int,
@@ -168,7 +174,7 @@ def check_format(value: Any, param: str) -> str:
     return value
 
 
-def check_pooling(value: Any, param: str, allowed: Sequence[str] = POOLINGS) -> str:
+def check_pooling(value: Any, param: str, allowed: Sequence[str] = REQUESTED_POOLINGS) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise bad_request(f"'{param}' must be one of {', '.join(allowed)}, not {value!r}.", param)
     return value
@@ -179,9 +185,15 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
     flag = kv.get(FLAG, False)
     if not isinstance(flag, bool):
         raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
-    pooling = check_pooling(kv.get(POOLING, "last"), f"{KV}.{POOLING}")
+    spans = _spans(kv.get(SPANS))
+    pooling = check_pooling(kv.get(POOLING, "last" if spans is None else "mean"), f"{KV}.{POOLING}")
+    if spans is not None and pooling != "mean":
+        raise bad_request(
+            f"'{KV}.{SPANS}' are mean-pooled: they need '{KV}.{POOLING}': 'mean', not {pooling!r}.",
+            f"{KV}.{SPANS}",
+        )
     # Matrices are base64 unless the client asks for lists: they can be megabytes.
-    default_format = "base64" if pooling in MATRIX_POOLINGS else "float"
+    default_format = "base64" if pooling in MATRIX_POOLINGS or spans is not None else "float"
     fmt = check_format(kv.get(FORMAT, default_format), f"{KV}.{FORMAT}")
     dtype = kv.get(DTYPE, "float32")
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -213,7 +225,41 @@ def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
         )
     # Each label once, in the order first given: they are the answer's keys.
     requested = None if layers is None else tuple(dict.fromkeys(layers))
-    return flag, VectorRequest(fmt, info, requested, pooling, dtype)
+    return flag, VectorRequest(fmt, info, requested, pooling, dtype, spans)
+
+
+#: The largest token position a span may name (vLLM's contexts are far shorter).
+MAX_SPAN_POSITION = 1 << 31
+
+
+def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
+    """``last_hidden_state_spans``, checked: 1 to ``MAX_SPANS`` pairs ``[start, end]`` of token
+    positions, ``0 <= start < end``; ``None`` when absent. (That ``end`` is within the prompt
+    is the hook's to check: only vLLM has tokenized it.)"""
+    if value is None:
+        return None
+    param = f"{KV}.{SPANS}"
+    if isinstance(value, list) and len(value) > MAX_SPANS:
+        raise bad_request(
+            f"'{param}' has {len(value)} spans; at most {MAX_SPANS} are allowed.", param
+        )
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"'{param}' must be a non-empty list of [start, end] pairs.", param)
+    spans = []
+    for span in value:
+        if (
+            not isinstance(span, list)
+            or len(span) != 2
+            or not all(is_int(p) for p in span)
+            or not 0 <= span[0] < span[1] <= MAX_SPAN_POSITION
+        ):
+            raise bad_request(
+                f"'{param}' entries must be [start, end] token positions of the prompt with "
+                f"0 <= start < end (end exclusive), not {span!r}.",
+                param,
+            )
+        spans.append((span[0], span[1]))
+    return tuple(spans)
 
 
 def inspect_body(body: bytes) -> Decision:

@@ -28,6 +28,7 @@ from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENTRY,
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
+    SPANS_ENTRY,
     new_request_key,
     request_key_to_wire,
 )
@@ -82,10 +83,13 @@ def keyed_body(
     layers = wanted.distinct_layers
     if layers != (wanted.final_layer,):
         merged[LAYERS_ENTRY] = list(layers)
-    if wanted.request.pooling != "last":
-        merged[POOLING_ENTRY] = wanted.request.pooling
+    pooling = wanted.request.record_pooling
+    if pooling != "last":
+        merged[POOLING_ENTRY] = pooling
+    if wanted.request.spans is not None:
+        merged[SPANS_ENTRY] = [list(span) for span in wanted.request.spans]
     sent = {**document, XARGS: merged}
-    if wanted.request.pooling in EVERY_PROMPT_POSITION:
+    if pooling in EVERY_PROMPT_POSITION:
         sent["cache_salt"] = secrets.token_hex(16)
     return encode_document(sent)
 
@@ -161,7 +165,7 @@ async def record_of(state: ProxyState, request: KeyedRequest, early: Found | Non
         early,
     )
     wanted = request.wanted
-    layers, pooling = wanted.distinct_layers, wanted.request.pooling
+    layers, pooling = wanted.distinct_layers, wanted.request.record_pooling
     if record.pooling != pooling or not set(layers) <= set(record.layers):
         raise record_mismatch(record.layers, record.pooling, layers, pooling)
     return record

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
+from vllm_hidden_state_proxy.protocol import SPANS_POOLING
 from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
 
 # -- the client's field names ----------------------------------------------------------------
@@ -44,8 +45,10 @@ POOLING = "last_hidden_state_pooling"
 INFO = "last_hidden_state_info"
 #: The float type of base64 values: the captured float32, or rounded to 16 bits.
 DTYPE = "last_hidden_state_dtype"
+#: Token spans of the prompt, each mean-pooled (pooling ``"mean"``).
+SPANS = "last_hidden_state_spans"
 #: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
-OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING, DTYPE)
+OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING, DTYPE, SPANS)
 FORMATS = ("float", "base64")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -81,6 +84,13 @@ class VectorRequest:
     pooling: str = "last"
     #: Of base64 values (``"float"`` lists are always float32).
     dtype: str = "float32"
+    #: ``last_hidden_state_spans``: ``(start, end)`` token positions, each mean-pooled.
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def record_pooling(self) -> str:
+        """The pooling of the record the hook publishes for it (the pooling entry's)."""
+        return SPANS_POOLING if self.spans is not None else self.pooling
 
 
 @dataclass(frozen=True)

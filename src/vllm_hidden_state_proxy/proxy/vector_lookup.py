@@ -245,13 +245,14 @@ def check_matrix_room(
     ``"all_answer"`` with ``max_tokens`` (or ``max_completion_tokens``), 413 if that many rows
     would be more than one request may take. (Without it, the hook decides with vLLM's own
     default, and an ``"all_prompt"`` prompt's length is known only in vLLM.)"""
-    if wanted.request.pooling not in MATRIX_POOLINGS:
+    pooling = wanted.request.record_pooling
+    if pooling not in MATRIX_POOLINGS:
         return
     if any(shape.arena_size == 0 for shape in shapes):
         raise ProxyError(
             503,
-            f"This vLLM server carries no matrices (pooling {wanted.request.pooling!r}): its "
-            f"worker hook runs with {ARENA_MIB_ENV}=0. Restart it with an arena.",
+            f"This vLLM server carries no matrices (pooling {pooling!r}): its worker hook runs "
+            f"with {ARENA_MIB_ENV}=0. Restart it with an arena.",
         )
     if wanted.request.pooling != "all_answer":
         return

@@ -81,8 +81,8 @@ class ErrorRecord:
 
     key: bytes
     message: str
-    #: What it means to the client: 502 the hook failed, 413 a limit of one request, 503 one
-    #: of the engine (busy: retry).
+    #: What it means to the client: 502 the hook failed, 400 the request asked for what its
+    #: prompt does not have, 413 a limit of one request, 503 one of the engine (busy: retry).
     status: int = HOOK_FAILED_STATUS
 
 
@@ -99,7 +99,7 @@ class ArenaBlock:
 Found = Record | ErrorRecord
 
 #: The statuses an error record may carry.
-ERROR_STATUSES = (HOOK_FAILED_STATUS, 413, 503)
+ERROR_STATUSES = (HOOK_FAILED_STATUS, 400, 413, 503)
 
 
 def pack_record(record: Record, block: ArenaBlock | None = None) -> bytes:

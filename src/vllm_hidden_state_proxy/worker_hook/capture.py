@@ -70,7 +70,12 @@ from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_fo
 from vllm_hidden_state_proxy.worker_hook.engine import engine_identity, is_publishing_rank
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
 from vllm_hidden_state_proxy.worker_hook.matrix_budget import MatrixBudget, Refusal
-from vllm_hidden_state_proxy.worker_hook.pooling import MeanPooling, PromptMatrix
+from vllm_hidden_state_proxy.worker_hook.pooling import (
+    MeanPooling,
+    PromptMatrix,
+    SpanError,
+    SpanPooling,
+)
 from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQueue, RecordTarget
 from vllm_hidden_state_proxy.worker_hook.ring_start import (
     create_ring,
@@ -127,6 +132,7 @@ class StepCapture:
         self.selected = SelectedRequests(self.captured.layers, self.captured.num_hidden_layers)
         self.means = MeanPooling()
         self.matrices = PromptMatrix()
+        self.spans = SpanPooling()
         self.answers = AnswerRows()
         shape = getattr(writer, "shape", None)
         self.budget = MatrixBudget(getattr(shape, "arena_size", 0), getattr(shape, "max_record", 0))
@@ -196,8 +202,9 @@ class StepCapture:
                 # which must not continue the old request's sum (keep_only cannot tell them
                 # apart).
                 self.means.forget(finished)
-            if len(self.matrices):
+            if len(self.matrices) or len(self.spans):
                 self.matrices.forget(finished)
+                self.spans.forget(finished)
             selected.observe(scheduler_output.scheduled_new_reqs, finished)
             if selected.pending:
                 self._track_answers()
@@ -208,8 +215,9 @@ class StepCapture:
             self._keep_answers(runner, scheduler_output)
         if len(self.means):
             self.means.keep_only(selected.pending)
-        if len(self.matrices):
+        if len(self.matrices) or len(self.spans):
             self.matrices.keep_only(selected.pending)
+            self.spans.keep_only(selected.pending)
         if len(self.budget):
             self.budget.keep_only({*selected.pending, *self.answers.ids()})
         if not selected.pending:
@@ -277,7 +285,7 @@ class StepCapture:
         if rows is None:
             return Refusal("an 'all_answer' request needs max_tokens (vLLM did not set it)", 413)
         hidden = int(getattr(self.writer, "hidden_size", 0))
-        what = f"an all_answer matrix of up to {rows} rows x {len(selection.layers)} layers"
+        what = f"the all_answer matrix of up to {rows} rows x {len(selection.layers)} layers"
         return self.budget.reserve(req_id, matrix_bytes(rows, len(selection.layers), hidden), what)
 
     def _keep_answers(self, runner: Any, scheduler_output: Any) -> None:
@@ -342,6 +350,7 @@ class StepCapture:
     def _forget_prompt(self, req_ids: list[str]) -> None:
         self.means.forget(req_ids)
         self.matrices.forget(req_ids)
+        self.spans.forget(req_ids)
         self.budget.release(req_ids)
 
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
@@ -361,14 +370,18 @@ class StepCapture:
                 vectors = self._vectors(request, selection, layers)
                 if vectors is None:
                     continue
-                matrix = selection.pooling == "all_prompt"
+                matrix = selection.pooling in ("all_prompt", "spans")
+                rows_per_layer = {
+                    "all_prompt": request.num_prompt_tokens,
+                    "spans": len(selection.spans),
+                }.get(selection.pooling, 1)
                 target = RecordTarget(
                     selection.key,
                     position=0 if matrix else request.num_prompt_tokens - 1,
                     num_prompt_tokens=request.num_prompt_tokens,
                     layers=selection.layers,
                     pooling=selection.pooling,
-                    rows=request.num_prompt_tokens if matrix else 1,
+                    rows=rows_per_layer,
                 )
                 if matrix:  # its own copy: one tensor, not a view per row
                     matrices.append((vectors, target))
@@ -406,9 +419,12 @@ class StepCapture:
             row = last_prompt_row(request)
             return None if row is None else [layers[layer][row] for layer in selection.layers]
         try:
-            if selection.pooling == "all_prompt":
+            if selection.pooling != "mean":
                 return self._prompt_matrix(request, selection, layers)
             return self.means.add(request, selection.layers, layers)
+        except SpanError as error:
+            self._fail([request.req_id], str(error), 400)
+            return None
         except MeanGap as gap:
             self._forget_prompt([request.req_id])
             if self.selected.has_sibling(request.req_id, selection.key):
@@ -420,17 +436,23 @@ class StepCapture:
     def _prompt_matrix(
         self, request: ScheduledRequest, selection: Selection, layers: dict[int, Any]
     ) -> Any | None:
-        """This step's part of an ``"all_prompt"`` matrix; the matrix once it is complete. Its
-        bytes are reserved when its request is first seen (a refusal: an error record)."""
-        if request.req_id not in self.matrices:
-            prompt, count = request.num_prompt_tokens, len(selection.layers)
+        """This step's part of an ``"all_prompt"`` or ``"spans"`` matrix; the matrix once it is
+        complete. Its bytes are reserved when its request is first seen (a refusal: an error
+        record)."""
+        spans = selection.pooling == "spans"
+        if request.req_id not in (self.spans if spans else self.matrices):
+            rows = len(selection.spans) if spans else request.num_prompt_tokens
+            count = len(selection.layers)
             hidden = int(layers[selection.layers[0]].shape[-1])
-            what = f"an all_prompt matrix of {prompt} rows x {count} layers x {hidden}"
-            refusal = self.budget.reserve(request.req_id, matrix_bytes(prompt, count, hidden), what)
+            what = f"the {selection.pooling} matrix of {rows} rows x {count} layers x {hidden}"
+            refusal = self.budget.reserve(request.req_id, matrix_bytes(rows, count, hidden), what)
             if refusal is not None:
                 self._fail([request.req_id], refusal.message, refusal.status)
                 return None
-        matrix = self.matrices.add(request, selection.layers, layers)
+        if spans:
+            matrix = self.spans.add(request, selection.layers, selection.spans, layers)
+        else:
+            matrix = self.matrices.add(request, selection.layers, layers)
         if matrix is not None:
             self.budget.release([request.req_id])  # the copy holds it from here
         return matrix

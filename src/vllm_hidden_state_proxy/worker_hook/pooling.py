@@ -12,6 +12,11 @@ extend it, and the gap left by the prefix cache, are :func:`.selection.mean_rows
   ``[layers, rows, hidden_size]`` in the model's dtype (the step's hidden states are
   overwritten by the next); the last one joins them into the ``[layers * P, hidden_size]``
   matrix that is copied to the host. What they may take is :mod:`.matrix_budget`'s.
+- ``"spans"`` (:class:`SpanPooling`): the mean of each given span of prompt positions. Each
+  step adds, per layer, its rows' sums within each span into a ``[layers, spans, hidden_size]``
+  float32 accumulator: from a running sum of the step's rows (``cumsum``), two gathers per
+  step whatever the span count; the last step divides by the spans' lengths. Only the pooled
+  rows travel.
 """
 
 from __future__ import annotations
@@ -77,6 +82,93 @@ class PromptMatrix:
         """Drop the rows of requests that are no longer pending (finished, aborted)."""
         for req_id in [r for r in self._kept if r not in req_ids]:
             del self._kept[req_id]
+
+
+@dataclass
+class _SpanSums:
+    total: Any  # float32 tensor [len(layers), len(spans), hidden_size]
+    starts: Any  # int64 tensors [len(spans)] on the same device
+    ends: Any
+    covered: int = 0
+
+
+class SpanError(Exception):
+    """A span the prompt does not have (it ends past the prompt's last position)."""
+
+
+class SpanPooling:
+    """The running span sums of the ``"spans"`` requests in flight, by vLLM request id."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, _SpanSums] = {}
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._sums
+
+    def add(
+        self,
+        request: ScheduledRequest,
+        layers: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        step_layers: Mapping[int, Any],
+    ) -> Any | None:
+        """Add this step's prompt rows of ``request`` to its spans; once the whole prompt is
+        in, the ``[len(layers) * len(spans), hidden_size]`` means (layer after layer), else
+        ``None``. Raises ``MeanGap``, and ``SpanError`` for a span past the prompt."""
+        import torch
+
+        state = self._sums.get(request.req_id)
+        rows = mean_rows(request, 0 if state is None else state.covered)
+        if rows is None:
+            return None
+        first_layer = step_layers[layers[0]]
+        if state is None:
+            prompt = request.num_prompt_tokens
+            outside = [span for span in spans if span[1] > prompt]
+            if outside:
+                raise SpanError(
+                    f"span {list(outside[0])} ends past the prompt's {prompt} tokens (spans "
+                    f"are [start, end) token positions of the prompt, 0 <= start < end <= {prompt})"
+                )
+            device = first_layer.device
+            state = self._sums[request.req_id] = _SpanSums(
+                torch.zeros(
+                    (len(layers), len(spans), int(first_layer.shape[1])),
+                    dtype=torch.float32,
+                    device=device,
+                ),
+                torch.tensor([start for start, _ in spans], dtype=torch.long, device=device),
+                torch.tensor([end for _, end in spans], dtype=torch.long, device=device),
+            )
+        count = rows.end - rows.first
+        begin = rows.covered - count  # the prompt position of the step's first added row
+        chunk = torch.stack([step_layers[layer][rows.first : rows.end] for layer in layers])
+        running = torch.zeros(
+            (len(layers), count + 1, chunk.shape[-1]), dtype=torch.float32, device=chunk.device
+        )
+        torch.cumsum(chunk.to(torch.float32), dim=1, out=running[:, 1:])
+        lower = (state.starts - begin).clamp(0, count)
+        upper = (state.ends - begin).clamp(0, count)
+        state.total += running[:, upper] - running[:, lower]
+        state.covered = rows.covered
+        if state.covered < request.num_prompt_tokens:
+            return None
+        del self._sums[request.req_id]
+        lengths = (state.ends - state.starts).to(torch.float32)
+        means = state.total / lengths[None, :, None]
+        return means.reshape(len(layers) * len(spans), means.shape[-1])
+
+    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
+        for req_id in req_ids:
+            self._sums.pop(req_id, None)
+
+    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
+        """Drop the sums of requests that are no longer pending (finished, aborted)."""
+        for req_id in [r for r in self._sums if r not in req_ids]:
+            del self._sums[req_id]
 
 
 @dataclass

@@ -25,9 +25,12 @@ from typing import Any
 from vllm_hidden_state_proxy.protocol import (
     CHOICES_ENTRY,
     LAYERS_ENTRY,
+    MAX_SPANS,
     POOLING_ENTRY,
     POOLINGS,
     REQUEST_KEY_ENTRY,
+    SPANS_ENTRY,
+    SPANS_POOLING,
     request_key_from_wire,
 )
 
@@ -59,6 +62,8 @@ class Selection:
     choices: int = 1
     #: vLLM's ``max_tokens`` of the request (bounds an ``"all_answer"`` matrix), if known.
     max_tokens: int | None = None
+    #: Pooling ``"spans"``: ``(start, end)`` prompt positions, each mean-pooled.
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 def last_prompt_row(request: ScheduledRequest) -> int | None:
@@ -145,7 +150,35 @@ def selection_of(
     max_tokens = getattr(sampling_params, "max_tokens", None)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         max_tokens = None
-    return Selection(key, tuple(sorted(layers)), pooling, choices=choices, max_tokens=max_tokens)
+    spans = _spans(extra_args.get(SPANS_ENTRY)) if pooling == SPANS_POOLING else ()
+    if spans is None:
+        return Selection(key, (final_layer,), problem="malformed spans")
+    return Selection(
+        key,
+        tuple(sorted(layers)),
+        pooling,
+        choices=choices,
+        max_tokens=max_tokens,
+        spans=spans,
+    )
+
+
+def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
+    """The spans entry as ``(start, end)`` pairs (``0 <= start < end``); ``None`` if it is not
+    a list of 1 to ``MAX_SPANS`` of them."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_SPANS:
+        return None
+    spans = []
+    for span in value:
+        if (
+            not isinstance(span, list)
+            or len(span) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in span)
+            or not 0 <= span[0] < span[1]
+        ):
+            return None
+        spans.append((span[0], span[1]))
+    return tuple(spans)
 
 
 class SelectedRequests:
