@@ -48,8 +48,9 @@ POOLING_ENTRY = XARGS_PREFIX + "pooling"
 #: vLLM runs each choice as a child request ``"{index}_{parent id}"``
 #: (``vllm/v1/engine/parallel_sampling.py``), which the hook reads the choice index from.
 CHOICES_ENTRY = XARGS_PREFIX + "choices"
-#: ``vllm_xargs`` entry with pooling ``"spans"``: the spans, ``[[start, end], ...]`` (token
-#: positions of the prompt, ``end`` exclusive).
+#: ``vllm_xargs`` entry with pooling ``"spans"``: the spans, flat: ``[start, end, start, end,
+#: ...]`` (token positions of the prompt, ``end`` exclusive; vLLM's ``vllm_xargs`` values may
+#: be lists of numbers or strings, not of lists).
 SPANS_ENTRY = XARGS_PREFIX + "spans"
 
 #: Request key length in bytes (128-bit random).

@@ -18,6 +18,7 @@ ARMS = [
     "flagged_last_answer",
     "flagged_all_prompt",
     "flagged_all_answer",
+    "flagged_spans",
 ]
 
 
@@ -25,6 +26,8 @@ def arm_of(document: dict[str, Any]) -> str:
     kv = document.get("kv_transfer_params")
     if kv is None:
         return "direct"
+    if "last_hidden_state_spans" in kv:
+        return "flagged_spans"
     return f"flagged_{kv.get('last_hidden_state_pooling', 'last')}"
 
 

@@ -344,3 +344,89 @@ def test_an_answer_matrix_that_could_exceed_the_max_record_is_refused_before_it_
     assert raised.value.status_code == 413
     assert getattr(raised.value, "param", None) == "max_completion_tokens"
     assert MAX_RECORD_MIB_ENV in raised.value.message
+
+
+def spans_for(length: int) -> list[list[int]]:
+    """Spans of a prompt of ``length`` tokens: the whole, its ends, and (for a prompt chunked
+    over several steps) spans across the chunk boundaries."""
+    spans = [[0, length], [0, 1], [length - 1, length], [length // 3, length // 2 + 1]]
+    chunk = MAX_NUM_BATCHED_TOKENS
+    spans += [[chunk - 2, chunk + 3], [chunk - 1, 2 * chunk + 1]] if length > 2 * chunk + 1 else []
+    return spans
+
+
+def check_spans(
+    reference: Reference, prompt_ids: list[int], spans: list[list[int]], params: dict[str, Any]
+) -> None:
+    info = params["last_hidden_state_info"]
+    assert (info["pooling"], info["spans"], info["rows"]) == ("mean", spans, len(spans))
+    for label, matrix in params["last_hidden_states_by_layer"].items():
+        rows = decode(matrix, reference.hidden_size)
+        every = np.asarray(reference.layer_rows(prompt_ids, int(label)), dtype=np.float64)
+        assert len(rows) == len(spans)
+        for row, (start, end) in zip(rows, spans, strict=True):
+            expected = every[start:end].mean(axis=0)
+            assert_matches(row.tolist(), expected.tolist(), f"layer {label}, spans")
+
+
+@pytest.mark.parametrize("mode", ["json", "n2", "stream"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_spans_are_the_means_of_transformers_rows(
+    stack: RunningStack,
+    client: Any,
+    model_name: str,
+    reference: Reference,
+    prompt: str,
+    mode: str,
+) -> None:
+    content = f"{PROMPTS[prompt]} (spans, {mode})"
+    messages = [{"role": "user", "content": content}]
+    prompt_ids = reference.chat_token_ids(messages, enable_thinking=False)
+    chunked_check(reference, prompt, content)
+    warm(stack, client, model_name, prompt, content)
+    spans = spans_for(len(prompt_ids))
+    kv_spans = {**kv("mean"), "last_hidden_state_spans": spans}
+    body = {**NO_THINKING, "kv_transfer_params": kv_spans, "return_token_ids": True}
+    if mode == "stream":
+        stream = client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_completion_tokens=3,
+            stream=True,
+            extra_body=body,
+        )
+        carried = [(chunk.model_extra or {}).get("kv_transfer_params") for chunk in stream]
+        (params,) = [p for p in carried if p is not None]
+        check_spans(reference, prompt_ids, spans, params)
+        return
+    sampling: dict[str, Any] = {"n": 2, "temperature": 1.0} if mode == "n2" else {}
+    answer = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_completion_tokens=3,
+        extra_body=body,
+        **sampling,
+    ).model_dump()
+    assert answer["prompt_token_ids"] == prompt_ids
+    check_spans(reference, prompt_ids, spans, answer["kv_transfer_params"])
+
+
+def test_a_span_past_the_prompt_is_a_400_and_the_server_goes_on(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    messages = [{"role": "user", "content": "Short spans."}]
+    length = len(reference.chat_token_ids(messages, enable_thinking=False))
+    spans = [[0, 2], [1, length + 1]]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_completion_tokens=1,
+            extra_body={
+                **NO_THINKING,
+                "kv_transfer_params": {**kv("mean"), "last_hidden_state_spans": spans},
+            },
+        )
+    assert f"[1, {length + 1}]" in raised.value.message
+    answer = request(client, model_name, "Still serving spans?", "all_prompt")
+    check_prompt(reference, answer["prompt_token_ids"], answer["kv_transfer_params"])

@@ -28,7 +28,10 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     MAX_RECORD_MIB_ENV,
+    MAX_SPANS,
     POOLING_ENTRY,
+    SPANS_ENTRY,
+    SPANS_POOLING,
     all_answer_key,
 )
 from vllm_hidden_state_proxy.proxy.answer_join import as_dtype
@@ -295,3 +298,84 @@ async def test_a_server_without_an_arena_refuses_matrices_before_sending(ring_di
     assert response.status_code == 503
     assert ARENA_MIB_ENV in error_of(response)["message"]
     assert vllm.requests == []
+
+
+def spans_vllm(hook: RingWriter) -> FakeVLLM:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        document = sent_document(request)
+        key = forwarded_key(request)
+        spans = document["vllm_xargs"][SPANS_ENTRY]
+        pooling = document["vllm_xargs"][POOLING_ENTRY]
+        rows = len(spans) // 2
+        publish(
+            hook,
+            Record(
+                key,
+                MODEL,
+                0,
+                PROMPT_TOKENS,
+                pooling,
+                (FINAL,),
+                HIDDEN_SIZE,
+                rows_for(key, rows),
+                rows,
+            ),
+        )
+        return httpx.Response(200, json=completion(1, False))
+
+    return FakeVLLM(handle)
+
+
+async def test_spans_are_sent_to_the_hook_and_come_back_one_row_each(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    vllm = spans_vllm(writer)
+    spans = [[0, 3], [2, 6]]
+    body = flagged("mean", kv={"last_hidden_state_spans": spans, "last_hidden_state_info": True})
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    sent = sent_document(vllm.requests[0])
+    assert sent["vllm_xargs"][POOLING_ENTRY] == SPANS_POOLING
+    assert sent["vllm_xargs"][SPANS_ENTRY] == [0, 3, 2, 6]  # flat: vLLM takes no nested lists
+    assert "cache_salt" in sent
+    kv = response.json()["kv_transfer_params"]
+    assert kv["last_hidden_state"]["shape"] == [2, HIDDEN_SIZE]
+    key = forwarded_key(vllm.requests[0])
+    assert matrix_rows(kv["last_hidden_state"]) == rows_for(key, 2)
+    info = kv["last_hidden_state_info"]
+    assert (info["pooling"], info["spans"], info["rows"]) == ("mean", spans, 2)
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"last_hidden_state_spans": []},
+        {"last_hidden_state_spans": [[2, 2]]},
+        {"last_hidden_state_spans": [[-1, 2]]},
+        {"last_hidden_state_spans": [[0, 1, 2]]},
+        {"last_hidden_state_spans": [[0, 1.5]]},
+        {"last_hidden_state_spans": "0:4"},
+        {"last_hidden_state_spans": [[0, 1]] * (MAX_SPANS + 1)},
+        {"last_hidden_state_spans": [[0, 1]], "last_hidden_state_pooling": "last"},
+        {"last_hidden_state_spans": [[0, 1]], "last_hidden_state_pooling": "all_prompt"},
+    ],
+)
+async def test_bad_spans_are_400s(ring_dir: str, writer: RingWriter, kv: dict[str, Any]) -> None:
+    vllm = spans_vllm(writer)
+    body = flagged("mean", kv=kv)
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, json=body)
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "kv_transfer_params.last_hidden_state_spans"
+    assert vllm.requests == []
+
+
+async def test_spans_without_a_pooling_are_mean_pooled(ring_dir: str, writer: RingWriter) -> None:
+    vllm = spans_vllm(writer)
+    body = flagged("mean", kv={"last_hidden_state_spans": [[1, 2]]})
+    del body["kv_transfer_params"]["last_hidden_state_pooling"]
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["kv_transfer_params"]["last_hidden_state"]["shape"] == [1, HIDDEN_SIZE]

@@ -212,7 +212,8 @@ def test_spans_are_mean_pooled_across_chunks_in_the_worker(
     writer, reader = ring
     runner, capture = capture_of(writer)
     spans = [[0, 10], [2, 5], [3, 7], [9, 10], [4, 5]]  # within, across and at chunk ends
-    args = {**xargs(K, pooling="spans", layers=LAYERS), SPANS_ENTRY: spans}
+    flat = [position for span in spans for position in span]
+    args = {**xargs(K, pooling="spans", layers=LAYERS), SPANS_ENTRY: flat}
     step(capture, runner, [("x", 3, 0, 3), ("a", 10, 0, 4)], new={"a": args})
     step(capture, runner, [("a", 10, 4, 3)])
     assert writer.publish_count() == 0
@@ -228,14 +229,16 @@ def test_spans_are_mean_pooled_across_chunks_in_the_worker(
 def test_a_span_past_the_prompt_is_a_400(ring: tuple[RingWriter, RingReader]) -> None:
     writer, reader = ring
     runner, capture = capture_of(writer)
-    args = {**xargs(K, pooling="spans"), SPANS_ENTRY: [[0, 2], [3, 11]]}
+    args = {**xargs(K, pooling="spans"), SPANS_ENTRY: [0, 2, 3, 11]}
     step(capture, runner, [("a", 10, 0, 10)], new={"a": args})
     error = error_of(reader.lookup(K))
     assert error.status == 400 and "[3, 11]" in error.message and "10 tokens" in error.message
     assert len(capture.spans) == len(capture.budget) == 0
 
 
-@pytest.mark.parametrize("spans", [[], [[3, 3]], [[1]], [[-1, 2]], "0:2", [[0, True]]])
+@pytest.mark.parametrize(
+    "spans", [[], [3, 3], [1], [-1, 2], "0:2", [0, True], [[0, 2]], [0, 1] * 1025]
+)
 def test_malformed_spans_are_an_error_record(
     ring: tuple[RingWriter, RingReader], spans: object
 ) -> None:

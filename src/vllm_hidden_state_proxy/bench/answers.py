@@ -12,6 +12,8 @@ arms interleaved round-robin.
   through the ring's arena, base64; sent with a fresh ``cache_salt``: a full prefill).
 - ``flagged_all_answer``: every answer position's state (``"all_answer"``, one matrix per choice
   through the arena when the answer finishes).
+- ``flagged_spans``: the means of 4 token spans of the prompt (``"mean"`` with spans, pooled in
+  the worker; a fresh ``cache_salt``, like mean).
 
 The ratio ``last_answer / last`` is what the answer's state adds to a flagged request; the
 matrices' rows say what moving every position costs, beside the bytes of their answers.
@@ -55,6 +57,12 @@ def routes(stack: ChatStack) -> list[Route]:
             "through the proxy: every answer position (all_answer)",
             "base64",
             "all_answer",
+        ),
+        stack.via_proxy(
+            "flagged_spans",
+            "through the proxy: the means of 4 prompt spans (mean with spans)",
+            "base64",
+            "spans",
         ),
     ]
 

@@ -108,6 +108,10 @@ def prompt_messages(index: int) -> list[dict[str, str]]:
     ]
 
 
+#: The spans of a bench chat's prompt that a ``"spans"`` route asks for (its prompt is longer).
+BENCH_SPANS = [[0, 8], [8, 16], [16, 24], [0, 24]]
+
+
 def chat_body(
     model: str,
     index: int,
@@ -134,7 +138,10 @@ def chat_body(
         kv: dict[str, Any] = {"return_last_hidden_state": True}
         if flag == "base64":
             kv["last_hidden_state_format"] = "base64"
-        if pooling != "last":
+        if pooling == "spans":  # "mean" over the spans the bench names
+            kv["last_hidden_state_pooling"] = "mean"
+            kv["last_hidden_state_spans"] = BENCH_SPANS
+        elif pooling != "last":
             kv["last_hidden_state_pooling"] = pooling
         document["kv_transfer_params"] = kv
     return orjson.dumps(document)

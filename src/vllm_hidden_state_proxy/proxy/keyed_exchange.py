@@ -87,7 +87,7 @@ def keyed_body(
     if pooling != "last":
         merged[POOLING_ENTRY] = pooling
     if wanted.request.spans is not None:
-        merged[SPANS_ENTRY] = [list(span) for span in wanted.request.spans]
+        merged[SPANS_ENTRY] = [position for span in wanted.request.spans for position in span]
     sent = {**document, XARGS: merged}
     if pooling in EVERY_PROMPT_POSITION:
         sent["cache_salt"] = secrets.token_hex(16)

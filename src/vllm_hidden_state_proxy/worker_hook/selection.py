@@ -164,21 +164,14 @@ def selection_of(
 
 
 def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
-    """The spans entry as ``(start, end)`` pairs (``0 <= start < end``); ``None`` if it is not
-    a list of 1 to ``MAX_SPANS`` of them."""
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_SPANS:
+    """The spans entry (flat: ``start, end, start, end, ...``) as ``(start, end)`` pairs
+    (``0 <= start < end``); ``None`` if it is not 1 to ``MAX_SPANS`` of them."""
+    if not isinstance(value, list) or len(value) % 2 or not 2 <= len(value) <= 2 * MAX_SPANS:
         return None
-    spans = []
-    for span in value:
-        if (
-            not isinstance(span, list)
-            or len(span) != 2
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in span)
-            or not 0 <= span[0] < span[1]
-        ):
-            return None
-        spans.append((span[0], span[1]))
-    return tuple(spans)
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        return None
+    spans = tuple(zip(value[::2], value[1::2], strict=True))
+    return spans if all(0 <= start < end for start, end in spans) else None
 
 
 class SelectedRequests:
