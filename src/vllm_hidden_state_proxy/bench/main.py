@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from vllm_hidden_state_proxy.bench.answers import measure_answers
+from vllm_hidden_state_proxy.bench.beside import ORDINARY_CONCURRENCY, measure_beside
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
@@ -152,6 +153,9 @@ def measure_chat(
     tables["streaming"] = run_async(measure_streaming(stack, o.streams, o.stream_tokens, progress))
     tables["answers"] = run_async(
         measure_answers(stack, max(1, o.requests // 4), o.warmup, progress)
+    )
+    tables["beside"] = run_async(
+        measure_beside(stack, o.rounds, o.throughput_burst(ORDINARY_CONCURRENCY), progress)
     )
     with PeakRss(proxy_pid) as under_load:
         tables["throughput"] = run_async(

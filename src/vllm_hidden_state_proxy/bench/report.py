@@ -20,6 +20,7 @@ ORDER = (
     "latency",
     "streaming",
     "answers",
+    "beside",
     "throughput",
     "embeddings",
     "instant",
