@@ -430,3 +430,38 @@ def test_a_span_past_the_prompt_is_a_400_and_the_server_goes_on(
     assert f"[1, {length + 1}]" in raised.value.message
     answer = request(client, model_name, "Still serving spans?", "all_prompt")
     check_prompt(reference, answer["prompt_token_ids"], answer["kv_transfer_params"])
+
+
+@pytest.mark.parametrize("pooling", ["all_prompt", "all_answer"])
+def test_a_prompt_list_gets_one_matrix_per_prompt_or_choice(
+    client: Any, model_name: str, reference: Reference, pooling: str
+) -> None:
+    prompts = ["The harbour at dawn", "A lantern in the fog, seen from the quay"]
+    answer = client.completions.create(
+        model=model_name,
+        prompt=prompts,
+        max_tokens=3,
+        n=2,
+        temperature=1.0,
+        extra_body={"kv_transfer_params": kv(pooling), "return_token_ids": True},
+    ).model_dump()
+    params, choices = answer["kv_transfer_params"], answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    by_layer, infos = params["last_hidden_states_by_layer"], params["last_hidden_state_infos"]
+    if pooling == "all_prompt":  # one per prompt, in prompt order
+        assert len(by_layer) == len(infos) == 2
+        for prompt_index, (layers, info) in enumerate(zip(by_layer, infos, strict=True)):
+            prompt_ids = choices[2 * prompt_index]["prompt_token_ids"]
+            check_prompt(
+                reference,
+                prompt_ids,
+                {
+                    "last_hidden_state_info": info,
+                    "last_hidden_states_by_layer": layers,
+                    "last_hidden_state": layers["-1"],
+                },
+            )
+        return
+    assert len(by_layer) == len(infos) == 4  # one per choice of the merged answer
+    for choice, layers, info in zip(choices, by_layer, infos, strict=True):
+        check_answer(reference, choice["prompt_token_ids"], choice["token_ids"], layers, info)
