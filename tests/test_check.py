@@ -73,6 +73,13 @@ class ScriptedProxy:
             ]
             text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
             return self.answer("stream", body, httpx.Response(200, text=text))
+        if kv.get("last_hidden_state_pooling") == "all_prompt":
+            matrix = {"shape": [4, HIDDEN], "dtype": "float32", "data": b64([0.25] * 4 * HIDDEN)}
+            answer = {
+                "kv_transfer_params": {"last_hidden_state": matrix},
+                "usage": {"prompt_tokens": 4},
+            }
+            return self.answer("matrix", body, httpx.Response(200, json=answer))
         if kv.get("last_hidden_state_pooling") == "mean":
             fields: dict[str, Any] = {"last_hidden_state": b64([0.5] * HIDDEN)}
             return self.answer(
@@ -107,13 +114,33 @@ def test_a_healthy_deployment_passes_every_step() -> None:
     assert run(proxy, lines) == Deployment("tiny", LAYERS, 2, HIDDEN)
     assert proxy.seen == [
         "/health", "/version", "/metrics", "/v1/models", "layers", "ordinary", "flagged", "mean",
-        "stream",
+        "stream", "matrix",
     ]  # fmt: skip
     assert "ok: vLLM 0.32.0" in lines
     assert "ok: engines publishing: 2; engines without a ring: 0" in lines
     assert "ok: engine 0 of vLLM instance 00000000000000ab: vLLM 0.33.0 V2 GPUModelRunner" in lines
     assert "ok: engine 1 of vLLM instance 00000000000000ab: runner not named" in lines
     assert f"ok: a flagged request: 3 layers of {HIDDEN} finite values each" in lines
+    assert "ok: a matrix of 4 rows (every prompt position, through the arena)" in lines
+
+
+def test_a_server_without_an_arena_skips_the_matrix_and_says_so() -> None:
+    lines: list[str] = []
+    no_arena = error(503, "This vLLM server carries no matrices: HIDDEN_STATE_PROXY_ARENA_MIB=0")
+    run(ScriptedProxy(matrix=lambda b: no_arena), lines)
+    assert "skipped: matrices (the hook runs with HIDDEN_STATE_PROXY_ARENA_MIB=0)" in lines
+
+
+def test_a_matrix_of_the_wrong_shape_fails() -> None:
+    def short(body: dict[str, Any]) -> httpx.Response:
+        matrix = {"shape": [3, HIDDEN], "dtype": "float32", "data": b64([0.0] * 3 * HIDDEN)}
+        answer = {
+            "kv_transfer_params": {"last_hidden_state": matrix},
+            "usage": {"prompt_tokens": 4},
+        }
+        return httpx.Response(200, json=answer)
+
+    assert "shape [3, " in failure(ScriptedProxy(matrix=short))
 
 
 def test_an_untested_vllm_is_said_to_be() -> None:

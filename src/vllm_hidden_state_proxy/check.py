@@ -8,7 +8,9 @@ line:
 2. the layers the server captures: a flagged request for a layer no server captures is
    answered 400 with the list, before it reaches vLLM;
 3. an ordinary request, then flagged ones: every captured layer at the last position, the
-   final layer's mean, and a streamed one; each vector must have the same size and be finite.
+   final layer's mean, and a streamed one; each vector must have the same size and be finite;
+4. a matrix (pooling ``"all_prompt"``, through the ring's arena): one finite row per prompt
+   token (skipped, and said so, on a server whose hook runs without an arena).
 
 It stops at the first failure and exits 1 with one sentence that names the fix (mostly the
 proxy's own error text, which is written to name it); 0 if all passed. Each publishing
@@ -33,7 +35,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_hidden_state_proxy.protocol import layer_indices
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, layer_indices
 from vllm_hidden_state_proxy.worker_hook.compat import describe_vllm
 
 KV = "kv_transfer_params"
@@ -243,7 +245,35 @@ def check(client: httpx.Client, model: str | None, say: Callable[[str], None]) -
     if _vector(streamed[0].get("last_hidden_state"), "the streamed vector").size != hidden_size:
         raise CheckFailed("The streamed vector has another size than the unstreamed one.")
     say("ok: a streamed flagged request")
+    _check_matrix(probe, model, hidden_size)
     return Deployment(model, layers, final, hidden_size)
+
+
+def _check_matrix(probe: _Probe, model: str, hidden_size: int) -> None:
+    """An ``"all_prompt"`` matrix: one row per prompt token, each of ``hidden_size``."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        KV: {"return_last_hidden_state": True, "last_hidden_state_pooling": "all_prompt"},
+    }
+    response = probe.post("/v1/completions", body)
+    if response.status_code == 503 and ARENA_MIB_ENV in _error_text(response):
+        probe.say(f"skipped: matrices (the hook runs with {ARENA_MIB_ENV}=0)")
+        return
+    if response.status_code != 200:
+        raise CheckFailed(f"A matrix request got {response.status_code}: {_error_text(response)}")
+    answer = response.json()
+    matrix = answer.get(KV, {}).get("last_hidden_state")
+    tokens = (answer.get("usage") or {}).get("prompt_tokens")
+    shape = matrix.get("shape") if isinstance(matrix, dict) else None
+    if shape != [tokens, hidden_size]:
+        raise CheckFailed(
+            f"A matrix request came back with shape {shape}, not [{tokens}, {hidden_size}] "
+            "(prompt tokens x hidden size): install one release for the proxy and the hook."
+        )
+    rows = _vector(matrix.get("data"), "the matrix").size // hidden_size
+    probe.say(f"ok: a matrix of {rows} rows (every prompt position, through the arena)")
 
 
 def canary(client: httpx.Client, model: str | None = None) -> str | None:

@@ -29,6 +29,7 @@ def test_check_passes_on_the_shared_stack(stack: RunningStack) -> None:
     # The CPU runner is the V1 runner's subclass; its ring's header says so.
     assert any(line.endswith(": vLLM 0.32.0 V1 CPUModelRunner") for line in lines), lines
     assert "ok: a streamed flagged request" in lines
+    assert any(line.startswith("ok: a matrix of ") for line in lines), lines
     # The command itself, as a user runs it.
     command = [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "check", "--url"]
     done = subprocess.run([*command, stack.proxy_url], capture_output=True, text=True, timeout=300)
