@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS, SPANS_POOLING
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
 from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
@@ -370,10 +370,10 @@ class StepCapture:
                 vectors = self._vectors(request, selection, layers)
                 if vectors is None:
                     continue
-                matrix = selection.pooling in ("all_prompt", "spans")
-                rows_per_layer = {
+                matrix = selection.pooling in MATRIX_POOLINGS  # of the prompt: the answer's
+                rows_per_layer = {  # are published when their choices finish
                     "all_prompt": request.num_prompt_tokens,
-                    "spans": len(selection.spans),
+                    SPANS_POOLING: len(selection.spans),
                 }.get(selection.pooling, 1)
                 target = RecordTarget(
                     selection.key,
@@ -439,7 +439,7 @@ class StepCapture:
         """This step's part of an ``"all_prompt"`` or ``"spans"`` matrix; the matrix once it is
         complete. Its bytes are reserved when its request is first seen (a refusal: an error
         record)."""
-        spans = selection.pooling == "spans"
+        spans = selection.pooling == SPANS_POOLING
         if request.req_id not in (self.spans if spans else self.matrices):
             rows = len(selection.spans) if spans else request.num_prompt_tokens
             count = len(selection.layers)
