@@ -28,6 +28,7 @@ from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
 from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
 from vllm_hidden_state_proxy.check import CheckFailed, check
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV
 
 pytestmark = pytest.mark.own_server
 
@@ -209,8 +210,10 @@ def small_tmpfs(path: Path, size: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-#: The ring of one engine of the tiny model (1024 slots of 128 floats) is just over 4 MiB.
-ONE_RING_FITS = 6 * 1024 * 1024
+#: The ring of one engine of the tiny model (1024 slots of 128 floats) is just over 4 MiB, with
+#: an arena of 1 MiB (:data:`SMALL_ARENA`) just over 5.
+ONE_RING_FITS = 7 * 1024 * 1024
+SMALL_ARENA = {ARENA_MIB_ENV: "1"}
 
 
 def test_an_engine_whose_hook_cannot_start_is_named_at_once(
@@ -229,7 +232,7 @@ def test_an_engine_whose_hook_cannot_start_is_named_at_once(
             tiny_model_dir,
             tmp_path,
             [*DP2, "--vector-timeout", "300"],
-            DP_ENV,
+            {**DP_ENV, **SMALL_ARENA},
             ring_dir=rings,
             require_ready=False,
         ) as stack,
