@@ -5,6 +5,8 @@ is an error record (503) naming the arena, never rows of another record."""
 from __future__ import annotations
 
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +183,45 @@ def test_many_rounds_of_mixed_sizes_return_only_whole_records(tmp_path: Path) ->
                     assert found is None or found.status == 503
         newest = reader.lookup(key_for(199))
         assert isinstance(newest, Record) and newest.vectors == written[199]
+
+
+def test_a_reader_racing_the_writer_gets_whole_records_or_errors(tmp_path: Path) -> None:
+    """A writer thread goes round a small arena while the main thread reads: every record read
+    is exactly the one published under its key; the rest are misses or 503s."""
+
+    rows = 6
+    block = arena_block_size(rows * len(LAYERS) * HIDDEN * 4)
+    published = 0
+    with arena_writer(tmp_path, 4 * block) as writer, RingReader.open(writer.path) as reader:
+        stop = threading.Event()
+
+        def write() -> None:
+            nonlocal published
+            index = 1
+            while not stop.is_set():
+                publish_matrix(writer, index, rows)
+                published = index
+                index += 1
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        whole = overwritten = 0
+        deadline = time.monotonic() + 20
+        try:
+            while (whole < 200 or overwritten < 20) and time.monotonic() < deadline:
+                newest = published
+                if newest < 1:
+                    time.sleep(0.001)
+                    continue
+                for index in (newest, max(1, newest - 3), max(1, newest - 8)):
+                    found = reader.lookup(key_for(index))
+                    if isinstance(found, Record):
+                        assert found.vectors == matrix(index, rows)
+                        whole += 1
+                    elif isinstance(found, ErrorRecord):
+                        assert found.status == 503
+                        overwritten += 1
+        finally:
+            stop.set()
+            thread.join()
+        assert whole > 0 and overwritten > 0
