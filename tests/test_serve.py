@@ -564,15 +564,17 @@ def test_without_layers_vllm_gets_no_layer_setting(start: Starter) -> None:
 
 
 def test_proxy_command_and_environment() -> None:
+    # Keys no path holds (a checkout in /tmp/ci-check2 holds "k2").
+    key, upstream_key = "proxy-key-Zq81", "vllm-key-Zq82"
     settings = ProxySettings(
-        upstream_url="http://127.0.0.1:8001", api_key="k1", upstream_api_key="k2", port=9000
+        upstream_url="http://127.0.0.1:8001", api_key=key, upstream_api_key=upstream_key, port=9000
     )
     command = serve.proxy_command(settings)
     assert command[:4] == [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "proxy"]
     assert command[4:] == command_line(settings)
-    assert not any("k1" in arg or "k2" in arg for arg in command)
+    assert not any(key in arg or upstream_key in arg for arg in command)
     environment = serve.proxy_environment(settings)
-    assert (environment[API_KEY_ENV], environment[UPSTREAM_API_KEY_ENV]) == ("k1", "k2")
+    assert (environment[API_KEY_ENV], environment[UPSTREAM_API_KEY_ENV]) == (key, upstream_key)
     assert environment["PATH"] == os.environ["PATH"]
 
 
