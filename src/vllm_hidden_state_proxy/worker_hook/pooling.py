@@ -23,9 +23,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from vllm_hidden_state_proxy.worker_hook.selection import ScheduledRequest, mean_rows
+
+S = TypeVar("S")
+
+
+class _InFlight(Generic[S]):
+    """Per-request state of the requests in flight, by vLLM request id."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, S] = {}
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._state
+
+    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
+        for req_id in req_ids:
+            self._state.pop(req_id, None)
+
+    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
+        """Drop the state of requests that are no longer pending (finished, aborted)."""
+        for req_id in [r for r in self._state if r not in req_ids]:
+            del self._state[req_id]
 
 
 @dataclass
@@ -34,17 +58,8 @@ class _Parts:
     covered: int = 0
 
 
-class PromptMatrix:
+class PromptMatrix(_InFlight[_Parts]):
     """The kept prompt rows of the ``"all_prompt"`` requests in flight, by vLLM request id."""
-
-    def __init__(self) -> None:
-        self._kept: dict[str, _Parts] = {}
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._kept
 
     def add(
         self,
@@ -57,12 +72,12 @@ class PromptMatrix:
         ``MeanGap``."""
         import torch
 
-        state = self._kept.get(request.req_id)
+        state = self._state.get(request.req_id)
         rows = mean_rows(request, 0 if state is None else state.covered)
         if rows is None:
             return None
         if state is None:
-            state = self._kept[request.req_id] = _Parts([])
+            state = self._state[request.req_id] = _Parts([])
         # torch.stack copies: the step's hidden states are overwritten by the next step.
         state.parts.append(
             torch.stack([step_layers[layer][rows.first : rows.end] for layer in layers])
@@ -70,18 +85,9 @@ class PromptMatrix:
         state.covered = rows.covered
         if state.covered < request.num_prompt_tokens:
             return None
-        del self._kept[request.req_id]
+        del self._state[request.req_id]
         joined = state.parts[0] if len(state.parts) == 1 else torch.cat(state.parts, dim=1)
         return joined.reshape(len(layers) * request.num_prompt_tokens, joined.shape[-1])
-
-    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
-        for req_id in req_ids:
-            self._kept.pop(req_id, None)
-
-    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
-        """Drop the rows of requests that are no longer pending (finished, aborted)."""
-        for req_id in [r for r in self._kept if r not in req_ids]:
-            del self._kept[req_id]
 
 
 @dataclass
@@ -96,17 +102,8 @@ class SpanError(Exception):
     """A span the prompt does not have (it ends past the prompt's last position)."""
 
 
-class SpanPooling:
+class SpanPooling(_InFlight[_SpanSums]):
     """The running span sums of the ``"spans"`` requests in flight, by vLLM request id."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, _SpanSums] = {}
-
-    def __len__(self) -> int:
-        return len(self._sums)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._sums
 
     def add(
         self,
@@ -120,7 +117,7 @@ class SpanPooling:
         ``None``. Raises ``MeanGap``, and ``SpanError`` for a span past the prompt."""
         import torch
 
-        state = self._sums.get(request.req_id)
+        state = self._state.get(request.req_id)
         rows = mean_rows(request, 0 if state is None else state.covered)
         if rows is None:
             return None
@@ -134,7 +131,7 @@ class SpanPooling:
                     f"are [start, end) token positions of the prompt, 0 <= start < end <= {prompt})"
                 )
             device = first_layer.device
-            state = self._sums[request.req_id] = _SpanSums(
+            state = self._state[request.req_id] = _SpanSums(
                 torch.zeros(
                     (len(layers), len(spans), int(first_layer.shape[1])),
                     dtype=torch.float32,
@@ -156,19 +153,10 @@ class SpanPooling:
         state.covered = rows.covered
         if state.covered < request.num_prompt_tokens:
             return None
-        del self._sums[request.req_id]
+        del self._state[request.req_id]
         lengths = (state.ends - state.starts).to(torch.float32)
         means = state.total / lengths[None, :, None]
         return means.reshape(len(layers) * len(spans), means.shape[-1])
-
-    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
-        for req_id in req_ids:
-            self._sums.pop(req_id, None)
-
-    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
-        """Drop the sums of requests that are no longer pending (finished, aborted)."""
-        for req_id in [r for r in self._sums if r not in req_ids]:
-            del self._sums[req_id]
 
 
 @dataclass
@@ -177,14 +165,8 @@ class _Sum:
     covered: int = 0
 
 
-class MeanPooling:
+class MeanPooling(_InFlight[_Sum]):
     """The running sums of the mean-pooled requests in flight, by vLLM request id."""
-
-    def __init__(self) -> None:
-        self._sums: dict[str, _Sum] = {}
-
-    def __len__(self) -> int:
-        return len(self._sums)
 
     def add(
         self,
@@ -196,7 +178,7 @@ class MeanPooling:
         layer) once the whole prompt is in, else ``None``. Raises ``MeanGap``."""
         import torch
 
-        state = self._sums.get(request.req_id)
+        state = self._state.get(request.req_id)
         rows = mean_rows(request, 0 if state is None else state.covered)
         if rows is None:
             return None
@@ -205,22 +187,13 @@ class MeanPooling:
             total = torch.zeros(
                 (len(layers), int(first.shape[1])), dtype=torch.float32, device=first.device
             )
-            state = self._sums[request.req_id] = _Sum(total)
+            state = self._state[request.req_id] = _Sum(total)
         for index, layer in enumerate(layers):
             part = step_layers[layer][rows.first : rows.end]
             state.total[index] += torch.sum(part, dim=0, dtype=torch.float32)
         state.covered = rows.covered
         if state.covered < request.num_prompt_tokens:
             return None
-        del self._sums[request.req_id]
+        del self._state[request.req_id]
         mean = state.total / request.num_prompt_tokens
         return [mean[index] for index in range(len(layers))]
-
-    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
-        for req_id in req_ids:
-            self._sums.pop(req_id, None)
-
-    def keep_only(self, req_ids: Mapping[str, Any]) -> None:
-        """Drop the sums of requests that are no longer pending (finished, aborted)."""
-        for req_id in [r for r in self._sums if r not in req_ids]:
-            del self._sums[req_id]
