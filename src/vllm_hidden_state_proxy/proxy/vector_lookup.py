@@ -57,6 +57,7 @@ from vllm_hidden_state_proxy.ring import (
     Record,
     RingShape,
 )
+from vllm_hidden_state_proxy.ring.records import matrix_bytes
 
 T = TypeVar("T")
 
@@ -261,7 +262,7 @@ def check_matrix_room(
     if rows is None:
         return
     limit = min(shape.max_record for shape in shapes)
-    size = 4 * rows * len(wanted.distinct_layers) * shapes[0].hidden_size
+    size = matrix_bytes(rows, len(wanted.distinct_layers), shapes[0].hidden_size)
     if size > limit:
         param = "max_completion_tokens" if is_int(limits[0]) else "max_tokens"
         raise ProxyError(
