@@ -92,6 +92,10 @@ def compare(actual: Sequence[float], expected: Sequence[float]) -> tuple[float, 
     norm_a = math.sqrt(sum(a * a for a in actual))
     norm_e = math.sqrt(sum(e * e for e in expected))
     diff = math.sqrt(sum((a - e) ** 2 for a, e in zip(actual, expected, strict=True)))
+    if norm_e == 0.0:  # e.g. layer 0 of the padding token, whose embedding is all zeros
+        return (1.0, 0.0) if norm_a == 0.0 else (0.0, math.inf)
+    if norm_a == 0.0:
+        return 0.0, diff / norm_e
     return dot / (norm_a * norm_e), diff / norm_e
 
 

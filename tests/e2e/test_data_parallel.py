@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.e2e.reference import COUNTED, Reference, assert_matches
-from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
+from tests.e2e.server import RUNNERS, SERVED_MODEL_NAME, RunningStack, require_runner, run_serve
 from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
 from vllm_hidden_state_proxy.check import CheckFailed, check
 from vllm_hidden_state_proxy.processes import one_vllm_at_a_time
@@ -141,11 +141,13 @@ def check_dp2_stack(stack: RunningStack, reference: Reference, label: str) -> No
     assert proxy_gauge(stack, "engines_without_ring") == 0
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_dp2_every_flagged_request_gets_its_own_vector(
-    tiny_model_dir: Path, tmp_path: Path, reference: Reference
+    tiny_model_dir: Path, tmp_path: Path, reference: Reference, runner: str
 ) -> None:
-    with run_serve(tiny_model_dir, tmp_path, DP2, DP_ENV) as stack:
-        check_dp2_stack(stack, reference, "DP=2")
+    with run_serve(tiny_model_dir, tmp_path, DP2, DP_ENV, runner=runner) as stack:
+        require_runner(stack, runner)
+        check_dp2_stack(stack, reference, f"DP=2 ({runner})")
 
 
 def test_dp2_behind_two_api_servers(

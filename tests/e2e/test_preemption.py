@@ -1,0 +1,137 @@
+"""Requests preempted and resumed keep their vectors, on model runner V1 and V2 (issue #35).
+
+A server whose KV cache holds one request of its full length (``--max-model-len 256``, nine
+blocks of 32 tokens, one of them vLLM's null block) gets four flagged chats at once, each
+writing 180 tokens (``ignore_eos``): the scheduler must preempt some and resume them later.
+V1 resumes a preempted request where it stopped; V2 resumes it as a new request, recomputing
+its prompt and answer so far. Each request asks for a different kind of state (the prompt's
+last and mean, the answer's state, every answer position), and every vector and row is
+checked against Transformers; ``vllm:num_preemptions_total`` proves the preemption happened.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.reference import COUNTED, Reference, assert_matches
+from tests.e2e.server import (
+    RUNNERS,
+    SHARED_HOOK_ENV,
+    SHARED_LAYERS,
+    RunningStack,
+    require_runner,
+    run_serve,
+)
+from tests.e2e.stack_probe import metric, vllm_metrics
+from tests.e2e.test_matrices import check_answer
+
+pytestmark = pytest.mark.own_server
+
+SMALL_CACHE = [
+    "--max-model-len",
+    "256",
+    "--block-size",
+    "32",
+    "--num-gpu-blocks-override",
+    "9",
+    "--hidden-state-layers",
+    ",".join(SHARED_LAYERS),
+]
+ANSWER_TOKENS = 180
+LAYERS = [int(layer) for layer in SHARED_LAYERS]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def small_cache_stack(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, RunningStack]]:
+    runner: str = request.param
+    work = tmp_path_factory.mktemp(f"preemption-{runner}")
+    with run_serve(tiny_model_dir, work, SMALL_CACHE, SHARED_HOOK_ENV, runner=runner) as stack:
+        require_runner(stack, runner)
+        yield runner, stack
+
+
+def long_chat(stack: RunningStack, index: int, pooling: str) -> dict[str, Any]:
+    from openai import OpenAI
+
+    with OpenAI(
+        base_url=stack.proxy_url + "/v1", api_key="unused", max_retries=0, timeout=300
+    ) as client:
+        response = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": f"Story {index}: " + "a river " * (8 + index)}],
+            max_completion_tokens=ANSWER_TOKENS,
+            temperature=0,
+            extra_body={
+                **NO_THINKING,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "kv_transfer_params": {
+                    "return_last_hidden_state": True,
+                    "last_hidden_state_pooling": pooling,
+                    "last_hidden_state_layers": LAYERS,
+                    "last_hidden_state_info": True,
+                },
+            },
+        )
+    answer: dict[str, Any] = response.model_dump()
+    return answer
+
+
+def check_prompt_state(reference: Reference, answer: dict[str, Any], pooling: str) -> None:
+    prompt_ids = answer["prompt_token_ids"]
+    for label, vector in answer["kv_transfer_params"]["last_hidden_states_by_layer"].items():
+        expected = reference.layer_vector(prompt_ids, int(label), pooling)
+        assert_matches(vector, expected, f"layer {label}, {pooling} (preempted)")
+
+
+def check_answer_state(reference: Reference, answer: dict[str, Any], pooling: str) -> None:
+    prompt_ids, answer_ids = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    assert len(answer_ids) == ANSWER_TOKENS
+    params = answer["kv_transfer_params"]
+    if pooling == "all_answer":
+        check_answer(
+            reference,
+            prompt_ids,
+            answer_ids,
+            params["last_hidden_states_by_layer"],
+            params["last_hidden_state_info"],
+        )
+        return
+    ids = [*prompt_ids, *answer_ids[:-1]]
+    for label, vector in params["last_hidden_states_by_layer"].items():
+        expected = reference.layer_vector(ids, int(label), "last")
+        assert_matches(vector, expected, f"layer {label}, last_answer (preempted)")
+
+
+CHECKS: dict[str, Callable[[Reference, dict[str, Any], str], None]] = {
+    "last": check_prompt_state,
+    "mean": check_prompt_state,
+    "last_answer": check_answer_state,
+    "all_answer": check_answer_state,
+}
+
+
+def test_preempted_and_resumed_requests_keep_their_vectors(
+    small_cache_stack: tuple[str, RunningStack], reference: Reference
+) -> None:
+    runner, stack = small_cache_stack
+    before = metric(vllm_metrics(stack), "vllm:num_preemptions_total")
+    poolings = list(CHECKS)
+    with concurrent.futures.ThreadPoolExecutor(len(poolings)) as pool:
+        answers = list(pool.map(lambda job: long_chat(stack, *job), enumerate(poolings)))
+    preemptions = metric(vllm_metrics(stack), "vllm:num_preemptions_total") - before
+    assert preemptions > 0, "the small cache should have made vLLM preempt a request"
+    for pooling, answer in zip(poolings, answers, strict=True):
+        CHECKS[pooling](reference, answer, pooling)
+    COUNTED.append(
+        f"preemption ({runner}): {len(poolings)} concurrent flagged 180-token chats, "
+        f"{preemptions:.0f} preemptions, every vector and row equal to Transformers'"
+    )
