@@ -87,6 +87,11 @@ test: lint typecheck
 # test_engine.py is left out: it builds VllmConfig objects, which 0.33's GPU build cannot
 # without a device ("Failed to infer device type"); the runner tests need none.
 NEXT_VLLM ?= 0.33.0
+# Pins of a release that no index holds, replaced (.ci/install_vllm.py installs vllm --no-deps,
+# then its own requirements with these swapped in): vLLM 0.34.0 pins flashinfer-python==0.7.3,
+# which PyPI lacks (it has 0.7.2.post1 and 0.7.4).
+NEXT_OVERRIDES_0.34.0 := flashinfer-python==0.7.4
+NEXT_OVERRIDES ?= $(NEXT_OVERRIDES_$(NEXT_VLLM))
 NEXT_PYTHON_TAG := $(shell $(PYTHON) -c 'import sys; print("py%d.%d" % sys.version_info[:2])')
 NEXT_VENV ?= $(HOME)/.cache/vllm-hidden-state-proxy/venv-vllm-$(NEXT_VLLM)-$(NEXT_PYTHON_TAG)
 NEXT_PY := $(NEXT_VENV)/bin/python
@@ -101,7 +106,7 @@ $(NEXT_STAMP):
 	@test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_PY) -m pip install --quiet --upgrade pip
 	@echo "[test-vllm-next] vllm==$(NEXT_VLLM) and its torch into $(NEXT_VENV); first run takes a few minutes"
-	$(NEXT_PY) -m pip install --quiet --progress-bar off "vllm==$(NEXT_VLLM)" -e ".[dev]"
+	$(NEXT_PY) .ci/install_vllm.py $(NEXT_VLLM) $(NEXT_OVERRIDES) -- -e ".[dev]"
 	@touch $@
 
 test-vllm-next: $(NEXT_STAMP)
