@@ -565,3 +565,20 @@ def test_v2_view_check_accepts_vllms_real_v2_classes(v2: V2Harness) -> None:
             V2RunnerView().check(v2)
     finally:
         v2.req_states.prompt_len = prompt_len
+
+
+def test_where_v1_is_gone_its_view_says_so_and_v2_does_not_care(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34 has no ``gpu_model_runner`` module: the hook's own lookup of V1's state class
+    (not conftest's stand-in) turns that into a refusal of V1 runners, not an ImportError, and
+    V2's checks never look there."""
+    from tests.worker_hook.conftest import REAL_V1_STATE_CLASS
+    from vllm_hidden_state_proxy.worker_hook import runners
+
+    monkeypatch.setattr(runners, "_v1_state_class", REAL_V1_STATE_CLASS)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)  # as if removed
+    assert V1RunnerView().class_problems() == [
+        "this vLLM has no V1 model runner (vllm.v1.worker.gpu_model_runner)"
+    ]
+    assert V2RunnerView().class_problems() == []
