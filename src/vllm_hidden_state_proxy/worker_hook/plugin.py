@@ -20,6 +20,12 @@ runner, which inherits the others, only its own ``load_model``):
 - ``sample_tokens``: makes sure those vectors are published before the step's output leaves the
   worker, without waiting for the device (see :mod:`.capture`).
 
+One method is wrapped on the GPU worker (``vllm.v1.worker.gpu_worker.Worker``, whose
+``load_model`` the CPU and XPU workers inherit): after it, a model runner of a class the hook did
+not wrap (vLLM 0.34's non-x86 ``StandaloneCPUModelRunner``, a runner vLLM moved to another
+module) gets the engine's failure note naming the vLLM version and the runner class, instead of
+leaving the proxy to answer a generic 503.
+
 It uses neither ``--kv-transfer-config`` nor ``--worker-extension-cls``, so users keep those for
 LMCache/NIXL, and it does not depend on the API server, so vLLM's Rust frontend is fine.
 """
