@@ -35,9 +35,9 @@ SET_LAYERS = "_set_aux_hidden_state_layers"
 ADD_STATE = "_maybe_add_hidden_state"
 
 #: Overrides of ``_maybe_add_hidden_state`` that were read and still capture Transformers'
-#: ``hidden_states[k]`` (docs/design.md, "Layers"): (module, qualified name) -> every name its
-#: byte code uses. An override whose names differ (it calls something new) is refused again,
-#: as every other override is, until someone reads it.
+#: ``hidden_states[k]`` (docs/design.md, "Overrides of the capture"): (module, qualified name)
+#: -> every name its byte code uses. An override whose names differ (it calls something new) is
+#: refused again, as every other override is, until someone reads it.
 #:
 #: - vLLM 0.34's CUDA Qwen3.5 (``vllm/models/qwen3_5/nvidia/model.py``, ``Qwen3_5Model``):
 #:   clones the layer-0 capture (the embeddings, which the next layer's fused add-norm mutates
