@@ -4,7 +4,7 @@
 #
 #   docker build -f deploy/docker/vllm.Dockerfile -t vllm-hidden-state/vllm:0.1.0-gpu .
 #
-# Pinned to the GPU vLLM version the hook supports (pyproject extra `gpu`: vllm==0.33.0).
+# Pinned to the GPU vLLM version the hook supports (pyproject extra `gpu`: vllm==0.34.0).
 #
 # It differs from vllm-cpu.Dockerfile only where it must: the base image holds vLLM and torch
 # already, so only the package's base dependencies are installed, next to them in the image's
@@ -14,7 +14,7 @@
 #   PIP_TRUSTED_HOST  environment (uv gets them as its own variables)
 # They stay visible in `docker history`: never put a password in an index URL here.
 
-ARG BASE_IMAGE=vllm/vllm-openai:v0.33.0
+ARG BASE_IMAGE=vllm/vllm-openai:v0.34.0
 
 FROM ${BASE_IMAGE}
 # The image's system Python holds vLLM; install next to it (pip, or uv where the image has no pip).

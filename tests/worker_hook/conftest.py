@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker_hook.fakes import CAPTURED, HIDDEN, MODEL
+from tests.worker_hook.fakes import CAPTURED, HAS_V1, HIDDEN, MODEL, V1ShapedState
 from vllm_hidden_state_proxy.protocol import (
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
@@ -18,7 +18,7 @@ from vllm_hidden_state_proxy.protocol import (
     RING_SLOTS_ENV,
 )
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
-from vllm_hidden_state_proxy.worker_hook import ring_start
+from vllm_hidden_state_proxy.worker_hook import ring_start, runners
 
 HOOK_LOGGER = "vllm.hidden_state_hook"
 #: The instance number of the ``writer`` fixture's ring.
@@ -129,3 +129,21 @@ def _release_failure_notes() -> Iterator[None]:
         for note in ring_start._NOTES[before:]:
             note.close()
         del ring_start._NOTES[before:]
+
+
+#: The hook's own lookup of V1's ``ExecuteModelState`` (``v1_shaped_state`` replaces it).
+REAL_V1_STATE_CLASS = runners._v1_state_class
+
+
+@pytest.fixture(autouse=True)
+def v1_shaped_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where vLLM has no V1 runner (0.34 on), the V1 view reads :class:`V1ShapedState`.
+
+    Most tests drive the capture through ``FakeV1Runner`` and ``V1RunnerView``: the capture's
+    selection, poolings, rows and publication, against this vLLM's own ``SchedulerOutput``.
+    Without V1 the view would refuse every such runner ("no V1 model runner", as it must for a
+    real one), and all of them would test that refusal only. Tests of vLLM's own V1 classes are
+    skipped there instead (``fakes.needs_v1``).
+    """
+    if not HAS_V1:
+        monkeypatch.setattr(runners, "_v1_state_class", lambda: V1ShapedState)

@@ -1,20 +1,25 @@
 """Fakes shared by the worker hook tests: a V1-shaped runner, scheduler outputs, request keys.
 
 Nothing here starts vLLM: scheduler outputs and V1's ``ExecuteModelState`` are vLLM's own
-classes, the runner around them is a stand-in holding exactly the state the hook reads.
+classes (where vLLM has no V1, 0.34 on, a stand-in of that state's two fields the hook reads),
+the runner around them is a stand-in holding exactly the state the hook reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import pytest
 import torch
+import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -62,10 +67,37 @@ def by_position(req_id: str, row: int, position: int, layer: int) -> list[float]
     return [float(v) for v in values]
 
 
-def v1_execute_model_state(hidden_states: Any, aux_hidden_states: Any = None) -> Any:
-    """vLLM's own V1 ``ExecuteModelState`` with the two fields the hook reads set."""
+#: Whether the installed vLLM ships model runner V1 (vLLM 0.34 removed it on every platform).
+HAS_V1 = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+V1_GONE = (
+    f"vLLM {vllm.__version__} has no model runner V1 (0.34 removed "
+    "vllm/v1/worker/gpu_model_runner.py, gpu_input_batch.py and cpu_model_runner.py)"
+)
+#: For tests of vLLM's own V1 classes.
+needs_v1 = pytest.mark.skipif(not HAS_V1, reason=V1_GONE)
+
+
+class V1ShapedState(NamedTuple):
+    """Where V1 is gone, stands in for its ``ExecuteModelState`` (the two fields the hook
+    reads), so that the fake V1 runner still exercises the capture's own logic against this
+    vLLM's ``SchedulerOutput`` (see conftest's ``v1_shaped_state``)."""
+
+    hidden_states: Any
+    aux_hidden_states: Any
+
+
+def v1_state_class() -> Any:
+    """vLLM's own V1 ``ExecuteModelState``, or :class:`V1ShapedState` where V1 is gone."""
+    if not HAS_V1:
+        return V1ShapedState
     from vllm.v1.worker.gpu_model_runner import ExecuteModelState
 
+    return ExecuteModelState
+
+
+def v1_execute_model_state(hidden_states: Any, aux_hidden_states: Any = None) -> Any:
+    """vLLM's own V1 ``ExecuteModelState`` with the two fields the hook reads set."""
+    ExecuteModelState = v1_state_class()
     fields: dict[str, Any] = dict.fromkeys(ExecuteModelState._fields)
     fields["hidden_states"] = hidden_states
     fields["aux_hidden_states"] = aux_hidden_states
@@ -198,6 +230,59 @@ def _extra_args(flag: Flag) -> dict[str, Any] | None:
     return {REQUEST_KEY_ENTRY: flag}
 
 
+def new_request_data(
+    req_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams | None,
+    *,
+    num_computed_tokens: int = 0,
+    prefill_token_ids: list[int] | None = None,
+    block_ids: tuple[list[int], ...] = ([0],),
+) -> NewRequestData:
+    """vLLM's ``NewRequestData``; ``prefill_token_ids`` (what V2 prefills: the prompt, plus the
+    output tokens of a resumed request) defaults to the prompt: vLLM 0.34 requires it."""
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        mm_features=[],
+        sampling_params=sampling_params,
+        pooling_params=None,
+        block_ids=block_ids,
+        num_computed_tokens=num_computed_tokens,
+        lora_request=None,
+        prefill_token_ids=list(
+            prompt_token_ids if prefill_token_ids is None else prefill_token_ids
+        ),
+    )
+
+
+def cached_request_data(
+    cached: Sequence[tuple[str, int]], resumed: Iterable[str] = ()
+) -> CachedRequestData:
+    """vLLM's ``CachedRequestData`` for (req_id, num_computed_tokens) pairs.
+
+    ``resumed_req_ids`` and ``all_token_ids`` are set where this vLLM has them (0.34 dropped
+    both: V2 resumes a preempted request as a new one); asking for resumed requests there is
+    a test that needs V1.
+    """
+    fields = {field.name for field in dataclasses.fields(CachedRequestData)}
+    kwargs: dict[str, Any] = {
+        "req_ids": [rid for rid, _ in cached],
+        "new_token_ids": [],
+        "new_block_ids": [None] * len(cached),
+        "num_computed_tokens": [nc for _, nc in cached],
+        "num_output_tokens": [0] * len(cached),
+    }
+    resumed = set(resumed)
+    if "resumed_req_ids" in fields:
+        kwargs["resumed_req_ids"] = resumed
+    elif resumed:
+        raise AssertionError(f"vLLM {vllm.__version__} resumes preempted requests as new ones")
+    if "all_token_ids" in fields:
+        kwargs["all_token_ids"] = {}
+    return CachedRequestData(**kwargs)
+
+
 def sched(
     batch: Batch,
     *,
@@ -211,29 +296,17 @@ def sched(
         if req_id not in new:
             continue
         new_reqs.append(
-            NewRequestData(
-                req_id=req_id,
-                prompt_token_ids=list(range(prompt_len)),
-                mm_features=[],
-                sampling_params=SamplingParams(max_tokens=8, extra_args=_extra_args(new[req_id])),
-                pooling_params=None,
-                block_ids=([0],),
+            new_request_data(
+                req_id,
+                list(range(prompt_len)),
+                SamplingParams(max_tokens=8, extra_args=_extra_args(new[req_id])),
                 num_computed_tokens=nc,
-                lora_request=None,
             )
         )
     cached = [(rid, nc) for rid, _, nc, _ in batch if rid not in new]
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=[rid for rid, _ in cached],
-            resumed_req_ids=set(),
-            new_token_ids=[],
-            all_token_ids={},
-            new_block_ids=[None] * len(cached),
-            num_computed_tokens=[nc for _, nc in cached],
-            num_output_tokens=[0] * len(cached),
-        ),
+        scheduled_cached_reqs=cached_request_data(cached),
         num_scheduled_tokens={rid: ns for rid, _, _, ns in batch},
         total_num_scheduled_tokens=sum(ns for *_, ns in batch),
         scheduled_spec_decode_tokens={},

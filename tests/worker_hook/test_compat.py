@@ -4,10 +4,13 @@ on the installed vLLM's real runner classes. (The hook's on/off switch: test_set
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import pytest
+import vllm
 
+from tests.worker_hook.fakes import HAS_V1, needs_v1
 from vllm_hidden_state_proxy.worker_hook import plugin
 from vllm_hidden_state_proxy.worker_hook.compat import (
     NEEDED_METHODS,
@@ -30,7 +33,8 @@ from vllm_hidden_state_proxy.worker_hook.runners import structure_problems
         ("0.33.0rc1", True),
         ("0.33rc1", False),
         ("0.31.9", False),
-        ("0.34.0", False),
+        ("0.34.0", True),
+        ("0.35.0", False),
         ("0.320.0", False),
         ("1.32.0", False),
         ("unknown", False),
@@ -117,6 +121,8 @@ def wrapped_vllm_runners(monkeypatch: pytest.MonkeyPatch) -> dict[str, type]:
     wrap it (monkeypatch restores them: no other test sees wrapped vLLM classes)."""
     classes = {}
     for module_name, (class_name, _view, methods) in plugin.RUNNER_MODULES.items():
+        if importlib.util.find_spec(module_name) is None:  # V1's, from vLLM 0.34 on
+            continue
         cls = getattr(importlib.import_module(module_name), class_name)
         for name in methods:
             if name != "__init__" and name in cls.__dict__:
@@ -128,10 +134,28 @@ def wrapped_vllm_runners(monkeypatch: pytest.MonkeyPatch) -> dict[str, type]:
 def test_the_installed_vllms_runners_pass_the_structural_checks(
     wrapped_vllm_runners: dict[str, type],
 ) -> None:
-    for module_name, (_, view, _) in plugin.RUNNER_MODULES.items():
-        assert structure_problems(wrapped_vllm_runners[module_name], view) == [], module_name
+    assert "vllm.v1.worker.gpu.model_runner" in wrapped_vllm_runners  # V2, in every version
+    assert ("vllm.v1.worker.gpu_model_runner" in wrapped_vllm_runners) is HAS_V1
+    for module_name, cls in wrapped_vllm_runners.items():
+        view = plugin.RUNNER_MODULES[module_name][1]
+        assert structure_problems(cls, view) == [], module_name
 
 
+def test_the_installed_vllms_v2_cpu_runner_passes_the_structural_checks(
+    wrapped_vllm_runners: dict[str, type],
+) -> None:
+    """The x86 CPU runner of V2 (``vllm.v1.worker.cpu.model_runner``, the only CPU runner of
+    vLLM 0.34 on x86) is a subclass of V2's GPU runner: it reaches the wrappers through it."""
+    if importlib.util.find_spec("vllm.v1.worker.cpu.model_runner") is None:
+        pytest.skip(f"vLLM {vllm.__version__} has no V2 CPU runner")
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    view = plugin.RUNNER_MODULES["vllm.v1.worker.gpu.model_runner"][1]
+    assert issubclass(CPUModelRunner, wrapped_vllm_runners["vllm.v1.worker.gpu.model_runner"])
+    assert structure_problems(CPUModelRunner, view) == []
+
+
+@needs_v1
 def test_a_cpu_runner_that_stopped_calling_the_base_is_refused(
     wrapped_vllm_runners: dict[str, type], monkeypatch: pytest.MonkeyPatch
 ) -> None:

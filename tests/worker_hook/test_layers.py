@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import vllm
 from vllm.model_executor.models.interfaces import (
     EagleModelMixin,
     SupportsEagle3,
@@ -31,8 +34,11 @@ from vllm_hidden_state_proxy.worker_hook import ring_start
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.engine import instance_of
 from vllm_hidden_state_proxy.worker_hook.layers import (
+    ACCEPTED_OVERRIDES,
+    ADD_STATE,
     CapturedLayers,
     LayerConfigError,
+    accepted_override,
     aux_capture_problem,
     configured_layers,
     enable_aux_outputs,
@@ -394,16 +400,111 @@ def test_models_whose_aux_outputs_are_not_transformers_hidden_states_are_refused
             "DeepseekV4Model",
             "DeepseekV4Model.forward builds its auxiliary outputs without vLLM's mixin",
         ),
+        # vLLM 0.34's CUDA Qwen3.5: its override is an accepted one (ACCEPTED_OVERRIDES).
+        ("vllm.models.qwen3_5.nvidia.model", "Qwen3_5Model", None),
     ],
 )
 def test_vllms_own_decoder_stacks(module: str, name: str, problem: str | None) -> None:
-    import importlib
-
     try:
-        cls = getattr(importlib.import_module(module), name)
+        cls = getattr(import_vllm_module(module), name)
     except (ImportError, AttributeError) as error:  # a vLLM release without that model
         pytest.skip(f"{module}.{name} is not in this vLLM: {error}")
     assert stack_problem(cls) == problem
+
+
+def import_vllm_module(module: str) -> Any:
+    """``module``, imported without turning its libraries' deprecation warnings into errors
+    (vLLM 0.34's CUDA Qwen3.5 imports CUTLASS's DSL, which warns of its own renamed names)."""
+    import importlib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(module)
+
+
+def tensor_model_parallel_all_reduce(tensor: Any) -> Any:
+    """Stands for vLLM's (one rank: the identity); only its name matters to the check."""
+    return tensor
+
+
+QWEN3_5 = ("vllm.models.qwen3_5.nvidia.model", "Qwen3_5Model._maybe_add_hidden_state")
+
+
+def _as_qwen3_5s(function: Any) -> Any:
+    function.__module__, function.__qualname__ = QWEN3_5
+    return function
+
+
+class AsQwen3_5(DecoderStack):
+    """An override named as vLLM 0.34's CUDA Qwen3.5 one, using the same names."""
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    mlp_output_is_partial = False
+
+    @_as_qwen3_5s
+    def _maybe_add_hidden_state(
+        self, aux: list[Any], layer_idx: int, hidden_states: Any, residual: Any
+    ) -> list[Any]:
+        if residual is None and layer_idx in self.aux_hidden_state_layers:
+            hidden_states = hidden_states.clone()
+        if residual is not None and self.mlp_output_is_partial:
+            hidden_states = tensor_model_parallel_all_reduce(hidden_states)
+        added: list[Any] = super()._maybe_add_hidden_state(aux, layer_idx, hidden_states, residual)
+        return added
+
+
+class ChangedQwen3_5(DecoderStack):
+    """The same name, but the override now does something more (here: scales the state)."""
+
+    @_as_qwen3_5s
+    def _maybe_add_hidden_state(
+        self, aux: list[Any], layer_idx: int, hidden_states: Any, residual: Any
+    ) -> list[Any]:
+        added: list[Any] = super()._maybe_add_hidden_state(
+            aux, layer_idx, hidden_states.mul(2), residual
+        )
+        return added
+
+
+def test_an_accepted_override_passes_only_while_unchanged() -> None:
+    assert ACCEPTED_OVERRIDES.keys() == {QWEN3_5}
+    assert stack_problem(AsQwen3_5) is None
+    assert stack_problem(ChangedQwen3_5) == (
+        "ChangedQwen3_5 overrides vLLM's _maybe_add_hidden_state"
+    )
+
+    class OverridesTheAccepted(AsQwen3_5):  # an unread override on top of the accepted one
+        def _maybe_add_hidden_state(
+            self, aux: list[Any], layer_idx: int, hidden_states: Any, residual: Any
+        ) -> list[Any]:
+            return aux
+
+    assert stack_problem(OverridesTheAccepted) == (
+        "OverridesTheAccepted overrides vLLM's _maybe_add_hidden_state"
+    )
+
+
+def test_vllms_cuda_qwen3_5_override_still_captures_hidden_states_k() -> None:
+    """vLLM 0.34's ``Qwen3_5Model._maybe_add_hidden_state`` itself (one rank): layer 0 is
+    the embeddings, by value (the next layer's fused norm mutates them in place), layer k is
+    ``hidden_states + residual``, and layers not asked for are left out."""
+    try:
+        Qwen3_5Model = import_vllm_module(QWEN3_5[0]).Qwen3_5Model
+    except ImportError as error:
+        pytest.skip(f"vLLM {vllm.__version__} has no CUDA Qwen3.5 module: {error}")
+    own = Qwen3_5Model.__dict__[ADD_STATE]
+    assert accepted_override(own)
+    stack = object.__new__(Qwen3_5Model)  # no nn.Module init: only the two fields it reads
+    stack.__dict__.update(aux_hidden_state_layers=(0, 2), mlp_output_is_partial=False)
+    embeddings = torch.arange(6.0).reshape(2, 3)
+    aux = stack._maybe_add_hidden_state([], 0, embeddings, None)
+    mlp_out, residual = torch.full((2, 3), 0.5), torch.full((2, 3), 10.0)
+    stack._maybe_add_hidden_state(aux, 1, mlp_out, residual)
+    stack._maybe_add_hidden_state(aux, 2, mlp_out, residual)
+    embeddings.add_(100.0)  # as the first layer's fused add-norm does
+    assert len(aux) == 2
+    assert torch.equal(aux[0], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(aux[1], mlp_out + residual)
 
 
 # -- prepare_layers (run by the load_model wrapper) ----------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import sys
@@ -18,7 +19,16 @@ import vllm
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from tests.worker_hook.conftest import HookLog
-from tests.worker_hook.fakes import FINAL, FakeV1Runner, key, record_of, row_vector, sched
+from tests.worker_hook.fakes import (
+    FINAL,
+    HAS_V1,
+    FakeV1Runner,
+    key,
+    needs_v1,
+    record_of,
+    row_vector,
+    sched,
+)
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV, LAYERS_ENV, RING_SLOTS_ENV
 from vllm_hidden_state_proxy.ring import RingDirectory, RingReader
 from vllm_hidden_state_proxy.ring.files import note_name, ring_name
@@ -114,7 +124,12 @@ def test_vllm_discovers_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_runner_targets_name_real_vllm_classes() -> None:
+    found = []
     for module_name, (class_name, view, methods) in plugin.RUNNER_MODULES.items():
+        if importlib.util.find_spec(module_name) is None:
+            assert not HAS_V1 and module_name.startswith("vllm.v1.worker.")  # V1, gone in 0.34
+            continue
+        found.append(module_name)
         cls = getattr(importlib.import_module(module_name), class_name)
         # Each wrapped method is the class's own: a wrapper on an inherited one would be lost.
         for name in methods:
@@ -123,8 +138,20 @@ def test_runner_targets_name_real_vllm_classes() -> None:
         assert isinstance(
             view, V2RunnerView if ".gpu.model_runner" in module_name else V1RunnerView
         )
+    assert "vllm.v1.worker.gpu.model_runner" in found
 
 
+def test_worker_targets_name_real_vllm_classes() -> None:
+    for module_name, class_name in plugin.WORKER_MODULES.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert "load_model" in cls.__dict__, f"{class_name}.load_model is inherited"
+    # The CPU worker builds its runner through the GPU worker's load_model.
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert "load_model" not in CPUWorker.__dict__
+
+
+@needs_v1
 def test_the_cpu_runner_reaches_the_v1_runners_wrapped_methods() -> None:
     """The CPU runner's own load_model does not call the V1 one (so it is wrapped itself); its
     other methods are the V1 runner's, or call them."""

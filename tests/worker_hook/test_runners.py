@@ -19,9 +19,15 @@ import numpy as np
 import pytest
 import torch
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-from tests.worker_hook.fakes import v1_execute_model_state
+from tests.worker_hook.fakes import (
+    HAS_V1,
+    V1_GONE,
+    cached_request_data,
+    new_request_data,
+    v1_execute_model_state,
+)
 from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.worker_hook.runners import (
     UnsupportedRunner,
@@ -43,16 +49,13 @@ def new_request(
     output_tokens: Iterable[int] = (),
 ) -> NewRequestData:
     prompt = [100 + i for i in range(prompt_len)]
-    return NewRequestData(
-        req_id=req_id,
-        prompt_token_ids=prompt,
-        mm_features=[],
-        sampling_params=SamplingParams(max_tokens=16, extra_args={REQUEST_KEY_ENTRY: KEY}),
-        pooling_params=None,
-        block_ids=([0, 1],),
+    return new_request_data(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=16, extra_args={REQUEST_KEY_ENTRY: KEY}),
         num_computed_tokens=num_computed,
-        lora_request=None,
-        # V2 only: what the runner prefills (prompt + any output tokens of a resumed request).
+        block_ids=([0, 1],),
+        # V2: what the runner prefills (prompt + any output tokens of a resumed request).
         prefill_token_ids=prompt + list(output_tokens),
     )
 
@@ -66,18 +69,9 @@ def scheduler_output(
     finished: Iterable[str] = (),
     preempted: Iterable[str] | None = None,
 ) -> SchedulerOutput:
-    cached = list(cached)
     return SchedulerOutput(
         scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=[rid for rid, _ in cached],
-            resumed_req_ids=set(resumed),
-            new_token_ids=[],
-            all_token_ids={},
-            new_block_ids=[None] * len(cached),
-            num_computed_tokens=[nc for _, nc in cached],
-            num_output_tokens=[0] * len(cached),
-        ),
+        scheduled_cached_reqs=cached_request_data(list(cached), resumed),
         num_scheduled_tokens=dict(scheduled),
         total_num_scheduled_tokens=sum(scheduled.values()),
         scheduled_spec_decode_tokens={},
@@ -182,7 +176,8 @@ def unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     modules copied the flag at import. Only the allocation flag changes: the classes and their
     state are vLLM's own.
     """
-    import vllm.v1.worker.gpu_input_batch  # noqa: F401  (its flag is the one to change)
+    if HAS_V1:
+        import vllm.v1.worker.gpu_input_batch  # noqa: F401  (its flag is the one to change)
 
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.") and getattr(module, "PIN_MEMORY", False) is True:
@@ -191,6 +186,8 @@ def unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def v1(unpinned: None) -> V1Harness:
+    if not HAS_V1:
+        pytest.skip(V1_GONE)
     return V1Harness()
 
 
@@ -568,3 +565,20 @@ def test_v2_view_check_accepts_vllms_real_v2_classes(v2: V2Harness) -> None:
             V2RunnerView().check(v2)
     finally:
         v2.req_states.prompt_len = prompt_len
+
+
+def test_where_v1_is_gone_its_view_says_so_and_v2_does_not_care(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34 has no ``gpu_model_runner`` module: the hook's own lookup of V1's state class
+    (not conftest's stand-in) turns that into a refusal of V1 runners, not an ImportError, and
+    V2's checks never look there."""
+    from tests.worker_hook.conftest import REAL_V1_STATE_CLASS
+    from vllm_hidden_state_proxy.worker_hook import runners
+
+    monkeypatch.setattr(runners, "_v1_state_class", REAL_V1_STATE_CLASS)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)  # as if removed
+    assert V1RunnerView().class_problems() == [
+        "this vLLM has no V1 model runner (vllm.v1.worker.gpu_model_runner)"
+    ]
+    assert V2RunnerView().class_problems() == []

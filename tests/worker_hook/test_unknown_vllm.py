@@ -16,14 +16,13 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 import vllm
-import vllm.v1.worker.gpu_model_runner as v1_module
 
 from tests.proxy.fakes import FakeVLLM, error_of, proxy_client, settings_for
 from tests.worker_hook.conftest import HookLog
-from tests.worker_hook.fakes import FakeV1Runner
+from tests.worker_hook.fakes import HAS_V1, FakeV1Runner
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 from vllm_hidden_state_proxy.ring import RingDirectory
-from vllm_hidden_state_proxy.worker_hook import plugin
+from vllm_hidden_state_proxy.worker_hook import plugin, runners
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
 FLAGGED = {
@@ -52,6 +51,17 @@ class Runner(FakeV1Runner):
 
     def sample_tokens(self, grammar_output: Any) -> str:
         return ""
+
+
+def rename_hidden_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V1's ``ExecuteModelState`` becomes :class:`RenamedState` (where vLLM has no V1: the
+    stand-in that conftest's ``v1_shaped_state`` gives the hook does)."""
+    if HAS_V1:
+        import vllm.v1.worker.gpu_model_runner as v1_module
+
+        monkeypatch.setattr(v1_module, "ExecuteModelState", RenamedState)
+    else:
+        monkeypatch.setattr(runners, "_v1_state_class", lambda: RenamedState)
 
 
 def runner_class() -> type[Runner]:
@@ -129,7 +139,7 @@ async def test_an_unknown_version_with_a_renamed_internal_is_named_by_the_proxy(
         )
         assert "worker hook is not active" in generic["message"]
 
-    monkeypatch.setattr(v1_module, "ExecuteModelState", RenamedState)
+    rename_hidden_states(monkeypatch)
     runner = runner_class()()  # the check runs in __init__, before any step
     assert runner.__dict__[plugin._CAPTURE_ATTR] is None
     assert not list(unknown_vllm.glob("*.bin"))
@@ -168,7 +178,7 @@ def test_the_same_runner_on_a_tested_version_is_named_without_untested(
     ring_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    monkeypatch.setattr(v1_module, "ExecuteModelState", RenamedState)
+    rename_hidden_states(monkeypatch)
     runner_class()()
     with RingDirectory(ring_env) as directory:
         [failure] = directory.failed_engines()

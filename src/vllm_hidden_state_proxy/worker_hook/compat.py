@@ -33,7 +33,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 #: vLLM minor versions whose runner internals this hook was written and tested against.
-TESTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33")
+TESTED_VLLM_MINOR_VERSIONS = ("0.32", "0.33", "0.34")
 
 #: The methods the hook must see run on every runner (``__init__`` is wrapped as well, to run
 #: these checks; it is not needed afterwards).

@@ -31,6 +31,31 @@ from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 #: The mixin method through which a model's decoder stack receives the aux layer ids.
 SET_LAYERS = "_set_aux_hidden_state_layers"
+#: The mixin method that appends one layer's ``hidden_states + residual`` to the aux outputs.
+ADD_STATE = "_maybe_add_hidden_state"
+
+#: Overrides of ``_maybe_add_hidden_state`` that were read and still capture Transformers'
+#: ``hidden_states[k]`` (docs/design.md, "Overrides of the capture"): (module, qualified name)
+#: -> every name its byte code uses. An override whose names differ (it calls something new) is
+#: refused again, as every other override is, until someone reads it.
+#:
+#: - vLLM 0.34's CUDA Qwen3.5 (``vllm/models/qwen3_5/nvidia/model.py``, ``Qwen3_5Model``):
+#:   clones the layer-0 capture (the embeddings, which the next layer's fused add-norm mutates
+#:   in place: the same values, kept by value) and, under tensor parallelism with the fused
+#:   all-reduce norm, all-reduces the layer's partial MLP output before the mixin adds the
+#:   (complete) residual; then calls the mixin's method.
+ACCEPTED_OVERRIDES: dict[tuple[str, str], frozenset[str]] = {
+    ("vllm.models.qwen3_5.nvidia.model", "Qwen3_5Model._maybe_add_hidden_state"): frozenset(
+        {
+            "_maybe_add_hidden_state",
+            "aux_hidden_state_layers",
+            "clone",
+            "mlp_output_is_partial",
+            "super",
+            "tensor_model_parallel_all_reduce",
+        }
+    ),
+}
 
 
 class LayerConfigError(Exception):
@@ -141,11 +166,12 @@ def aux_capture_problem(model: Any) -> str | None:
     layers (``None`` if they are, as far as its structure shows).
 
     vLLM's ``EagleModelMixin._maybe_add_hidden_state`` takes that sum; models that override it
-    (attention-residual models, whose ``residual`` is a bank of block states), build their aux
+    (attention-residual models, whose ``residual`` is a bank of block states; the overrides of
+    :data:`ACCEPTED_OVERRIDES` excepted), build their aux
     list another way in ``forward`` (DeepSeek V4 takes a mean of reconstructed streams), or set
     ``attn_res_block_size`` capture something else, which the hook cannot check row by row.
-    So it requires, for every decoder stack in the model: the mixin, its method unchanged, and
-    a ``forward`` that calls it.
+    So it requires, for every decoder stack in the model: the mixin, its method unchanged (or
+    overridden by an accepted override that calls it), and a ``forward`` that calls it.
     """
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
@@ -183,15 +209,29 @@ def stack_problem(cls: type, config: Any = None) -> str | None:
     than ``hidden_states + residual`` (``None``: it does not, as far as its structure shows)."""
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
-    if getattr(cls, "_maybe_add_hidden_state", None) is not (
-        EagleModelMixin._maybe_add_hidden_state
-    ):
-        return f"{cls.__name__} overrides vLLM's _maybe_add_hidden_state"
+    mixins = EagleModelMixin.__dict__[ADD_STATE]
+    for owner in cls.__mro__:
+        method = owner.__dict__.get(ADD_STATE)
+        if method is None or method is mixins:
+            break
+        if not accepted_override(method):
+            return f"{cls.__name__} overrides vLLM's {ADD_STATE}"
     if getattr(config, "attn_res_block_size", None) is not None:
         return f"{cls.__name__} uses attention residuals (attn_res_block_size)"
     if not _forward_uses_the_mixin(cls):
         return f"{cls.__name__}.forward builds its auxiliary outputs without vLLM's mixin"
     return None
+
+
+def accepted_override(method: Any) -> bool:
+    """Whether ``method`` (an override of ``_maybe_add_hidden_state``) is one of
+    :data:`ACCEPTED_OVERRIDES`, unchanged as far as its byte code's names show."""
+    function = inspect.unwrap(method)
+    code = getattr(function, "__code__", None)
+    names = ACCEPTED_OVERRIDES.get(
+        (getattr(function, "__module__", ""), getattr(function, "__qualname__", ""))
+    )
+    return code is not None and names is not None and frozenset(code.co_names) == names
 
 
 def _forward_uses_the_mixin(cls: type) -> bool:

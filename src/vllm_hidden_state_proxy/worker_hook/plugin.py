@@ -20,6 +20,12 @@ runner, which inherits the others, only its own ``load_model``):
 - ``sample_tokens``: makes sure those vectors are published before the step's output leaves the
   worker, without waiting for the device (see :mod:`.capture`).
 
+One method is wrapped on the GPU worker (``vllm.v1.worker.gpu_worker.Worker``, whose
+``load_model`` the CPU and XPU workers inherit): after it, a model runner of a class the hook did
+not wrap (vLLM 0.34's non-x86 ``StandaloneCPUModelRunner``, a runner vLLM moved to another
+module) gets the engine's failure note naming the vLLM version and the runner class, instead of
+leaving the proxy to answer a generic 503.
+
 It uses neither ``--kv-transfer-config`` nor ``--worker-extension-cls``, so users keep those for
 LMCache/NIXL, and it does not depend on the API server, so vLLM's Rust frontend is fine.
 """
@@ -38,10 +44,12 @@ from typing import Any
 from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 from vllm_hidden_state_proxy.worker_hook.capture import StepCapture
 from vllm_hidden_state_proxy.worker_hook.compat import NEEDED_METHODS, WRAPPED_ATTR
-from vllm_hidden_state_proxy.worker_hook.ring_start import prepare_layers
+from vllm_hidden_state_proxy.worker_hook.engine import engine_identity, is_publishing_rank
+from vllm_hidden_state_proxy.worker_hook.ring_start import leave_note, prepare_layers
 from vllm_hidden_state_proxy.worker_hook.runners import (
     RefusedSettings,
     RunnerView,
+    UnattachedRunnerView,
     UnsupportedRunner,
     V1RunnerView,
     V2RunnerView,
@@ -63,6 +71,10 @@ RUNNER_MODULES: dict[str, tuple[str, RunnerView, tuple[str, ...]]] = {
     "vllm.v1.worker.cpu_model_runner": ("CPUModelRunner", V1RunnerView(), ("load_model",)),
 }
 
+#: module -> worker class whose ``load_model`` is wrapped to check that the runner it built is
+#: one the hook attached to (the GPU worker; the CPU and XPU workers inherit its ``load_model``).
+WORKER_MODULES: dict[str, str] = {"vllm.v1.worker.gpu_worker": "Worker"}
+
 _CAPTURE_ATTR = "_hidden_state_proxy_capture"
 _WRAPPED_ATTR = WRAPPED_ATTR
 
@@ -78,16 +90,19 @@ def register() -> None:
         logger.exception("vllm-hidden-state-proxy: could not install the worker hook")
 
 
-Target = tuple[str, RunnerView, tuple[str, ...]]
+#: A runner class to wrap (class name, view, methods), or a worker class's name (a ``str``).
+Target = tuple[str, RunnerView, tuple[str, ...]] | str
 
 
 def install_runner_patches(modules: dict[str, Target] | None = None) -> None:
-    """Patch runner classes already imported, and the rest when they are imported."""
-    targets = dict(RUNNER_MODULES if modules is None else modules)
-    for module_name, (class_name, view, methods) in targets.items():
+    """Patch runner (and worker) classes already imported, and the rest when they are imported."""
+    targets: dict[str, Target] = (
+        {**RUNNER_MODULES, **WORKER_MODULES} if modules is None else dict(modules)
+    )
+    for module_name, target in targets.items():
         module = sys.modules.get(module_name)
         if module is not None:
-            patch_runner_class(getattr(module, class_name), view, methods)
+            _patch_module(module, target)
     waiting = {name: target for name, target in targets.items() if name not in sys.modules}
     if not waiting:
         return
@@ -96,6 +111,74 @@ def install_runner_patches(modules: dict[str, Target] | None = None) -> None:
             finder.targets.update(waiting)
             return
     sys.meta_path.insert(0, _PatchOnImport(waiting))
+
+
+def _patch_module(module: ModuleType, target: Target) -> None:
+    if isinstance(target, str):
+        patch_worker_class(getattr(module, target))
+    else:
+        class_name, view, methods = target
+        patch_runner_class(getattr(module, class_name), view, methods)
+
+
+def patch_worker_class(cls: Any) -> None:
+    """Wrap the worker's own ``load_model`` (idempotent): after it, a model runner the hook did
+    not attach to gets a failure note (:func:`note_unattached_runner`)."""
+    method = cls.__dict__.get("load_model")
+    if method is None or getattr(method, _WRAPPED_ATTR, False):
+        return
+    wrapped = _wrap_worker_load_model(method)
+    setattr(wrapped, _WRAPPED_ATTR, True)
+    cls.load_model = wrapped
+
+
+def is_attached(runner_cls: type) -> bool:
+    """Whether the hook wrapped ``runner_cls``'s ``__init__`` (its own or a base's): then its
+    structural checks ran when it was built, and their note says what is wrong, if anything."""
+    return any(
+        getattr(owner.__dict__.get("__init__"), _WRAPPED_ATTR, False)
+        for owner in runner_cls.__mro__
+    )
+
+
+def note_unattached_runner(worker: Any) -> None:
+    """If ``worker.model_runner`` is of a class the hook never wrapped (a runner vLLM moved to
+    another module, or one the hook does not know, such as vLLM 0.34's non-x86
+    ``StandaloneCPUModelRunner``), log it and leave the engine's failure note, naming the vLLM
+    version and the runner class: else the proxy could only answer a generic 503. A runner
+    that serves no generation (``--mm-encoder-only``) is left alone. Never raises."""
+    try:
+        runner = getattr(worker, "model_runner", None)
+        if runner is None or is_attached(type(runner)):
+            return
+        vllm_config = worker.vllm_config
+        if getattr(vllm_config, "is_mm_encoder_only", False):
+            return
+        view = UnattachedRunnerView(type(runner))
+        known = ", ".join(f"{module}.{name}" for module, (name, *_) in RUNNER_MODULES.items())
+        error = UnsupportedRunner(
+            f"this vLLM built the model runner {view.name}, which the hook does not attach to "
+            f"(it attaches to {known} and their subclasses)"
+        )
+        logger.warning(
+            "vllm-hidden-state-proxy: worker hook not attached: %s. Flagged requests get 503 "
+            "from the proxy; ordinary traffic is unaffected.",
+            error,
+        )
+        if is_publishing_rank(vllm_config.parallel_config):
+            leave_note(engine_identity(vllm_config), error, view)
+    except Exception:
+        logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
+
+
+def _wrap_worker_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        note_unattached_runner(self)  # never raises
+        return result
+
+    return load_model
 
 
 def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_METHODS) -> None:
@@ -256,19 +339,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        class_name, view, methods = self.targets[fullname]
-        spec.loader = _PatchingLoader(spec.loader, class_name, view, methods)
+        spec.loader = _PatchingLoader(spec.loader, self.targets[fullname])
         return spec
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(
-        self, inner: Any, class_name: str, view: RunnerView, methods: tuple[str, ...]
-    ) -> None:
+    def __init__(self, inner: Any, target: Target) -> None:
         self.inner = inner
-        self.class_name = class_name
-        self.view = view
-        self.methods = methods
+        self.target = target
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)  # type: ignore[no-any-return]
@@ -276,7 +354,7 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         try:
-            patch_runner_class(getattr(module, self.class_name), self.view, self.methods)
+            _patch_module(module, self.target)
         except Exception:
             logger.exception("vllm-hidden-state-proxy: could not wrap %s", module.__name__)
 

@@ -115,7 +115,8 @@ _REFUSED = (LayerConfigError, RingDirectoryConflict, RefusedSettings, DirectoryL
 def note_message(error: BaseException, view: RunnerView) -> str:
     """The note's text: the error, then on which vLLM and which of its runners (what a
     reader needs to tell a vLLM the hook does not fit from a setting it refused)."""
-    where = f"{describe_vllm()}, {view.name.upper()} model runner"
+    runner = getattr(view, "label", None) or f"{view.name.upper()} model runner"
+    where = f"{describe_vllm()}, {runner}"
     return f"{type(error).__name__}: {error} [{where}]"
 
 

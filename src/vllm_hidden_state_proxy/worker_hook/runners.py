@@ -116,8 +116,11 @@ class V1RunnerView:
     name = "v1"
 
     def class_problems(self) -> list[str]:
+        state_class = _v1_state_class()
+        if state_class is None:  # vLLM >= 0.34 removed V1: no V1 runner can exist there
+            return ["this vLLM has no V1 model runner (vllm.v1.worker.gpu_model_runner)"]
         return _field_problems(
-            _v1_state_class(), "ExecuteModelState (V1)", ["hidden_states", "aux_hidden_states"]
+            state_class, "ExecuteModelState (V1)", ["hidden_states", "aux_hidden_states"]
         )
 
     def check(self, runner: Any) -> None:
@@ -228,7 +231,35 @@ class V2RunnerView:
         return found
 
 
-def _v1_state_class() -> Any:
-    from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+class UnattachedRunnerView:
+    """Stands for a model runner class the hook did not attach to (one it does not know, or
+    one vLLM moved to another module); only its failure note uses it (``label``)."""
 
+    def __init__(self, runner_cls: type) -> None:
+        self.name = f"{runner_cls.__module__}.{runner_cls.__qualname__}"
+        self.label = f"model runner {runner_cls.__qualname__}"
+
+    def _refuse(self) -> UnsupportedRunner:
+        return UnsupportedRunner(f"the hook cannot read the model runner {self.name}")
+
+    def class_problems(self) -> list[str]:
+        return [str(self._refuse())]
+
+    def check(self, runner: Any) -> None:
+        raise self._refuse()
+
+    def scheduled(
+        self, runner: Any, scheduler_output: Any, wanted: Collection[str]
+    ) -> list[ScheduledRequest]:
+        raise self._refuse()
+
+
+def _v1_state_class() -> Any:
+    """V1's ``ExecuteModelState``, or None where vLLM has no V1 runner (0.34 removed it)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import ExecuteModelState
+    except ModuleNotFoundError as missing:
+        if missing.name not in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker"):
+            raise
+        return None
     return ExecuteModelState
