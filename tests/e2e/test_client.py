@@ -111,8 +111,9 @@ def test_16_bit_vectors_decode_to_transformers_rounded(
     ids = response.model_dump()["prompt_token_ids"]
     for layer, vector in states.by_layer.items():
         expected = np.asarray(reference.layer_vector(ids, layer, "last"), dtype=np.float32)
-        # rounding to 16 bits: at most half a unit in the last place of the mantissa
-        relative = 2.0**-11 if dtype == "float16" else 2.0**-8
+        # rounded to 16 bits: within one unit in the last place of Transformers' float32 value
+        # (half a unit for the rounding, plus float32 values a hair apart rounding apart)
+        relative = 2.0**-10 if dtype == "float16" else 2.0**-7
         np.testing.assert_allclose(vector, expected, rtol=relative, atol=1e-6)
 
 
