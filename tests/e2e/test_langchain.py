@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from langchain_core.messages import HumanMessage
 from pydantic import SecretStr
 
 from tests.e2e.reference import Reference, assert_matches
@@ -59,13 +61,18 @@ class RawAnswers:
         return prompt, answers
 
 
-def chat_model(stack: RunningStack, model: str, raw: RawAnswers | None = None, **kv: Any) -> Any:
-    from openai import DefaultHttpxClient
+def chat_model(
+    stack: RunningStack, model: str, *, clients: list[Any], raw: RawAnswers | None = None, **kv: Any
+) -> Any:
+    """The chat model with HTTP clients of its own (appended to ``clients``, for the test to
+    close: langchain-openai's shared default async client would outlive the test's loop)."""
+    from openai import DefaultAsyncHttpxClient, DefaultHttpxClient
 
     kv.setdefault("layers", LAYERS)
-    options: dict[str, Any] = {}
-    if raw is not None:
-        options["http_client"] = DefaultHttpxClient(event_hooks={"response": [raw.hook]})
+    hooks = {"response": [raw.hook]} if raw is not None else {}
+    http_client = DefaultHttpxClient(event_hooks=hooks)
+    http_async_client = DefaultAsyncHttpxClient()
+    clients += [http_client, http_async_client]
     return HiddenStateChatOpenAI(
         model=model,
         base_url=stack.proxy_url + "/v1",
@@ -73,8 +80,26 @@ def chat_model(stack: RunningStack, model: str, raw: RawAnswers | None = None, *
         max_retries=0,
         max_completion_tokens=4,
         extra_body={**NO_THINKING, **hidden_state_fields(**kv), "return_token_ids": True},
-        **options,
+        http_client=http_client,
+        http_async_client=http_async_client,
     )
+
+
+@pytest.fixture()
+def clients() -> Iterator[list[Any]]:
+    """HTTP clients a test made: closed at its end (the async ones in a loop of their own)."""
+    made: list[Any] = []
+    yield made
+
+    async def close_async() -> None:
+        for client in made:
+            if hasattr(client, "aclose"):
+                await client.aclose()
+
+    asyncio.run(close_async())
+    for client in made:
+        if hasattr(client, "close") and not hasattr(client, "aclose"):
+            client.close()
 
 
 def check_entry(reference: Reference, ids: list[int], entry: Any) -> None:
@@ -89,46 +114,54 @@ def prompt_ids(reference: Reference, content: str) -> list[int]:
     return reference.chat_token_ids([{"role": "user", "content": content}], enable_thinking=False)
 
 
-def test_invoke_and_ainvoke_keep_the_prompts_vectors(
-    stack: RunningStack, model_name: str, reference: Reference
+def added_up(chunks: list[Any]) -> Any:
+    """LangChain's own merge of a stream's chunks (it joins lists and strings)."""
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged = merged + chunk
+    return merged
+
+
+def test_invoke_and_stream_keep_the_prompts_vectors(
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
 ) -> None:
-    model = chat_model(stack, model_name)
+    model = chat_model(stack, model_name, clients=clients)
     content = "LangChain invoke: a lighthouse."
     message = model.invoke(content)
     check_entry(reference, prompt_ids(reference, content), hidden_states_of(message))
-    message = asyncio.run(model.ainvoke(content + " Async."))
-    check_entry(reference, prompt_ids(reference, content + " Async."), hidden_states_of(message))
-
-
-def test_stream_and_astream_keep_the_prompts_vector_once(
-    stack: RunningStack, model_name: str, reference: Reference
-) -> None:
-    model = chat_model(stack, model_name)
     content = "LangChain stream: a harbour."
     chunks = list(model.stream(content))
-    carrying = [c for c in chunks if "hidden_states" in c.response_metadata]
-    assert len(carrying) == 1
-    merged = chunks[0]
-    for chunk in chunks[1:]:
-        merged = merged + chunk
-    check_entry(reference, prompt_ids(reference, content), hidden_states_of(merged))
+    assert len([c for c in chunks if "hidden_states" in c.response_metadata]) == 1
+    check_entry(reference, prompt_ids(reference, content), hidden_states_of(added_up(chunks)))
 
-    async def collect() -> list[Any]:
-        return [chunk async for chunk in model.astream(content + " Async.")]
 
-    chunks = asyncio.run(collect())
-    merged = chunks[0]
-    for chunk in chunks[1:]:
-        merged = merged + chunk
-    check_entry(reference, prompt_ids(reference, content + " Async."), hidden_states_of(merged))
+def test_ainvoke_and_astream_keep_the_prompts_vectors(
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
+) -> None:
+    model = chat_model(stack, model_name, clients=clients)
+    invoked, streamed = "LangChain ainvoke: a bridge.", "LangChain astream: a tower."
+
+    async def both() -> tuple[Any, list[Any]]:
+        message = await model.ainvoke(invoked)
+        chunks = [chunk async for chunk in model.astream(streamed)]
+        for client in clients:  # in this loop, which closes after
+            if hasattr(client, "aclose"):
+                await client.aclose()
+        return message, chunks
+
+    message, chunks = asyncio.run(both())
+    check_entry(reference, prompt_ids(reference, invoked), hidden_states_of(message))
+    assert len([c for c in chunks if "hidden_states" in c.response_metadata]) == 1
+    check_entry(reference, prompt_ids(reference, streamed), hidden_states_of(added_up(chunks)))
 
 
 def test_two_choices_invoked_each_get_their_answers_state(
-    stack: RunningStack, model_name: str, reference: Reference
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
 ) -> None:
     raw = RawAnswers()
-    model = chat_model(stack, model_name, raw, pooling="last_answer").bind(n=2, temperature=1.0)
-    result = model.bound.generate([[("user", "LangChain n=2: name a sea.")]], **model.kwargs)
+    model = chat_model(stack, model_name, clients=clients, raw=raw, pooling="last_answer")
+    question = HumanMessage("LangChain n=2: name a sea.")
+    result = model.generate([[question]], n=2, temperature=1.0)
     [generations] = result.generations
     assert len(generations) == 2
     prompt, answers = raw.choices()
@@ -138,16 +171,14 @@ def test_two_choices_invoked_each_get_their_answers_state(
 
 
 def test_two_choices_streamed_are_never_concatenated(
-    stack: RunningStack, model_name: str, reference: Reference
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
 ) -> None:
     raw = RawAnswers()
-    model = chat_model(stack, model_name, raw, pooling="last_answer")
+    model = chat_model(stack, model_name, clients=clients, raw=raw, pooling="last_answer")
     chunks = list(model.stream("LangChain n=2 stream: name a river.", n=2, temperature=1.0))
     carrying = [c for c in chunks if "hidden_states" in c.response_metadata]
     assert len(carrying) == 2  # each choice's last chunk
-    merged = chunks[0]
-    for chunk in chunks[1:]:
-        merged = merged + chunk  # LangChain's own merge: lists and strings would be joined
+    merged = added_up(chunks)
     prompt, answers = raw.choices()
     assert sorted(merged.response_metadata["hidden_states"]) == [0, 1]
     for index in (0, 1):
@@ -155,9 +186,13 @@ def test_two_choices_streamed_are_never_concatenated(
 
 
 def test_the_embeddings_class_sends_text_and_returns_transformers_vectors(
-    stack: RunningStack, model_name: str, reference: Reference
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
 ) -> None:
+    from openai import DefaultHttpxClient
+
+    clients.append(DefaultHttpxClient())
     embeddings = HiddenStateEmbeddings(
+        http_client=clients[-1],
         model=model_name,
         base_url=stack.proxy_url + "/v1",
         api_key=SecretStr("unused"),
