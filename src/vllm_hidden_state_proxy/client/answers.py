@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,15 @@ from vllm_hidden_state_proxy.protocol import (
 _ITEM_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def _strict_base64(text: str) -> bytes:
+    """Base64 that refuses any character outside the alphabet (a truncated or mangled string
+    must not decode to other values); Python 3.11's strict mode is 2-4x faster than
+    ``validate=True``, which runs a regular expression over the whole string first."""
+    if sys.version_info >= (3, 11):
+        return binascii.a2b_base64(text, strict_mode=True)
+    return base64.b64decode(text, validate=True)
+
+
 def decode_values(value: Any, dtype: str = "float32", where: str = VECTOR) -> Array:
     """One vector or matrix of the answer as float32: a base64 string (little-endian
     ``dtype``), a JSON list of numbers (``null``: not finite, read as NaN), or a matrix object
@@ -55,7 +65,7 @@ def _from_base64(text: str, dtype: str, where: str) -> Array:
     if dtype not in _ITEM_SIZE:
         raise HiddenStateDecodeError(f"{where}: unknown dtype {dtype!r} (one of {DTYPES}).")
     try:
-        raw = base64.b64decode(text, validate=True)
+        raw = _strict_base64(text)
     except (binascii.Error, ValueError) as exc:
         raise HiddenStateDecodeError(f"{where} is not valid base64 ({exc}).") from None
     if len(raw) % _ITEM_SIZE[dtype]:
