@@ -100,12 +100,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import (
-    MATRIX_POOLINGS,
-    MAX_LAYERS,
-    POOLINGS,
-    REQUEST_KEY_BYTES,
-)
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, REQUEST_KEY_BYTES
+
+# The most layers a header may list: the bound every request is checked against too, so it
+# lives with the other shared facts (re-exported here with the header's other limits).
+from vllm_hidden_state_proxy.protocol import MAX_LAYERS as MAX_LAYERS
 from vllm_hidden_state_proxy.ring.records import (
     ERROR_STATUSES,
     HOOK_FAILED_STATUS,
