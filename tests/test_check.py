@@ -17,10 +17,27 @@ from vllm_hidden_state_proxy.check import CheckFailed, Deployment, canary, check
 
 HIDDEN = 8
 LAYERS = (0, 1, 2)
-CAPTURED_400 = (
-    "Layer 1000000 is not captured by this server. It captures layers 0, 1, 2 (the model has "
-    "2 decoder layers; -1 means 2, the final layer after the final norm). Choose from those."
-)
+
+
+def capture(arena_bytes: int = 1 << 20) -> dict[str, Any]:
+    """``GET /v1/hidden_states`` of a two-engine server of a two-layer model."""
+    poolings = ["last", "mean", "last_answer"] + (["all_prompt", "all_answer"] * bool(arena_bytes))
+    engine = {
+        "instance": "00000000000000ab", "runner": "", "hidden_size": HIDDEN,
+        "num_hidden_layers": 2, "layers": list(LAYERS), "slots": 16,
+        "arena_bytes": arena_bytes, "max_record_bytes": arena_bytes,
+    }  # fmt: skip
+    return {
+        "object": "hidden_state_capture", "model": "tiny", "models": ["tiny"],
+        "hidden_size": HIDDEN, "num_hidden_layers": 2, "layers": list(LAYERS),
+        "poolings": poolings, "formats": ["float", "base64"],
+        "dtypes": ["float32", "float16", "bfloat16"],
+        "limits": {"max_prompts": 2048, "max_spans": 1024, "max_layers": 1024,
+                   "max_record_bytes": arena_bytes, "arena_bytes": arena_bytes},
+        "engines": [{**engine, "engine": 0}, {**engine, "engine": 1}],
+    }  # fmt: skip
+
+
 METRICS = (
     "hidden_state_proxy_live_rings 2\n"
     'hidden_state_proxy_ring_info{instance="00000000000000ab",engine="0",'
@@ -58,14 +75,13 @@ class ScriptedProxy:
                 "/version": httpx.Response(200, json={"version": "0.32.0"}),
                 "/metrics": httpx.Response(200, text=METRICS),
                 "/v1/models": httpx.Response(200, json={"data": [{"id": "tiny"}]}),
+                "/v1/hidden_states": httpx.Response(200, json=capture()),
             }
             return self.answer(path, {}, defaults[path])
         body = json.loads(request.content)
         kv = body.get("kv_transfer_params")
         if kv is None:
             return self.answer("ordinary", body, httpx.Response(200, json={"choices": []}))
-        if kv.get("last_hidden_state_layers") == [1_000_000]:
-            return self.answer("layers", body, error(400, CAPTURED_400))
         if body.get("stream"):
             chunks = [
                 {"choices": [], "kv_transfer_params": {"last_hidden_state": b64([1.0] * HIDDEN)}},
@@ -113,8 +129,8 @@ def test_a_healthy_deployment_passes_every_step() -> None:
     proxy = ScriptedProxy()
     assert run(proxy, lines) == Deployment("tiny", LAYERS, 2, HIDDEN)
     assert proxy.seen == [
-        "/health", "/version", "/metrics", "/v1/models", "layers", "ordinary", "flagged", "mean",
-        "stream", "matrix",
+        "/health", "/version", "/metrics", "/v1/models", "/v1/hidden_states", "ordinary",
+        "flagged", "mean", "stream", "matrix",
     ]  # fmt: skip
     assert "ok: vLLM 0.32.0" in lines
     assert "ok: engines publishing: 2; engines without a ring: 0" in lines
@@ -126,8 +142,9 @@ def test_a_healthy_deployment_passes_every_step() -> None:
 
 def test_a_server_without_an_arena_skips_the_matrix_and_says_so() -> None:
     lines: list[str] = []
-    no_arena = error(503, "This vLLM server carries no matrices: HIDDEN_STATE_PROXY_ARENA_MIB=0")
-    run(ScriptedProxy(matrix=lambda b: no_arena), lines)
+    proxy = ScriptedProxy(**{"/v1/hidden_states": lambda b: httpx.Response(200, json=capture(0))})
+    run(proxy, lines)
+    assert "matrix" not in proxy.seen
     assert "skipped: matrices (the hook runs with HIDDEN_STATE_PROXY_ARENA_MIB=0)" in lines
 
 
@@ -176,8 +193,29 @@ def test_an_api_key_is_asked_for() -> None:
 
 def test_a_hook_that_is_not_active_fails_with_the_proxys_fix() -> None:
     not_active = "The hidden-state worker hook is not active in the vLLM environment: install it"
-    message = failure(ScriptedProxy(layers=lambda b: error(503, not_active)))
-    assert message == f"A flagged request got 503: {not_active}"
+    message = failure(ScriptedProxy(**{"/v1/hidden_states": lambda b: error(503, not_active)}))
+    assert message == f"/v1/hidden_states is 503: {not_active}"
+
+
+def test_a_proxy_without_the_capture_endpoint_names_the_release_fix() -> None:
+    message = failure(ScriptedProxy(**{"/v1/hidden_states": lambda b: error(404, "Not Found")}))
+    assert "older release" in message
+
+
+def test_a_capture_description_without_its_layers_fails_clearly() -> None:
+    broken = {k: v for k, v in capture().items() if k != "layers"}
+    message = failure(
+        ScriptedProxy(**{"/v1/hidden_states": lambda b: httpx.Response(200, json=broken)})
+    )
+    assert "'layers'" in message
+
+
+def test_vectors_of_another_size_than_the_capture_says_fail() -> None:
+    wrong = {**capture(), "hidden_size": HIDDEN * 2}
+    message = failure(
+        ScriptedProxy(**{"/v1/hidden_states": lambda b: httpx.Response(200, json=wrong)})
+    )
+    assert f"the hidden size is {HIDDEN * 2}" in message
 
 
 def test_a_hook_that_never_publishes_fails() -> None:

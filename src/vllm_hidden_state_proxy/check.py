@@ -5,8 +5,8 @@ line:
 
 1. ``/health`` (the proxy's: vLLM's, and every engine's hook, from the rings and the failure
    notes), ``/version`` (vLLM's) and ``/metrics`` (live rings, engines without one);
-2. the layers the server captures: a flagged request for a layer no server captures is
-   answered 400 with the list, before it reaches vLLM;
+2. what the server captures (``GET /v1/hidden_states``: the model, hidden size, layers,
+   poolings and limits, read by ``client.read_capture``);
 3. an ordinary request, then flagged ones: every captured layer at the last position, the
    final layer's mean, and a streamed one; each vector must have the same size and be finite;
 4. a matrix (pooling ``"all_prompt"``, through the ring's arena): one finite row per prompt
@@ -24,7 +24,6 @@ hook that wraps vLLM but never publishes fails the start instead of the first us
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import sys
@@ -35,14 +34,20 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, layer_indices
+from vllm_hidden_state_proxy.client import (
+    Array,
+    Capture,
+    HiddenStateDecodeError,
+    HiddenStateServerError,
+    HiddenStateStream,
+    decode_values,
+    hidden_state_fields,
+    read_capture,
+)
+from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, CAPTURE_PATH, KV
 from vllm_hidden_state_proxy.worker_hook.compat import describe_vllm
 
-KV = "kv_transfer_params"
 PROMPT = "The hidden-state proxy check: a short prompt."
-#: A layer no model has: the proxy's 400 for it lists the layers the server captures.
-NO_SUCH_LAYER = 1_000_000
-_CAPTURED = re.compile(r"It captures layers ([0-9, ]+) \(the model has (\d+) decoder layers")
 
 
 class CheckFailed(Exception):
@@ -66,14 +71,21 @@ def _error_text(response: httpx.Response) -> str:
         return response.text[:500] or f"HTTP {response.status_code}"
 
 
-def _vector(value: Any, where: str) -> np.ndarray[Any, np.dtype[np.float32]]:
-    if not isinstance(value, str):
+def _vector(value: Any, where: str) -> Array:
+    if not isinstance(value, (str, dict)):
         raise CheckFailed(
             f"{where} is not the base64 vector asked for ({type(value).__name__}): the proxy is "
             "not vllm-hidden-state-proxy, or of another release than this command; install one "
             "release for both."
         )
-    vector = np.frombuffer(base64.b64decode(value), dtype="<f4")
+    try:
+        vector = decode_values(value, "float32", where)
+    except HiddenStateDecodeError as error:
+        raise CheckFailed(f"{error} Install one release for the proxy and the hook.") from None
+    return _finite(vector, where)
+
+
+def _finite(vector: Array, where: str) -> Array:
     if not vector.size:
         raise CheckFailed(f"{where} is empty: reinstall one release of the package for both sides.")
     if not np.isfinite(vector).all():
@@ -111,13 +123,11 @@ class _Probe:
             ) from None
 
     def completion(self, model: str, kv: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+        """``kv``: :func:`hidden_state_fields`' arguments of a flagged request; ``None``: an
+        ordinary one."""
         body: dict[str, Any] = {"model": model, "prompt": PROMPT, "max_tokens": 1, **extra}
         if kv is not None:
-            body[KV] = {
-                "return_last_hidden_state": True,
-                "last_hidden_state_format": "base64",
-                **kv,
-            }
+            body.update(hidden_state_fields(**kv))
         response = self.post("/v1/completions", body)
         if response.status_code != 200:
             what = "A flagged request" if kv is not None else "An ordinary request"
@@ -131,7 +141,7 @@ class _Probe:
             "prompt": PROMPT,
             "max_tokens": 2,
             "stream": True,
-            KV: {"return_last_hidden_state": True, "last_hidden_state_format": "base64"},
+            **hidden_state_fields(),
         }
         try:
             with self.client.stream("POST", "/v1/completions", json=body) as response:
@@ -190,37 +200,34 @@ def _overview(probe: _Probe, model: str | None) -> str:
     return str(models.json()["data"][0]["id"])
 
 
-def _captured(probe: _Probe, model: str) -> tuple[tuple[int, ...], int]:
-    response = probe.post(
-        "/v1/completions",
-        {
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 1,
-            KV: {"return_last_hidden_state": True, "last_hidden_state_layers": [NO_SUCH_LAYER]},
-        },
-    )
-    match = _CAPTURED.search(_error_text(response)) if response.status_code == 400 else None
-    if match is None:
-        raise CheckFailed(
-            f"A flagged request got {response.status_code}: {_error_text(response)}"
-            if response.status_code != 400
-            else f"The proxy did not list its layers ({_error_text(response)}): install one "
-            "release of vllm-hidden-state-proxy for the proxy and this command."
-        )
-    layers = layer_indices(match.group(1))
-    return layers, int(match.group(2))
+def _captured(probe: _Probe) -> Capture:
+    response = probe.get(CAPTURE_PATH)
+    try:
+        return read_capture(response)
+    except HiddenStateServerError as error:
+        if error.status == 404:
+            raise CheckFailed(
+                f"{CAPTURE_PATH} is 404: the proxy is of an older release than this command; "
+                "install one release of vllm-hidden-state-proxy for the proxy and this command."
+            ) from None
+        raise CheckFailed(f"{CAPTURE_PATH} is {error.status}: {error.message}") from None
+    except HiddenStateDecodeError as error:
+        raise CheckFailed(str(error)) from None
 
 
 def check(client: httpx.Client, model: str | None, say: Callable[[str], None]) -> Deployment:
     """Every step, in order; raises :class:`CheckFailed` at the first failure."""
     probe = _Probe(client, say)
     model = _overview(probe, model)
-    layers, final = _captured(probe, model)
-    say(f"ok: model {model!r}, {final} decoder layers; captured layers {layers}")
+    capture = _captured(probe)
+    layers, final = capture.layers, capture.num_hidden_layers
+    say(
+        f"ok: model {model!r}, {final} decoder layers; captured layers {layers}; hidden size "
+        f"{capture.hidden_size}; poolings {', '.join(capture.poolings)}"
+    )
     probe.completion(model, None)
     say("ok: an ordinary request is answered")
-    answer = probe.completion(model, {"last_hidden_state_layers": list(layers)})
+    answer = probe.completion(model, {"layers": list(layers)})
     by_layer = answer.get(KV, {}).get("last_hidden_states_by_layer")
     if not isinstance(by_layer, dict) or sorted(map(int, by_layer)) != sorted(layers):
         raise CheckFailed(
@@ -231,21 +238,34 @@ def check(client: httpx.Client, model: str | None, say: Callable[[str], None]) -
     if len(sizes) != 1:
         raise CheckFailed(f"The layers' vectors differ in size ({sorted(sizes)}): a hook bug.")
     [hidden_size] = sizes
+    if hidden_size != capture.hidden_size:
+        raise CheckFailed(
+            f"The vectors have {hidden_size} values, but {CAPTURE_PATH} says the hidden size is "
+            f"{capture.hidden_size}: install one release for the proxy and the hook."
+        )
     say(f"ok: a flagged request: {len(layers)} layers of {hidden_size} finite values each")
-    mean = probe.completion(model, {"last_hidden_state_pooling": "mean"})
+    mean = probe.completion(model, {"pooling": "mean"})
     if _vector(mean.get(KV, {}).get("last_hidden_state"), "the mean").size != hidden_size:
         raise CheckFailed("The mean-pooled vector has another size than the last-position one.")
     say("ok: a mean-pooled flagged request")
-    streamed = [chunk[KV] for chunk in probe.stream(model) if KV in chunk]
-    if len(streamed) != 1:
+    reader = HiddenStateStream()
+    try:
+        carried = sum(reader.feed(chunk) is not None for chunk in probe.stream(model))
+    except (HiddenStateServerError, HiddenStateDecodeError) as error:
+        raise CheckFailed(f"A streamed flagged request failed: {error}") from None
+    if carried != 1:
         raise CheckFailed(
-            f"A streamed flagged request carried {len(streamed)} vectors, not 1: put nothing "
+            f"A streamed flagged request carried {carried} vectors, not 1: put nothing "
             "between the client and the proxy that rewrites server-sent events."
         )
-    if _vector(streamed[0].get("last_hidden_state"), "the streamed vector").size != hidden_size:
+    streamed = reader.result().vector
+    if streamed is None or _finite(streamed, "the streamed vector").size != hidden_size:
         raise CheckFailed("The streamed vector has another size than the unstreamed one.")
     say("ok: a streamed flagged request")
-    _check_matrix(probe, model, hidden_size)
+    if "all_prompt" in capture.poolings:
+        _check_matrix(probe, model, hidden_size)
+    else:
+        say(f"skipped: matrices (the hook runs with {ARENA_MIB_ENV}=0)")
     return Deployment(model, layers, final, hidden_size)
 
 
@@ -255,12 +275,9 @@ def _check_matrix(probe: _Probe, model: str, hidden_size: int) -> None:
         "model": model,
         "prompt": PROMPT,
         "max_tokens": 1,
-        KV: {"return_last_hidden_state": True, "last_hidden_state_pooling": "all_prompt"},
+        **hidden_state_fields(pooling="all_prompt"),
     }
     response = probe.post("/v1/completions", body)
-    if response.status_code == 503 and ARENA_MIB_ENV in _error_text(response):
-        probe.say(f"skipped: matrices (the hook runs with {ARENA_MIB_ENV}=0)")
-        return
     if response.status_code != 200:
         raise CheckFailed(f"A matrix request got {response.status_code}: {_error_text(response)}")
     answer = response.json()
@@ -272,7 +289,7 @@ def _check_matrix(probe: _Probe, model: str, hidden_size: int) -> None:
             f"A matrix request came back with shape {shape}, not [{tokens}, {hidden_size}] "
             "(prompt tokens x hidden size): install one release for the proxy and the hook."
         )
-    rows = _vector(matrix.get("data"), "the matrix").size // hidden_size
+    rows = _vector(matrix, "the matrix").shape[0]
     probe.say(f"ok: a matrix of {rows} rows (every prompt position, through the arena)")
 
 

@@ -85,6 +85,42 @@ MAX_SPANS = 1024
 #: token count and looks up the one it needs. (Each finished choice takes this many ring slots.)
 ANSWER_WINDOW = 8
 
+# -- the client's fields ----------------------------------------------------------------------
+# What a client writes and reads: the proxy checks and answers them, ``client.py`` builds and
+# decodes them (with numpy alone, which is why they live here and not in ``proxy/``).
+
+KV = "kv_transfer_params"
+XARGS = "vllm_xargs"
+#: In the request, inside ``kv_transfer_params``.
+FLAG = "return_last_hidden_state"
+FORMAT = "last_hidden_state_format"
+LAYERS = "last_hidden_state_layers"
+POOLING = "last_hidden_state_pooling"
+#: In the request (true asks for it) and in the answer (where and what the vectors are).
+INFO = "last_hidden_state_info"
+#: The float type of base64 values: the captured float32, or rounded to 16 bits.
+DTYPE = "last_hidden_state_dtype"
+#: Token spans of the prompt, each mean-pooled (pooling ``"mean"``).
+SPANS = "last_hidden_state_spans"
+#: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
+OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING, DTYPE, SPANS)
+FORMATS = ("float", "base64")
+DTYPES = ("float32", "float16", "bfloat16")
+
+#: In the answer, inside ``kv_transfer_params``; a list of prompts gets the plurals.
+VECTOR = "last_hidden_state"
+VECTORS = "last_hidden_states"
+BY_LAYER = "last_hidden_states_by_layer"
+INFOS = "last_hidden_state_infos"
+
+#: The most layers a server can capture (and so a request may name): the ring header's bound.
+MAX_LAYERS = 1024
+#: The largest token position a span may name (vLLM's contexts are far shorter).
+MAX_SPAN_POSITION = 1 << 31
+
+#: ``GET``: what the server captures and the limits of a request (the proxy's capture endpoint).
+CAPTURE_PATH = "/v1/hidden_states"
+
 # -- the embeddings template -----------------------------------------------------------------
 # The proxy's /v1/embeddings option, and the clients that build its prompts themselves (the
 # benchmark, the tests' references).

@@ -25,6 +25,9 @@ def test_check_passes_on_the_shared_stack(stack: RunningStack) -> None:
     assert deployment.layers == (0, 1, 2)  # --hidden-state-layers 0,1,-1 of two layers
     assert deployment.num_hidden_layers == 2
     assert deployment.hidden_size > 0
+    # the layers, hidden size and poolings come from GET /v1/hidden_states
+    captured = f"captured layers (0, 1, 2); hidden size {deployment.hidden_size}; poolings last,"
+    assert any(captured in line for line in lines), lines
     assert any(line.startswith("ok: vLLM 0.32") for line in lines), lines
     # The CPU runner is the V1 runner's subclass; its ring's header says so.
     assert any(line.endswith(": vLLM 0.32.0 V1 CPUModelRunner") for line in lines), lines
@@ -55,6 +58,7 @@ def test_check_fails_naming_the_fix_where_vllm_has_no_hook(
             check(client, None, lambda line: None)
     assert done.returncode == 1
     [last] = done.stderr.strip().splitlines()[-1:]
-    assert last.startswith("FAILED: A flagged request got 503: The hidden-state worker hook is not")
+    # the capture description answers as a flagged request would: 503, the proxy's fix
+    assert last.startswith("FAILED: /v1/hidden_states is 503: The hidden-state worker hook is not")
     assert "install vllm-hidden-state-proxy into vLLM's Python environment" in last
     assert str(got.value) == last.removeprefix("FAILED: ")

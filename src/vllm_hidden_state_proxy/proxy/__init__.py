@@ -7,7 +7,7 @@ server.py            uvicorn runs the app that app.py assembles (routes, lifespa
                      http_protocol.py: request heads bounded in size and arrival time
 auth.py              the API key, if the proxy has one
 chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
-  │                  ops_app.py: the others)
+  │                  ops_app.py, capture_app.py: what the server captures; the others)
   ▼
 endpoints.py         the POST endpoints' base classes: read the body (asgi.py: its size, its
   │                  time, the process's budget of buffered bodies), build the exchange or

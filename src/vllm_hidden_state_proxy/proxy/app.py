@@ -13,7 +13,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_hidden_state_proxy.protocol import CAPTURE_PATH
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
+from vllm_hidden_state_proxy.proxy.capture_app import CaptureApp
 from vllm_hidden_state_proxy.proxy.chat_app import ChatApp
 from vllm_hidden_state_proxy.proxy.completions_app import CompletionsApp
 from vllm_hidden_state_proxy.proxy.embeddings_app import EmbeddingsApp
@@ -105,6 +107,7 @@ def create_app(
     routes = [
         Route("/health", HealthApp(state), methods=["GET"]),
         Route("/metrics", MetricsApp(state), methods=["GET"]),
+        Route(CAPTURE_PATH, CaptureApp(state), methods=["GET"]),
         Route("/v1/chat/completions", ChatApp(state), methods=["POST"]),
         Route("/v1/completions", CompletionsApp(state), methods=["POST"]),
         Route("/v1/embeddings", EmbeddingsApp(state), methods=["POST"]),

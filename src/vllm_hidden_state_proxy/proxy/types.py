@@ -29,34 +29,47 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
-from vllm_hidden_state_proxy.protocol import SPANS_POOLING
+from vllm_hidden_state_proxy.protocol import (
+    BY_LAYER,
+    DTYPE,
+    DTYPES,
+    FLAG,
+    FORMAT,
+    FORMATS,
+    INFO,
+    INFOS,
+    KV,
+    LAYERS,
+    OWN_FIELDS,
+    POOLING,
+    SPANS,
+    SPANS_POOLING,
+    VECTOR,
+    VECTORS,
+    XARGS,
+)
 from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
 
-# -- the client's field names ----------------------------------------------------------------
+# -- the client's field names: ``protocol.py`` (the client module reads them too) -----------
 
-KV = "kv_transfer_params"
-XARGS = "vllm_xargs"
-#: In the request, inside ``kv_transfer_params``.
-FLAG = "return_last_hidden_state"
-FORMAT = "last_hidden_state_format"
-LAYERS = "last_hidden_state_layers"
-POOLING = "last_hidden_state_pooling"
-#: In the request (true asks for it) and in the answer (where and what the vectors are).
-INFO = "last_hidden_state_info"
-#: The float type of base64 values: the captured float32, or rounded to 16 bits.
-DTYPE = "last_hidden_state_dtype"
-#: Token spans of the prompt, each mean-pooled (pooling ``"mean"``).
-SPANS = "last_hidden_state_spans"
-#: The client-facing fields the proxy owns inside ``kv_transfer_params`` (stripped before vLLM).
-OWN_FIELDS = (FLAG, FORMAT, INFO, LAYERS, POOLING, DTYPE, SPANS)
-FORMATS = ("float", "base64")
-DTYPES = ("float32", "float16", "bfloat16")
-
-#: In the answer, inside ``kv_transfer_params``; a list of prompts gets the plurals.
-VECTOR = "last_hidden_state"
-VECTORS = "last_hidden_states"
-BY_LAYER = "last_hidden_states_by_layer"
-INFOS = "last_hidden_state_infos"
+__all__ = [
+    "BY_LAYER",
+    "DTYPE",
+    "DTYPES",
+    "FLAG",
+    "FORMAT",
+    "FORMATS",
+    "INFO",
+    "INFOS",
+    "KV",
+    "LAYERS",
+    "OWN_FIELDS",
+    "POOLING",
+    "SPANS",
+    "VECTOR",
+    "VECTORS",
+    "XARGS",
+]
 
 
 def is_int(value: Any) -> TypeGuard[int]:

@@ -14,6 +14,7 @@ copied is the requested record.
 - :mod:`.directory`: every ring and note of a directory (the proxy).
 """
 
+from vllm_hidden_state_proxy.protocol import MAX_LAYERS
 from vllm_hidden_state_proxy.ring.directory import (
     PublishMarks,
     RingDirectory,
@@ -23,7 +24,6 @@ from vllm_hidden_state_proxy.ring.directory import (
 from vllm_hidden_state_proxy.ring.files import Owners
 from vllm_hidden_state_proxy.ring.layout import (
     LAYOUT_VERSION,
-    MAX_LAYERS,
     RingFormatError,
     RingHeader,
     RingShape,

@@ -101,6 +101,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, REQUEST_KEY_BYTES
+
+# The most layers a header may list: the bound every request is checked against too, so it
+# lives with the other shared facts (re-exported here with the header's other limits).
+from vllm_hidden_state_proxy.protocol import MAX_LAYERS as MAX_LAYERS
 from vllm_hidden_state_proxy.ring.records import (
     ERROR_STATUSES,
     HOOK_FAILED_STATUS,
@@ -198,7 +202,6 @@ MAX_SLOT_COUNT = 1 << 24
 MAX_HIDDEN_SIZE = 1 << 24
 MAX_SLOT_SIZE = 1 << 30
 MAX_NUM_HIDDEN_LAYERS = 1 << 16
-MAX_LAYERS = 1024
 #: The largest arena a header may describe (1 TiB).
 MAX_ARENA_SIZE = 1 << 40
 

@@ -1,0 +1,382 @@
+"""Reading answers: :func:`read_hidden_states` (a whole answer) and :class:`HiddenStateStream`
+(a stream, chunk by chunk), both to a :class:`HiddenStateAnswer` of numpy float32 arrays."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_hidden_state_proxy.client.types import (
+    Array,
+    Dtype,
+    HiddenStateDecodeError,
+    HiddenStateServerError,
+)
+from vllm_hidden_state_proxy.client.types import is_int as _is_int
+from vllm_hidden_state_proxy.protocol import (
+    BY_LAYER,
+    DTYPES,
+    FLAG,
+    INFO,
+    INFOS,
+    KV,
+    VECTOR,
+    VECTORS,
+)
+
+_ITEM_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _strict_base64(text: str) -> bytes:
+    """Base64 that refuses any character outside the alphabet (a truncated or mangled string
+    must not decode to other values); Python 3.11's strict mode is 2-4x faster than
+    ``validate=True``, which runs a regular expression over the whole string first."""
+    if sys.version_info >= (3, 11):
+        return binascii.a2b_base64(text, strict_mode=True)
+    return base64.b64decode(text, validate=True)
+
+
+def decode_values(value: Any, dtype: str = "float32", where: str = VECTOR) -> Array:
+    """One vector or matrix of the answer as float32: a base64 string (little-endian
+    ``dtype``), a JSON list of numbers (``null``: not finite, read as NaN), or a matrix object
+    ``{"shape", "dtype", "data"}``. ``where`` names the field in errors."""
+    if isinstance(value, Mapping):
+        return _decode_matrix(value, where)
+    if isinstance(value, str):
+        return _from_base64(value, dtype, where)
+    if isinstance(value, (list, tuple)):
+        return _from_list(value, where, rows=None)
+    if isinstance(value, np.ndarray):
+        return value.astype(np.float32)
+    raise HiddenStateDecodeError(
+        f"{where} is a {type(value).__name__}, not a base64 string, a list of numbers or a "
+        "matrix object."
+    )
+
+
+def _from_base64(text: str, dtype: str, where: str) -> Array:
+    if dtype not in _ITEM_SIZE:
+        raise HiddenStateDecodeError(f"{where}: unknown dtype {dtype!r} (one of {DTYPES}).")
+    try:
+        raw = _strict_base64(text)
+    except (binascii.Error, ValueError) as exc:
+        raise HiddenStateDecodeError(f"{where} is not valid base64 ({exc}).") from None
+    if len(raw) % _ITEM_SIZE[dtype]:
+        raise HiddenStateDecodeError(
+            f"{where} holds {len(raw)} bytes, not a whole number of {dtype} values: was it "
+            f"asked for as another dtype than {dtype!r}?"
+        )
+    if dtype == "float16":
+        return np.frombuffer(raw, "<f2").astype(np.float32)
+    if dtype == "bfloat16":  # float32's upper half
+        return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4").astype(np.float32)
+    return np.frombuffer(raw, "<f4").astype(np.float32)
+
+
+def _from_list(values: Sequence[Any], where: str, rows: int | None) -> Array:
+    try:
+        array = np.array(
+            [[np.nan if v is None else v for v in row] for row in values]
+            if rows is not None
+            else [np.nan if v is None else v for v in values],
+            dtype=np.float32,
+        )
+    except (TypeError, ValueError) as exc:
+        raise HiddenStateDecodeError(f"{where} is not a list of numbers ({exc}).") from None
+    if array.ndim != (1 if rows is None else 2):
+        raise HiddenStateDecodeError(f"{where} is not a flat list of numbers.")
+    return array
+
+
+def _decode_matrix(matrix: Mapping[str, Any], where: str) -> Array:
+    for name in ("shape", "dtype", "data"):
+        if name not in matrix:
+            raise HiddenStateDecodeError(f"{where} is a matrix object without its {name!r}.")
+    shape = matrix["shape"]
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 2
+        or not all(_is_int(n) and n >= 0 for n in shape)
+    ):
+        raise HiddenStateDecodeError(f"{where}: shape {shape!r} is not [rows, hidden_size].")
+    rows, width = shape
+    data = matrix["data"]
+    if isinstance(data, str):
+        flat = _from_base64(data, str(matrix["dtype"]), where)
+    elif isinstance(data, (list, tuple)):
+        if len(data) != rows:
+            raise HiddenStateDecodeError(f"{where} has {len(data)} rows, not the shape's {rows}.")
+        flat = _from_list(data, where, rows).reshape(-1) if rows else np.zeros(0, np.float32)
+    else:
+        raise HiddenStateDecodeError(f"{where}'s data is a {type(data).__name__}.")
+    if flat.size != rows * width:
+        raise HiddenStateDecodeError(
+            f"{where} holds {flat.size} values, not {rows} x {width} (its shape)."
+        )
+    return flat.reshape(rows, width)
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """One entry: one prompt's vectors (or matrices), or with an answer pooling one choice's.
+
+    ``vector`` is the final layer's (``last_hidden_state``), when the final layer was asked
+    for or no layers were given; ``by_layer`` maps each requested layer, as written in the
+    request (``-1`` stays ``-1``), to its array; ``info`` is ``last_hidden_state_info``.
+    """
+
+    vector: Array | None
+    by_layer: Mapping[int, Array] = field(default_factory=dict)
+    info: Mapping[str, Any] | None = None
+
+    def layer(self, layer: int) -> Array:
+        """Layer ``layer``'s array, as requested (``-1``: the final layer's)."""
+        if layer in self.by_layer:
+            return self.by_layer[layer]
+        if layer == -1 and self.vector is not None:
+            return self.vector
+        raise KeyError(
+            f"layer {layer} is not in this answer (it has {sorted(self.by_layer)}"
+            f"{' and the final layer' if self.vector is not None else ''})"
+        )
+
+
+@dataclass(frozen=True)
+class HiddenStateAnswer:
+    """Every entry of one answer, in prompt order (a completions list of prompts) or choice
+    order (``"last_answer"``/``"all_answer"`` with several choices); one entry otherwise."""
+
+    entries: tuple[HiddenStates, ...]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> HiddenStates:
+        return self.entries[index]
+
+    @property
+    def single(self) -> HiddenStates:
+        """The one entry; ``ValueError`` if the answer has several (use ``entries``)."""
+        if len(self.entries) != 1:
+            raise ValueError(
+                f"this answer has {len(self.entries)} entries (one per prompt or choice): "
+                "index it, or read .entries"
+            )
+        return self.entries[0]
+
+    @property
+    def vector(self) -> Array | None:
+        return self.single.vector
+
+    @property
+    def by_layer(self) -> Mapping[int, Array]:
+        return self.single.by_layer
+
+    @property
+    def info(self) -> Mapping[str, Any] | None:
+        return self.single.info
+
+
+def as_document(answer: Any) -> dict[str, Any]:
+    """A dict of ``answer``: an OpenAI SDK object (pydantic), an httpx (or requests) response,
+    a JSON string or bytes, or a mapping."""
+    if isinstance(answer, Mapping):
+        return dict(answer)
+    if isinstance(answer, (str, bytes, bytearray)):
+        try:
+            document = json.loads(answer)
+        except ValueError as exc:
+            raise HiddenStateDecodeError(f"the answer is not JSON ({exc}).") from None
+        return as_document(document)
+    status = getattr(answer, "status_code", None)
+    if _is_int(status) and callable(getattr(answer, "json", None)):  # httpx, requests
+        try:
+            document = answer.json()
+        except ValueError:
+            document = None
+        if status != 200 or not isinstance(document, Mapping):
+            message = error_message(document) or str(getattr(answer, "text", ""))[:500]
+            raise HiddenStateServerError(message or "no body", status)
+        return dict(document)
+    dump = getattr(answer, "model_dump", None)
+    if callable(dump):  # pydantic (the OpenAI SDK's objects keep unknown fields as extras)
+        document = dump()
+        if isinstance(document, Mapping):
+            return dict(document)
+    raise HiddenStateDecodeError(
+        f"cannot read a {type(answer).__name__}: pass an OpenAI SDK object, a dict, JSON text "
+        "or an httpx response."
+    )
+
+
+def error_message(document: Any) -> str | None:
+    if isinstance(document, Mapping) and isinstance(document.get("error"), Mapping):
+        return str(document["error"].get("message"))
+    return None
+
+
+def _params_of(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    message = error_message(document)
+    if message is not None:
+        code = document["error"].get("code")
+        raise HiddenStateServerError(message, code if _is_int(code) else None)
+    kv = document.get(KV)
+    if kv is None and isinstance(document.get("response"), Mapping):  # a responses event
+        kv = document["response"].get(KV)
+    if not isinstance(kv, Mapping):
+        raise HiddenStateDecodeError(
+            f"the answer has no {KV} object: was the request flagged "
+            f"({KV}.{FLAG}: true), and did it go through the proxy?"
+        )
+    return kv
+
+
+def _dtype_of(info: Any, dtype: str | None) -> str:
+    if dtype is not None:
+        return dtype
+    if isinstance(info, Mapping) and isinstance(info.get("dtype"), str):
+        return str(info["dtype"])
+    return "float32"
+
+
+def _entry(vector: Any, by_layer: Any, info: Any, dtype: str | None, where: str) -> HiddenStates:
+    if info is not None and not isinstance(info, Mapping):
+        raise HiddenStateDecodeError(f"{where}{INFO} is not an object.")
+    dtype = _dtype_of(info, dtype)
+    decoded = None if vector is None else decode_values(vector, dtype, f"{where}{VECTOR}")
+    layers: dict[int, Array] = {}
+    if by_layer is not None:
+        if not isinstance(by_layer, Mapping):
+            raise HiddenStateDecodeError(f"{where}{BY_LAYER} is not an object.")
+        for label, value in by_layer.items():
+            try:
+                layer = int(label)
+            except (TypeError, ValueError):
+                raise HiddenStateDecodeError(
+                    f"{where}{BY_LAYER} has the key {label!r}, not a layer index."
+                ) from None
+            layers[layer] = decode_values(value, dtype, f"{where}{BY_LAYER}[{label!r}]")
+    if decoded is None and not layers:
+        raise HiddenStateDecodeError(f"{where}{KV} holds neither {VECTOR} nor {BY_LAYER}.")
+    widths = {array.shape[-1] for array in (decoded, *layers.values()) if array is not None}
+    hidden_size = info.get("hidden_size") if isinstance(info, Mapping) else None
+    if len(widths) > 1 or (_is_int(hidden_size) and widths != {hidden_size}):
+        raise HiddenStateDecodeError(
+            f"{where}: the arrays have widths {sorted(widths)}"
+            + (f", not the info's hidden_size {hidden_size}" if _is_int(hidden_size) else "")
+            + f": was dtype {dtype!r} the one asked for?"
+        )
+    return HiddenStates(decoded, layers, info)
+
+
+def _entries(kv: Mapping[str, Any], dtype: str | None) -> tuple[HiddenStates, ...]:
+    plural = VECTORS in kv or INFOS in kv or isinstance(kv.get(BY_LAYER), list)
+    if not plural:
+        if VECTOR not in kv and BY_LAYER not in kv:
+            raise HiddenStateDecodeError(
+                f"{KV} holds neither {VECTOR} nor {BY_LAYER} (it has {sorted(kv)})."
+            )
+        return (_entry(kv.get(VECTOR), kv.get(BY_LAYER), kv.get(INFO), dtype, ""),)
+    lists: dict[str, Any] = {name: kv[name] for name in (VECTORS, BY_LAYER, INFOS) if name in kv}
+    for name, value in lists.items():
+        if not isinstance(value, list):
+            raise HiddenStateDecodeError(f"{KV}.{name} is not a list (one entry per prompt).")
+    lengths = {len(value) for value in lists.values()}
+    if len(lengths) != 1:
+        raise HiddenStateDecodeError(
+            f"{KV}'s lists differ in length: "
+            + ", ".join(f"{name} {len(value)}" for name, value in lists.items())
+        )
+    [count] = lengths
+    return tuple(
+        _entry(
+            lists[VECTORS][i] if VECTORS in lists else None,
+            lists[BY_LAYER][i] if BY_LAYER in lists else None,
+            lists[INFOS][i] if INFOS in lists else None,
+            dtype,
+            f"[{i}] ",
+        )
+        for i in range(count)
+    )
+
+
+def read_hidden_states(answer: Any, *, dtype: Dtype | None = None) -> HiddenStateAnswer:
+    """The hidden states of one answer (chat, completions, responses; a JSON answer, or a
+    stream's final object such as ``stream.get_final_completion()`` / ``get_final_response()``).
+
+    ``dtype``: of base64 values; default the info's ``dtype`` when asked for, else
+    ``"float32"``. A 16-bit answer without its info needs it (a bare base64 string does not
+    say its dtype).
+    """
+    return HiddenStateAnswer(_entries(_params_of(as_document(answer)), dtype))
+
+
+class HiddenStateStream:
+    """Fed a flagged stream's chunks (chat, completions: SDK objects or dicts, or SSE
+    ``data:`` payloads as text) or events (responses), one by one; :meth:`result` gives what
+    :func:`read_hidden_states` gives for the same request unstreamed.
+
+    The vectors ride on the first chunk with a choice (prompt poolings), on each choice's
+    last chunk (answer poolings, one entry per choice, in choice order), or on
+    ``response.completed`` (responses). An error event raises :class:`HiddenStateServerError`.
+    """
+
+    def __init__(self, *, dtype: Dtype | None = None) -> None:
+        self._dtype: Dtype | None = dtype
+        self._by_choice: dict[int, HiddenStates] = {}
+
+    def feed(self, chunk: Any) -> HiddenStates | None:
+        """Read one chunk or event; the entry it carried, if any."""
+        if isinstance(chunk, (str, bytes, bytearray)):
+            text = chunk.decode() if isinstance(chunk, (bytes, bytearray)) else chunk
+            lines = text.strip().splitlines()
+            data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+            text = "\n".join(data) if data else text.strip()
+            if not text or text == "[DONE]" or text.startswith(("event:", ":")):
+                return None
+            chunk = text
+        document = as_document(chunk)
+        if error_message(document) is not None or document.get("type") in ("error",):
+            message = error_message(document) or str(document.get("message"))
+            code = document.get("code")
+            raise HiddenStateServerError(message, code if _is_int(code) else None)
+        kv = document.get(KV)
+        response = document.get("response")
+        if kv is None and isinstance(response, Mapping):
+            kv = response.get(KV)
+        if not isinstance(kv, Mapping) or not (VECTOR in kv or BY_LAYER in kv):
+            return None
+        choices = document.get("choices")
+        index = 0
+        if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+            found = choices[0].get("index", 0)
+            index = found if _is_int(found) else 0
+        if index in self._by_choice:
+            raise HiddenStateDecodeError(f"choice {index}'s vectors came twice in the stream.")
+        entry = _entries(kv, self._dtype)
+        if len(entry) != 1:
+            raise HiddenStateDecodeError("a stream chunk carried a list of entries.")
+        self._by_choice[index] = entry[0]
+        return entry[0]
+
+    def feed_all(self, chunks: Iterable[Any]) -> HiddenStateAnswer:
+        """:meth:`feed` each of ``chunks`` (passing nothing on), then :meth:`result`."""
+        for chunk in chunks:
+            self.feed(chunk)
+        return self.result()
+
+    def result(self) -> HiddenStateAnswer:
+        """Every entry the stream carried, in choice order; ``HiddenStateDecodeError`` if none."""
+        if not self._by_choice:
+            raise HiddenStateDecodeError(
+                f"no chunk of the stream carried {KV} with vectors: was the request flagged, "
+                "and was the whole stream fed?"
+            )
+        return HiddenStateAnswer(tuple(self._by_choice[i] for i in sorted(self._by_choice)))

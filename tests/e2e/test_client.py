@@ -1,0 +1,251 @@
+"""The client module (issue #37) on real vLLM through the official openai client: every kind of
+answer, decoded by ``read_hidden_states`` or ``HiddenStateStream``, equals Transformers' arrays
+(the suite's tolerance), and the server's capture description is what it serves.
+
+Kinds: last and mean over every captured layer, spans, all_prompt, all_answer and last_answer
+with n = 2, a completions prompt list, 16-bit dtypes, and streams of chat (per choice),
+completions and responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.reference import Reference, assert_matches
+from tests.e2e.server import SHARED_LAYERS, RunningStack
+from vllm_hidden_state_proxy.client import (
+    CAPTURE_PATH,
+    Array,
+    HiddenStates,
+    HiddenStateServerError,
+    HiddenStateStream,
+    hidden_state_fields,
+    read_capture,
+    read_hidden_states,
+)
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+LAYERS = [int(layer) for layer in SHARED_LAYERS]
+
+
+def kind(layer: int, pooling: str) -> str:
+    return f"layer {layer}, {pooling}"
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    """``extra_body``: the client's fields, every captured layer, with info and token ids."""
+    fields.setdefault("layers", LAYERS)
+    fields.setdefault("info", True)
+    return {**NO_THINKING, **hidden_state_fields(**fields), "return_token_ids": True}
+
+
+def chat(client: Any, model: str, content: str, **options: Any) -> Any:
+    extra_body = options.pop("extra_body")
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        extra_body=extra_body,
+        **{"max_completion_tokens": 1, "temperature": 0, **options},
+    )
+
+
+def check_vectors(
+    reference: Reference, ids: list[int], entry: HiddenStates, pooling: str = "last"
+) -> None:
+    """Each layer's vector (and the final one) against Transformers' on ``ids``."""
+    assert sorted(entry.by_layer) == sorted(LAYERS)
+    assert entry.vector is not None
+    np.testing.assert_array_equal(entry.vector, entry.layer(-1))
+    for layer, vector in entry.by_layer.items():
+        assert vector.dtype == np.float32 and vector.shape == (reference.hidden_size,)
+        expected = reference.layer_vector(ids, layer, pooling)
+        assert_matches(vector.tolist(), expected, kind(layer, pooling))
+
+
+def check_rows(
+    reference: Reference, ids: list[int], first: int, matrix: Array, layer: int, pooling: str
+) -> None:
+    """A matrix against Transformers' rows ``first ..`` of layer ``layer`` on ``ids``."""
+    expected = reference.layer_rows(ids, layer)[first:]
+    assert matrix.shape == (len(expected), reference.hidden_size), matrix.shape
+    for row, want in zip(matrix, expected, strict=True):
+        assert_matches(row.tolist(), want, kind(layer, pooling))
+
+
+def test_the_capture_description_is_what_the_server_serves(
+    stack: RunningStack, model_name: str, reference: Reference
+) -> None:
+    response = httpx.get(stack.proxy_url + CAPTURE_PATH, timeout=30)
+    capture = read_capture(response)
+    final = reference.num_hidden_layers
+    assert capture.model == model_name
+    assert (capture.hidden_size, capture.num_hidden_layers) == (reference.hidden_size, final)
+    assert capture.layers == tuple(sorted({k if k >= 0 else final + 1 + k for k in LAYERS}))
+    assert "all_prompt" in capture.poolings and capture.limits["arena_bytes"] > 0
+    assert [engine.layers for engine in capture.engines] == [capture.layers]
+    assert capture.engines[0].runner.startswith("vLLM 0.32")
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_last_and_mean_of_every_layer(
+    client: Any, model_name: str, reference: Reference, pooling: str
+) -> None:
+    response = chat(
+        client, model_name, f"Client {pooling}: a lighthouse.", extra_body=body(pooling=pooling)
+    )
+    states = read_hidden_states(response)
+    assert states.info is not None and states.info["pooling"] == pooling
+    check_vectors(reference, response.model_dump()["prompt_token_ids"], states.single, pooling)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_vectors_decode_to_transformers_rounded(
+    client: Any, model_name: str, reference: Reference, dtype: str
+) -> None:
+    response = chat(client, model_name, "Client 16-bit.", extra_body=body(dtype=dtype))
+    states = read_hidden_states(response)  # the dtype comes from the info
+    ids = response.model_dump()["prompt_token_ids"]
+    for layer, vector in states.by_layer.items():
+        expected = np.asarray(reference.layer_vector(ids, layer, "last"), dtype=np.float32)
+        # rounded to 16 bits: within one unit in the last place of Transformers' float32 value
+        # (half a unit for the rounding, plus float32 values a hair apart rounding apart)
+        relative = 2.0**-10 if dtype == "float16" else 2.0**-7
+        np.testing.assert_allclose(vector, expected, rtol=relative, atol=1e-6)
+
+
+def test_spans_are_one_mean_row_each(client: Any, model_name: str, reference: Reference) -> None:
+    spans = [[0, 3], [2, 7], [5, 6]]
+    response = chat(client, model_name, "Client spans: a harbour.", extra_body=body(spans=spans))
+    states = read_hidden_states(response)
+    ids = response.model_dump()["prompt_token_ids"]
+    for layer, matrix in states.by_layer.items():
+        rows = np.asarray(reference.layer_rows(ids, layer), dtype=np.float64)
+        assert matrix.shape == (len(spans), reference.hidden_size)
+        for row, (start, end) in zip(matrix, spans, strict=True):
+            expected = rows[start:end].mean(axis=0)
+            assert_matches(row.tolist(), expected.tolist(), kind(layer, "spans"))
+
+
+def test_all_prompt_rows(client: Any, model_name: str, reference: Reference) -> None:
+    response = chat(client, model_name, "Client all_prompt.", extra_body=body(pooling="all_prompt"))
+    states = read_hidden_states(response)
+    ids = response.model_dump()["prompt_token_ids"]
+    assert states.info is not None and states.info["rows"] == len(ids)
+    for layer, matrix in states.by_layer.items():
+        check_rows(reference, ids, 0, matrix, layer, "all_prompt")
+
+
+@pytest.mark.parametrize("pooling", ["last_answer", "all_answer"])
+def test_answer_poolings_with_two_choices_are_per_choice(
+    client: Any, model_name: str, reference: Reference, pooling: str
+) -> None:
+    response = chat(
+        client,
+        model_name,
+        f"Client {pooling}: name a sea.",
+        n=2,
+        temperature=1.0,
+        max_completion_tokens=4,
+        extra_body=body(pooling=pooling),
+    )
+    dumped = response.model_dump()
+    states = read_hidden_states(response)
+    assert len(states) == 2
+    prompt_ids = dumped["prompt_token_ids"]
+    for choice, entry in zip(dumped["choices"], states.entries, strict=True):
+        ids = [*prompt_ids, *choice["token_ids"][:-1]]
+        if pooling == "last_answer":
+            check_vectors(reference, ids, entry)
+        else:
+            for layer, matrix in entry.by_layer.items():
+                check_rows(reference, ids, len(prompt_ids) - 1, matrix, layer, pooling)
+
+
+def test_a_completions_prompt_list_is_one_entry_per_prompt(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    prompts = [
+        reference.tokenizer("Client list: first prompt.")["input_ids"],
+        reference.tokenizer("Client list: the second, longer prompt here.")["input_ids"],
+    ]
+    response = client.completions.create(
+        model=model_name, prompt=prompts, max_tokens=1, extra_body=body()
+    )
+    states = read_hidden_states(response)
+    assert len(states) == len(prompts)
+    for ids, entry in zip(prompts, states.entries, strict=True):
+        check_vectors(reference, ids, entry)
+
+
+def test_a_chat_stream_with_two_choices_gives_each_its_answer_state(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    stream = chat(
+        client,
+        model_name,
+        "Client stream: name a river.",
+        n=2,
+        temperature=1.0,
+        max_completion_tokens=4,
+        stream=True,
+        extra_body=body(pooling="last_answer"),
+    )
+    reader = HiddenStateStream()
+    prompt_ids: list[int] = []
+    answers: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in stream:
+        reader.feed(chunk)
+        prompt_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_ids
+        for choice in chunk.choices:
+            answers[choice.index] += (choice.model_extra or {}).get("token_ids") or []
+    states = reader.result()
+    assert len(states) == 2
+    for index, entry in enumerate(states.entries):
+        check_vectors(reference, [*prompt_ids, *answers[index][:-1]], entry)
+
+
+def test_a_completions_stream_gives_the_prompt_state(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    ids = reference.tokenizer("Client completions stream.")["input_ids"]
+    stream = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=3, stream=True, extra_body=body()
+    )
+    states = HiddenStateStream().feed_all(stream)
+    check_vectors(reference, ids, states.single)
+
+
+def test_a_responses_stream_gives_the_state_on_completed(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    messages = [{"role": "user", "content": "Client responses stream."}]
+    fields = body()
+    del fields["return_token_ids"]
+    reader = HiddenStateStream()
+    final = None
+    for event in client.responses.create(
+        model=model_name, input=messages, max_output_tokens=3, stream=True, extra_body=fields
+    ):
+        reader.feed(event)
+        final = getattr(event, "response", final)
+    assert final is not None
+    ids = reference.chat_token_ids(messages, enable_thinking=False)
+    assert final.usage.input_tokens == len(ids)
+    check_vectors(reference, ids, reader.result().single)
+    # the final response object reads the same
+    np.testing.assert_array_equal(read_hidden_states(final).vector, reader.result().vector)  # type: ignore[arg-type]
+
+
+def test_a_layer_the_server_does_not_capture_is_the_servers_400(stack: RunningStack) -> None:
+    response = httpx.post(
+        stack.proxy_url + "/v1/completions",
+        json={"model": "x", "prompt": "p", **hidden_state_fields(layers=[5])},
+        timeout=30,
+    )
+    with pytest.raises(HiddenStateServerError) as raised:
+        read_hidden_states(response)
+    assert raised.value.status == 400 and "not captured" in raised.value.message
