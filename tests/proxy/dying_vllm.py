@@ -8,6 +8,7 @@ falling silent:
 - ``crash-mid-body``: sends the head of a JSON 200 and part of its body, then dies;
 - ``crash-mid-stream``: sends an event stream's head and its first choice (the worker hook's
   record for it published into the real ring in RING_DIR), then dies;
+- ``crash-mid-responses-stream``: the same with a Responses API stream;
 - ``silent``: never answers;
 - ``silent-mid-stream``: like ``crash-mid-stream``, then stays silent.
 """
@@ -22,6 +23,7 @@ import sys
 import time
 
 import httpx
+import orjson
 
 from tests.proxy.fakes import create_writer, is_keyed, publish_for
 
@@ -78,6 +80,18 @@ def main() -> None:
         conn.sendall(b"%x\r\n%s\r\n" % (len(partial), partial))
         if mode == "crash-mid-stream":
             die()
+    if mode == "crash-mid-responses-stream":
+        request = httpx.Request("POST", "http://vllm/v1/responses", content=body)
+        publish_for(writer, request)
+        events = (
+            b"".join(
+                b"event: %s\ndata: %s\n\n" % (kind, orjson.dumps({"type": kind.decode()}))
+                for kind in (b"response.created", b"response.output_item.added")
+            )
+            + b'event: response.output_text.delta\ndata: {"ty'
+        )
+        conn.sendall(STREAM_HEAD + b"%x\r\n%s\r\n" % (len(events), events))
+        die()
     time.sleep(3600)  # silent: the connection held open until the test kills the process
 
 

@@ -13,6 +13,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
+from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY
+from vllm_hidden_state_proxy.proxy.answer_choices import answer_asks, check_answerable
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 from vllm_hidden_state_proxy.proxy.planned_fields import (
@@ -159,3 +161,25 @@ def test_a_value_vllm_refuses_is_a_400_naming_the_field(name: str, value: Any) -
         inspect_body(orjson.dumps({**FLAG, "messages": [], name: value}))
     assert caught.value.status == 400 and caught.value.param == name
     assert "as vLLM reads it" in caught.value.message
+
+
+def flagged_document(**fields: Any) -> dict[str, Any]:
+    decision = inspect_body(orjson.dumps({**FLAG, "messages": [], **fields}))
+    assert isinstance(decision, Flagged)
+    return decision.document
+
+
+def test_echo_written_as_1_with_n_written_as_a_string_is_refused_for_the_answers_state() -> None:
+    with pytest.raises(ProxyError) as caught:
+        check_answerable(flagged_document(echo=1, n="2"))
+    assert caught.value.param == "echo"
+
+
+def test_what_the_client_asked_for_loosely_it_keeps() -> None:
+    """``return_token_ids: 1`` and ``include_usage: "true"`` are asked for (vLLM reads them so):
+    the proxy must not take the token ids or the usage chunk out of the answer."""
+    _, entries, asks = answer_asks(flagged_document(n="2", return_token_ids=1))
+    assert entries[CHOICES_ENTRY] == 2 and asks.choices == 2 and not asks.token_ids
+    streamed = flagged_document(n=2.0, stream="yes", stream_options={"include_usage": "true"})
+    _, entries, asks = answer_asks(streamed)
+    assert entries[CHOICES_ENTRY] == 2 and not asks.usage

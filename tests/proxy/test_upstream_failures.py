@@ -154,6 +154,28 @@ def test_a_flagged_stream_that_breaks_off_ends_with_an_error_event(
     assert error["code"] == status and words in error["message"]
 
 
+def test_a_flagged_responses_stream_that_breaks_off_ends_with_an_error_event(
+    tmp_path: Path,
+) -> None:
+    ring_dir = str(tmp_path / "rings")
+    document = {"input": "hi", "stream": True, **FLAG}
+    with (
+        dying_vllm("crash-mid-responses-stream", ring_dir) as (vllm_port, _),
+        proxy_to(vllm_port, ring_dir) as port,
+        httpx.Client(timeout=30) as client,
+    ):
+        response = client.post(f"http://127.0.0.1:{port}/v1/responses", json=document)
+    assert response.status_code == 200
+    *events, last = events_of(response.content)
+    assert [e.split(b"\n")[0] for e in events] == [
+        b"event: response.created",
+        b"event: response.output_item.added",
+    ]
+    assert last.startswith(b"event: error\ndata: ")
+    error = orjson.loads(last.split(b"data: ", 1)[1])["error"]
+    assert error["code"] == 502 and "broke off" in error["message"]
+
+
 def test_an_ordinary_stream_that_breaks_off_is_cut(tmp_path: Path) -> None:
     """Passed through byte for byte: the client sees a truncated response, as from vLLM."""
     ring_dir = str(tmp_path / "rings")
