@@ -121,6 +121,48 @@ def test_each_choice_gets_the_state_that_chose_its_last_token(
         assert answers[0] == answers[1] or states[0] != states[1]
 
 
+@pytest.mark.parametrize("written", ["2", 2.0])
+def test_n_written_loosely_is_read_as_vllm_reads_it(
+    client: Any, model_name: str, reference: Reference, written: Any
+) -> None:
+    """``"n": "2"`` and ``2.0`` are two choices to vLLM: each gets its own state (issue #36: the
+    proxy read them as one, and choice 0 got choice 1's)."""
+    content = f"Two loose choices ({written!r})."
+    answer = chat(client, model_name, content, temperature=1.0, extra_body={"n": written})
+    assert len(answer["choices"]) == 2
+    check_json(answer, reference)
+
+
+def test_a_stream_with_n_written_as_a_string(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Stream two loose choices."}],
+        max_completion_tokens=4,
+        temperature=1.0,
+        stream=True,
+        extra_body={**NO_THINKING, "kv_transfer_params": kv(), "return_token_ids": True, "n": "2"},
+    )
+    answers: dict[int, list[int]] = {0: [], 1: []}
+    prompt_ids: list[int] = []
+    checked = []
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        prompt_ids = extra.get("prompt_token_ids") or prompt_ids
+        for choice in chunk.choices:
+            answers[choice.index] += (choice.model_extra or {}).get("token_ids") or []
+            params = extra.get("kv_transfer_params")
+            if params is not None:
+                by_layer, info = (
+                    params["last_hidden_states_by_layer"],
+                    params["last_hidden_state_info"],
+                )
+                check_choice(reference, prompt_ids, answers[choice.index], by_layer, info)
+                checked.append(choice.index)
+    assert sorted(checked) == [0, 1]
+
+
 def test_a_prefix_cache_hit_still_gives_the_answers_state(
     stack: RunningStack, client: Any, model_name: str, reference: Reference
 ) -> None:

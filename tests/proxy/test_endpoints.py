@@ -47,7 +47,7 @@ BAD_REQUESTS = [
         b'{"kv_transfer_params": {"return_last_hidden_state": "true"}}',
         "kv_transfer_params.return_last_hidden_state",
     ),
-    ("stream-not-bool", CHAT, b'{"stream": 1, ' + FLAG + b"}", "stream"),
+    ("stream-not-bool", CHAT, b'{"stream": 2, ' + FLAG + b"}", "stream"),
     (
         "format-unknown-unflagged",
         COMPLETIONS,
@@ -266,7 +266,7 @@ async def test_what_the_endpoints_count() -> None:
     async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
         await proxy.client.post(CHAT, json={"messages": []})
         # A body inspection refuses is not counted (it may not even be flagged) ...
-        await proxy.client.post(CHAT, content=b'{"stream": 1, ' + FLAG + b"}")
+        await proxy.client.post(CHAT, content=b'{"stream": 2, ' + FLAG + b"}")
         await proxy.client.post(COMPLETIONS, content=b"{" + FLAG + b', "prompt": "x"}')
         assert proxy.metrics.requests == {"ordinary": 1, "flagged": 1, "embeddings": 0}
         assert proxy.metrics.flagged_received == 1

@@ -24,6 +24,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from tests.proxy.fakes import (
     LAYERED,
@@ -62,6 +63,7 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     needs_inspection,
 )
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_body
+from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
 from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ChoiceEvent,
     FirstChoiceScanner,
@@ -349,6 +351,8 @@ def check_inspect(body: bytes) -> Ordinary | Flagged | ProxyError:
     assert_no_proxy_keys(decision.document)
     stream = decision.document.get("stream")
     assert stream is None or isinstance(stream, bool)
+    n = decision.document.get("n")  # as vLLM reads it: "2" and 2.0 are 2
+    assert n is None or type(n) is int
     assert decision.document.get("use_beam_search") is not True
     wanted = resolved(decision)
     if isinstance(wanted, WantedVectors):
@@ -394,10 +398,14 @@ def expected_outcome(document: dict[str, Any]) -> str:
         return "400"
     if not flag:
         return "ordinary"
-    stream = document.get("stream")
-    if (stream is not None and not isinstance(stream, bool)) or document.get(
-        "use_beam_search"
-    ) is True:
+    read = {}
+    for name, adapter in CHAT_FIELDS.types.items():  # vLLM's types (test_planned_fields)
+        if name in document:
+            try:
+                read[name] = adapter.validate_python(document[name])
+            except ValidationError:
+                return "400"
+    if read.get("use_beam_search") is True:
         return "400"
     return "flagged"
 

@@ -220,7 +220,7 @@ REFUSALS = {
     ),
     "pooling-case": (flagged(last_hidden_state_pooling="Mean"), f"{KV}.last_hidden_state_pooling"),
     "pooling-not-str": (flagged(last_hidden_state_pooling=1), f"{KV}.last_hidden_state_pooling"),
-    "stream-not-bool": (body({"stream": 1, KV: {"return_last_hidden_state": True}}), "stream"),
+    "stream-not-bool": (body({"stream": 2, KV: {"return_last_hidden_state": True}}), "stream"),
     "beam-search": (
         body({"use_beam_search": True, KV: {"return_last_hidden_state": True}}),
         "use_beam_search",

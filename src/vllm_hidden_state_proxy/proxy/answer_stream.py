@@ -16,7 +16,6 @@ complete-looking stream without its vectors.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -38,8 +37,7 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     hold_until,
 )
 from vllm_hidden_state_proxy.proxy.types import Send, is_int
-
-log = logging.getLogger("vllm_hidden_state_proxy")
+from vllm_hidden_state_proxy.proxy.upstream import broken_off
 
 #: The vectors' fields for a finished choice.
 ChoiceFields = Callable[[ChoiceCount], Awaitable[dict[str, Any]]]
@@ -186,10 +184,10 @@ async def relay_with_answer_vectors(
                 if error is not None:
                     break
     except httpx.TransportError as exc:
-        # Headers are out: cut the connection, so the client sees a truncated stream.
+        # Headers are out: the stream ends with an error event (the choices finished before
+        # it keep their vectors).
         state.metrics.upstream_errors += 1
-        log.warning("vLLM response broke off mid-stream: %r", exc)
-        return
+        error = broken_off(state.settings, exc)
     if error is not None:  # the choices finished before it keep their vectors
         await _send_body(send, events.release() + b"data: " + error.body() + b"\n\n", more=False)
         return

@@ -24,6 +24,7 @@ from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
+from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import FLAG, KV, Scope, Send, WantedVectors, is_token_ids
 
@@ -107,6 +108,8 @@ def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class CompletionsApp(GenerationEndpoint):
+    planned_fields = COMPLETIONS_FIELDS
+
     def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         document = flagged.document
         prompts = prompt_list(document, self.state.settings.max_prompts)

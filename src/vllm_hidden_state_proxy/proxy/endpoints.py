@@ -17,6 +17,7 @@ from vllm_hidden_state_proxy.proxy.answer_choices import check_answerable
 from vllm_hidden_state_proxy.proxy.asgi import receive_body, run_until_disconnect, send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, Ordinary, inspect_body
+from vllm_hidden_state_proxy.proxy.planned_fields import PlannedFields
 from vllm_hidden_state_proxy.proxy.relay import pass_through
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send, WantedVectors
@@ -58,8 +59,11 @@ class GenerationEndpoint(Endpoint):
     """Chat, completions and responses: an ordinary request passes through byte for byte, a
     flagged one is answered by :meth:`flagged_exchange`."""
 
+    #: The endpoint's fields the proxy plans a flagged request with (read as vLLM reads them).
+    planned_fields: PlannedFields
+
     def exchange(self, scope: Scope, send: Send, body: bytes) -> Awaitable[None]:
-        decision = inspect_body(body)
+        decision = inspect_body(body, self.planned_fields)
         if isinstance(decision, Ordinary):
             self.state.metrics.requests["ordinary"] += 1
             return pass_through(self.state, scope, send, decision.body)

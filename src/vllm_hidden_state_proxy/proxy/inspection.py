@@ -7,12 +7,23 @@ it is not UTF-8 at all (UTF-16/32 JSON, which vLLM's parser accepts and a byte s
 read). Everything else is :class:`Ordinary` and goes to vLLM byte for byte.
 
 Parsing uses orjson, with Python's ``json`` (what vLLM itself uses) as the fallback for what
-orjson refuses but vLLM accepts: UTF-16/32, lone surrogate escapes, NaN, huge numbers.
+orjson refuses but vLLM accepts: UTF-16/32, lone surrogate escapes, NaN, huge numbers. A body
+the proxy re-encodes must mean to vLLM what the client's meant, number for number: orjson reads
+an integer beyond 64 bits as a float (``2**70`` would come back as ``1.1805916207174113e+21``)
+and refuses ``1e999``, which ``json`` reads as an infinity that orjson writes as ``null``. So a
+body with a run of 19 or more digits (a cheap byte search) or a number orjson refuses is read
+by ``json``, exactly as vLLM reads it, and a document holding such an integer or a
+non-finite float is written by ``json`` (``Infinity``, ``-Infinity``, ``NaN``: vLLM reads them
+back as the same floats).
+
+The flagged request's fields the proxy plans with are read as vLLM reads them
+(:mod:`.planned_fields`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +37,11 @@ from vllm_hidden_state_proxy.protocol import (
     XARGS_PREFIX,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+from vllm_hidden_state_proxy.proxy.planned_fields import (
+    CHAT_FIELDS,
+    PlannedFields,
+    read_planned_fields,
+)
 from vllm_hidden_state_proxy.proxy.reserved_entries import (
     could_spell_reserved,
     form_refusal,
@@ -94,23 +110,45 @@ class _NonFinite(float):
     would write ``null``), so :func:`encode_document` falls back to ``json``, which keeps it."""
 
 
+def _float(literal: str) -> float:
+    """A JSON number with a fraction or exponent, as ``json`` reads it (``1e999`` is an
+    infinity, kept as :class:`_NonFinite`)."""
+    value = float(literal)
+    return value if math.isfinite(value) else _NonFinite(value)
+
+
+#: Every digit as ``0``, so that one substring search finds a run of 19 digits (``re`` tries
+#: a character class at every position: 40 times slower).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+#: An integer orjson might read as a float (beyond 64 bits: 2**64 has 20 digits, -2**63-1 19),
+#: or a harmless look-alike (a long fraction, digits in a string): then ``json`` reads the body.
+_WIDE_DIGITS = b"0" * 19
+
+
+def _may_be_wide(body: bytes) -> bool:
+    return _WIDE_DIGITS in body.translate(_DIGITS_AS_ZERO)
+
+
 def _load(body: bytes) -> Any:
-    """Parse like vLLM would; raises ``ValueError`` if neither parser accepts the body."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep...
-        first_error = exc
-    try:  # ...or only what orjson refuses: UTF-16/32, lone surrogates, NaN
-        return json.loads(body, parse_constant=_NonFinite)
-    except (ValueError, RecursionError):
-        raise ValueError(str(first_error)) from None
+    """Parse like vLLM would; raises ``ValueError`` if neither parser accepts the body. (A
+    float that overflows orjson refuses, so ``json`` reads it.)"""
+    first_error: Exception | None = None
+    if not _may_be_wide(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:  # invalid JSON, invalid UTF-8, nesting too deep...
+            first_error = exc
+    try:  # ...or only what orjson refuses or misreads: UTF-16/32, lone surrogates, NaN, 2**70
+        return json.loads(body, parse_constant=_NonFinite, parse_float=_float)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(str(first_error or exc)) from None
 
 
 def encode_document(document: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(document)
-    except (orjson.JSONEncodeError, TypeError):  # lone surrogates, NaN: what json.loads accepts
-        pass  # ...and nesting deeper than orjson writes (254 levels; it reads 1024)
+    except (orjson.JSONEncodeError, TypeError):  # lone surrogates, NaN, integers beyond 64 bits:
+        pass  # what json.loads accepts; and nesting deeper than orjson writes (254; reads 1024)
     try:
         return json.dumps(document).encode("ascii")
     except RecursionError:  # inspect_body refuses such bodies first; this is the backstop
@@ -157,10 +195,8 @@ def _check_xargs(document: dict[str, Any]) -> None:
 
 
 def _check_flagged_options(document: dict[str, Any]) -> None:
-    """The single place for request options that cannot be combined with the flag."""
-    stream = document.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean.", "stream")
+    """The single place for request options that cannot be combined with the flag (``document``
+    has its planned fields read as vLLM reads them)."""
     if document.get("use_beam_search") is True:  # vLLM's beam search drops vllm_xargs
         raise bad_request(
             f"'use_beam_search': true is not supported together with {KV}.{FLAG}.",
@@ -262,8 +298,9 @@ def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
     return tuple(spans)
 
 
-def inspect_body(body: bytes) -> Decision:
-    """Decide what to do with a ``POST /v1/chat/completions`` or ``/v1/completions`` body.
+def inspect_body(body: bytes, fields: PlannedFields = CHAT_FIELDS) -> Decision:
+    """Decide what to do with a ``POST /v1/chat/completions``, ``/v1/completions`` or
+    ``/v1/responses`` body; ``fields``: that endpoint's fields the proxy plans with.
 
     Raises ``ProxyError`` (400) for bodies the proxy refuses.
     """
@@ -283,8 +320,9 @@ def inspect_body(body: bytes) -> Decision:
     stripped = _without_own_fields(document, kv)
     if not flag:
         return Ordinary(encode_document(stripped))
-    _check_flagged_options(stripped)
-    return Flagged(stripped, request)
+    planned = read_planned_fields(stripped, fields)
+    _check_flagged_options(planned)
+    return Flagged(planned, request)
 
 
 async def check_other_endpoint(body: bytes, content_type: bytes | None) -> ProxyError | None:

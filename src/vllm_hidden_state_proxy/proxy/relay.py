@@ -11,9 +11,10 @@ import httpx
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.sse_events import SEPARATORS
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Scope, Send
-from vllm_hidden_state_proxy.proxy.upstream import close_quietly, open_upstream
+from vllm_hidden_state_proxy.proxy.upstream import broken_off, close_quietly, open_upstream
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +31,58 @@ async def relay_response(state: ProxyState, send: Send, response: httpx.Response
     await relay_body(state, send, response.aiter_raw())
 
 
-async def relay_body(state: ProxyState, send: Send, chunks: AsyncIterator[bytes]) -> None:
-    """Relay the (rest of the) body chunks as they arrive, then end the response."""
+async def relay_body(
+    state: ProxyState,
+    send: Send,
+    chunks: AsyncIterator[bytes],
+    error_event: bool = False,
+    pending: bytes = b"",
+) -> None:
+    """Relay the (rest of the) body chunks as they arrive, then end the response.
+
+    If the exchange with vLLM breaks off: with ``error_event`` (a flagged event stream, which
+    the proxy rewrites anyway) the stream ends with an error event (``data: {"error": ...}``,
+    which the OpenAI client raises); otherwise (passed through byte for byte) the connection is
+    cut, so the client sees a truncated response rather than a complete-looking one.
+    ``pending``: with ``error_event``, the start of a partial event of vLLM's, held until it is
+    complete (:func:`complete_events`), so that an error event never lands inside it."""
     try:
         async for chunk in chunks:
+            if error_event:
+                chunk, pending = complete_events(pending + chunk)
+                if not chunk:
+                    continue
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except httpx.TransportError as exc:
-        # Headers are out; all that is left is to cut the connection so the client sees a
-        # truncated response rather than a complete-looking one.
         state.metrics.upstream_errors += 1
+        if error_event:  # the partial event vLLM never finished is dropped
+            await send_error_event(send, broken_off(state.settings, exc))
+            return
         log.warning("vLLM response broke off mid-stream: %r", exc)
         return
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+
+#: The most bytes of one partial event held back (a longer one goes on as it comes).
+_MAX_HELD = 1 << 20
+
+
+def complete_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the complete events at the start of ``data``, the partial one after them)."""
+    cut = max(
+        (at + len(separator) for separator in SEPARATORS if (at := data.rfind(separator)) != -1),
+        default=0,
+    )
+    if cut == 0:
+        return (data, b"") if len(data) > _MAX_HELD else (b"", data)
+    return data[:cut], data[cut:]
+
+
+async def send_error_event(send: Send, error: ProxyError) -> None:
+    """End a started event stream with ``error`` as its last event (``data: {"error": ...}``,
+    which the OpenAI client raises; no ``[DONE]``)."""
+    event = b"data: " + error.body() + b"\n\n"
+    await send({"type": "http.response.body", "body": event, "more_body": False})
 
 
 async def pass_through(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:

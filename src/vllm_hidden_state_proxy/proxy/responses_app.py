@@ -17,11 +17,14 @@ from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_
 from vllm_hidden_state_proxy.proxy.errors import bad_request
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
+from vllm_hidden_state_proxy.proxy.planned_fields import RESPONSES_FIELDS
 from vllm_hidden_state_proxy.proxy.responses_stream import relay_responses_with_vectors
 from vllm_hidden_state_proxy.proxy.types import KV, POOLING, Scope, Send
 
 
 class ResponsesApp(GenerationEndpoint):
+    planned_fields = RESPONSES_FIELDS
+
     def flagged_exchange(self, scope: Scope, send: Send, flagged: Flagged) -> Awaitable[None]:
         if flagged.vectors.pooling in ANSWER_POOLINGS:
             raise bad_request(

@@ -38,6 +38,7 @@ from vllm_hidden_state_proxy.proxy.sse_events import (
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import hold_until
 from vllm_hidden_state_proxy.proxy.types import Send
+from vllm_hidden_state_proxy.proxy.upstream import broken_off
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,13 @@ async def relay_responses_with_vectors(
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
     except httpx.TransportError as exc:
+        # The stream ends with an error event (a partial event of vLLM's is dropped), which
+        # the OpenAI client raises.
         state.metrics.upstream_errors += 1
-        log.warning("vLLM's Responses stream broke off: %r", exc)
-        return  # cut the connection: the client sees a truncated stream, not a complete one
+        failure = broken_off(state.settings, exc)
+        event = b"event: error\ndata: " + failure.body() + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": False})
+        return
     except _Overflow as exc:
         log.warning("a flagged Responses stream was cut: %s (--max-answer-size)", exc)
         return

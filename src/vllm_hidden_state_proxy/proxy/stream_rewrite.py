@@ -26,7 +26,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.relay import relay_body
+from vllm_hidden_state_proxy.proxy.relay import complete_events, relay_body
 from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Send
@@ -168,5 +168,6 @@ async def relay_with_vectors(
             "headers": downstream_response_headers(response.headers.raw, drop=STREAM_DROP),
         }
     )
+    head, pending = complete_events(head)  # a partial event waits for its end (or an error)
     await send({"type": "http.response.body", "body": head, "more_body": True})
-    await relay_body(state, send, chunks)
+    await relay_body(state, send, chunks, error_event=True, pending=pending)

@@ -153,6 +153,16 @@ def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError
     )
 
 
+def broken_off(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
+    """The error a flagged stream ends with when the exchange with vLLM breaks off after the
+    response has started (vLLM crashed or reset the connection: 502; it stopped sending for
+    the read timeout: 504)."""
+    _log_failure(settings.upstream_url, exc)
+    if isinstance(exc, httpx.TimeoutException):
+        return ProxyError(504, "vLLM stopped sending its stream (the read timeout passed).")
+    return ProxyError(502, "vLLM's stream broke off before its end (the proxy's log says why).")
+
+
 #: At most one log line per this many seconds about failed exchanges (a vLLM that is down
 #: would otherwise write one per request), with the count of the ones not logged.
 _LOG_INTERVAL = 10.0
