@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from tests.worker_hook.fakes import (
+    CAPTURED,
     FINAL,
     FakeRows,
     error_of,
@@ -33,7 +34,7 @@ def target(n: int, layers: tuple[int, ...] = (FINAL,), pooling: str = "last") ->
 
 
 class UnreadableRows(FakeRows):
-    def vectors(self) -> list[bytes]:
+    def buffer(self) -> memoryview:
         raise RuntimeError("unreadable")
 
 
@@ -179,7 +180,8 @@ def test_rows_that_do_not_match_their_targets_are_answered_with_error_records(
 def test_a_bad_record_costs_only_itself_and_is_answered(
     queue: PublicationQueue, reader: RingReader, on_error: list[str]
 ) -> None:
-    queue.add(done([b"short", row_vector(2)]), [target(1), target(2)])
+    not_captured = next(layer for layer in range(FINAL) if layer not in CAPTURED.layers)
+    queue.add(done([row_vector(1), row_vector(2)]), [target(1, (not_captured,)), target(2)])
     assert error_of(reader.lookup(key(1))).message == PUBLISH_FAILED
     assert record_of(reader.lookup(key(2))).vector(FINAL) == row_vector(2)
     assert on_error == ["publishing a hidden state to the ring"]
