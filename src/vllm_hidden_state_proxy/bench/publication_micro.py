@@ -47,7 +47,44 @@ def _per_row(matrix: Any) -> bytes:
     return b"".join([array[i].tobytes() for i in range(array.shape[0])])
 
 
+def _paths(writer: RingWriter, matrix: Any, repeats: int) -> list[tuple[str, float]]:
+    """Both paths for one matrix: (what, ms) each."""
+    rows = int(matrix.shape[0])
+
+    def publish(payload: Any, region: int | None = None) -> None:
+        writer.publish(
+            new_request_key(),
+            payload,
+            position=0,
+            num_prompt_tokens=rows,
+            pooling="all_prompt",
+            rows=rows,
+            region=region,
+        )
+
+    copier = SyncRowCopier()
+    joined = _per_row(matrix)
+    buffer = copier.start(matrix).buffer()
+
+    def contiguous() -> None:
+        region = writer.space.reserve(rows * HIDDEN * 4)
+        publish(copier.start(matrix).buffer(), region)
+
+    return [
+        ("per row: rows to bytes, join", _ms(lambda: _per_row(matrix), repeats)),
+        ("per row: publish (crc, copy)", _ms(lambda: publish(joined), repeats)),
+        ("per row: total", _ms(lambda: publish(_per_row(matrix)), repeats)),
+        ("contiguous: host buffer", _ms(lambda: copier.start(matrix).buffer(), repeats)),
+        (
+            "contiguous: publish (crc, copy)",
+            _ms(lambda: publish(buffer, writer.space.reserve(buffer.nbytes)), repeats),
+        ),
+        ("contiguous: total", _ms(contiguous, repeats)),
+    ]
+
+
 def measure(mib: int = 64, repeats: int = 5) -> list[tuple[str, str, float]]:
+    """(dtype, what, median ms) of both paths for a float32 and a bfloat16 matrix."""
     import torch
 
     rows = (mib << 20) // (4 * HIDDEN)
@@ -62,53 +99,10 @@ def measure(mib: int = 64, repeats: int = 5) -> list[tuple[str, str, float]]:
             slot_count=64,
             arena_size=2 * ((mib << 20) + ARENA_PAYLOAD_OFFSET),
         ) as writer:
-
-            def publish(payload: Any, region: int | None = None) -> None:
-                writer.publish(
-                    new_request_key(),
-                    payload,
-                    position=0,
-                    num_prompt_tokens=rows,
-                    pooling="all_prompt",
-                    rows=rows,
-                    region=region,
-                )
-
             for dtype in (torch.float32, torch.bfloat16):
                 matrix = torch.randn(rows, HIDDEN).to(dtype)
                 name = str(dtype).removeprefix("torch.")
-                joined = _per_row(matrix)
-                results.append(
-                    (name, "per row: rows to bytes, join", _ms(lambda: _per_row(matrix), repeats))
-                )
-                results.append(
-                    (name, "per row: publish (crc, copy)", _ms(lambda: publish(joined), repeats))
-                )
-                results.append(
-                    (name, "per row: total", _ms(lambda: publish(_per_row(matrix)), repeats))
-                )
-                copier = SyncRowCopier()
-                results.append(
-                    (
-                        name,
-                        "contiguous: host buffer",
-                        _ms(lambda: copier.start(matrix).buffer(), repeats),
-                    )
-                )
-                buffer = copier.start(matrix).buffer()
-                results.append(
-                    (
-                        name,
-                        "contiguous: publish (crc, copy)",
-                        _ms(lambda: publish(buffer, writer.space.reserve(buffer.nbytes)), repeats),
-                    )
-                )
-
-                def contiguous() -> None:
-                    region = writer.space.reserve(rows * HIDDEN * 4)
-                    publish(copier.start(matrix).buffer(), region)
-
-                results.append((name, "contiguous: total", _ms(contiguous, repeats)))
+                results.extend((name, what, ms) for what, ms in _paths(writer, matrix, repeats))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return results
