@@ -352,3 +352,15 @@ def test_the_payload_is_read_from_a_buffer_once(tmp_path: Path) -> None:
         )
         found = reader.lookup(key_for(1))
         assert isinstance(found, Record) and found.vectors == array.tobytes()
+
+
+def test_a_matrix_larger_than_its_region_is_refused(tmp_path: Path) -> None:
+    rows = 3
+    size = rows * len(LAYERS) * HIDDEN * 4
+    with arena_writer(tmp_path, 1 << 16) as writer:
+        region = writer.space.reserve(size - 64)
+        with pytest.raises(ValueError, match="larger than its region"):
+            publish_reserved(writer, 1, rows, region)
+        with pytest.raises(ValueError, match="no region"):
+            publish_reserved(writer, 2, rows, 12345)
+        assert writer.space.reserved == 0  # the refused one's region went back

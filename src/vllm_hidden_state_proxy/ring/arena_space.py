@@ -93,14 +93,20 @@ class ArenaSpace:
         with self._lock:
             self._regions = [r for r in self._regions if r.published or r.token != token]
 
-    def publish(self, token: int) -> tuple[int, list[int]]:
-        """The region's offset, now a published block, and the offsets of the published blocks
-        it writes over (oldest first; they are forgotten). ``KeyError`` for a token not
-        reserved."""
+    def publish(self, token: int, length: int) -> tuple[int, list[int]]:
+        """The region's offset, now the published block of a ``length``-byte payload, and the
+        offsets of the published blocks it writes over (oldest first; they are forgotten).
+        ``ValueError`` for a token not reserved, or a block larger than its region."""
         with self._lock:
             region = next((r for r in self._regions if r.token == token and not r.published), None)
             if region is None:
-                raise KeyError(token)
+                raise ValueError(f"no region {token} is reserved in the arena")
+            size = arena_block_size(length)
+            if size > region.end - region.offset:
+                raise ValueError(
+                    f"a block of {size} bytes is larger than its region of "
+                    f"{region.end - region.offset}"
+                )
             covered = [
                 r
                 for r in self._regions
