@@ -364,3 +364,38 @@ def test_a_matrix_larger_than_its_region_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="no region"):
             publish_reserved(writer, 2, rows, 12345)
         assert writer.space.reserved == 0  # the refused one's region went back
+
+
+def test_reservations_published_in_any_order_keep_their_promise(tmp_path: Path) -> None:
+    """Random reservations, published in random order: a published block is read whole until
+    a region reserved after its publication is written; a refused reservation is the only
+    way a matrix does not fit."""
+    rng = np.random.default_rng(7)
+    row = len(LAYERS) * HIDDEN * 4
+    with arena_writer(tmp_path, 1 << 11) as writer, RingReader.open(writer.path) as reader:
+        clock = 0
+        pending: dict[int, tuple[int, int, int]] = {}  # index -> (region, rows, reserved at)
+        safe: dict[int, tuple[bytes, int]] = {}  # index -> (data, published at)
+        refused = 0
+        for index in range(1, 400):
+            clock += 1
+            if rng.random() < 0.55 and len(pending) < 5:
+                rows = int(rng.integers(1, 12))
+                try:
+                    pending[index] = (writer.space.reserve(rows * row), rows, clock)
+                except ArenaFull as full:
+                    assert full.reason == "busy"
+                    refused += 1
+                continue
+            if not pending:
+                continue
+            chosen = int(rng.choice(list(pending)))
+            region, rows, reserved_at = pending.pop(chosen)
+            data = publish_reserved(writer, chosen, rows, region)
+            for gone in [i for i, (_, at) in safe.items() if at < reserved_at]:
+                del safe[gone]  # reserved after they were published: may write them over
+            safe[chosen] = (data, clock)
+            for kept, (kept_data, _) in safe.items():
+                found = reader.lookup(key_for(kept))
+                assert isinstance(found, Record) and found.vectors == kept_data, kept
+        assert refused > 0

@@ -23,6 +23,7 @@ forwards vLLM's output.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 from dataclasses import dataclass
@@ -30,12 +31,10 @@ from dataclasses import dataclass
 from vllm_hidden_state_proxy.ring.layout import arena_block_size
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Region:
     offset: int
     end: int
-    token: int
-    published: bool = False
 
 
 class ArenaFull(Exception):
@@ -48,15 +47,18 @@ class ArenaFull(Exception):
 
 
 class ArenaSpace:
-    """The arena's regions, reserved and published, in the order they were reserved."""
+    """The arena's regions reserved (by token) and its published blocks (by offset)."""
 
     def __init__(self, arena_size: int, max_record: int) -> None:
         self.arena_size = arena_size
         self.max_record = min(max_record, arena_size)
         self._head = 0
-        #: Regions reserved (not yet published) and blocks published (not yet written over),
-        #: oldest first.
-        self._regions: list[_Region] = []
+        #: Regions reserved and not yet published: few (the matrices in flight).
+        self._pending: dict[int, _Region] = {}
+        #: Published blocks not yet written over: they never overlap, so kept sorted by
+        #: offset (a new block finds the ones it covers by bisection).
+        self._offsets: list[int] = []
+        self._ends: dict[int, int] = {}
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -68,7 +70,7 @@ class ArenaSpace:
     def reserved(self) -> int:
         """Bytes of the regions reserved and not yet published."""
         with self._lock:
-            return sum(r.end - r.offset for r in self._regions if not r.published)
+            return sum(r.end - r.offset for r in self._pending.values())
 
     def reserve(self, length: int) -> int:
         """Reserve the region of a ``length``-byte payload's block; its token (for
@@ -79,11 +81,10 @@ class ArenaSpace:
         with self._lock:
             start = self._head if self._head + size <= self.arena_size else 0
             end = start + size
-            for region in self._regions:
-                if not region.published and region.offset < end and start < region.end:
-                    raise ArenaFull("busy", size)
+            if any(r.offset < end and start < r.end for r in self._pending.values()):
+                raise ArenaFull("busy", size)
             token = next(self._tokens)
-            self._regions.append(_Region(start, end, token))
+            self._pending[token] = _Region(start, end)
             self._head = end
             return token
 
@@ -91,14 +92,14 @@ class ArenaSpace:
         """Give back a region that will not be published (its request ended, its copy
         failed). Unknown or published tokens: nothing."""
         with self._lock:
-            self._regions = [r for r in self._regions if r.published or r.token != token]
+            self._pending.pop(token, None)
 
     def publish(self, token: int, length: int) -> tuple[int, list[int]]:
         """The region's offset, now the published block of a ``length``-byte payload, and the
-        offsets of the published blocks it writes over (oldest first; they are forgotten).
-        ``ValueError`` for a token not reserved, or a block larger than its region."""
+        offsets of the published blocks it writes over (they are forgotten). ``ValueError``
+        for a token not reserved, or a block larger than its region (which goes back)."""
         with self._lock:
-            region = next((r for r in self._regions if r.token == token and not r.published), None)
+            region = self._pending.pop(token, None)
             if region is None:
                 raise ValueError(f"no region {token} is reserved in the arena")
             size = arena_block_size(length)
@@ -107,12 +108,15 @@ class ArenaSpace:
                     f"a block of {size} bytes is larger than its region of "
                     f"{region.end - region.offset}"
                 )
-            covered = [
-                r
-                for r in self._regions
-                if r.published and r.offset < region.end and region.offset < r.end
-            ]
-            gone = {id(r) for r in covered}
-            self._regions = [r for r in self._regions if id(r) not in gone]
-            region.published = True
-            return region.offset, [r.offset for r in covered]
+            offsets = self._offsets
+            first = bisect.bisect_left(offsets, region.offset)
+            if first and self._ends[offsets[first - 1]] > region.offset:
+                first -= 1
+            last = bisect.bisect_left(offsets, region.end, first)
+            covered = offsets[first:last]
+            del offsets[first:last]
+            for offset in covered:
+                del self._ends[offset]
+            offsets.insert(first, region.offset)
+            self._ends[region.offset] = region.end
+            return region.offset, covered

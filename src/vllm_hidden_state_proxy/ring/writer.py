@@ -337,7 +337,7 @@ class RingWriter(ClosesOnExit):
             raise ValueError("ring writer is closed")
         base = self.shape.arena_offset
         head, covered = self.space.publish(region, payload.nbytes)
-        for offset in covered:  # oldest first: each gets an odd seq before anything is written
+        for offset in covered:  # each gets an odd seq before anything is written
             seq = ARENA_SEQ.unpack_from(mm, base + offset)[0]
             ARENA_SEQ.pack_into(mm, base + offset, seq | 1)
         n = payload.nbytes
