@@ -13,9 +13,11 @@ written over it (the writer cannot know when the proxy has read a block: readers
 to the ring). A reservation is refused when
 
 - its block is larger than the ring's max record (``"large"``: one request may not take it),
-- its region would overlap a region still reserved (``"busy"``: the matrices being gathered
-  do not fit the arena together, counting headers and the tail left at a wrap; a retry, once
-  some are published, may fit).
+- no place for its region is free of regions still reserved (``"busy"``: the matrices being
+  gathered do not fit the arena together, counting headers and the tail left at a wrap; a
+  retry, once some are published, may fit). The region goes at the write head, or just past
+  the reserved regions it would overlap (a long answer still being gathered does not hold up
+  the matrices after it), back at the arena's start once when its end is reached.
 
 Thread-safe: regions are reserved on the worker's main thread and written on the thread that
 forwards vLLM's output.
@@ -79,14 +81,31 @@ class ArenaSpace:
         if size > self.max_record:
             raise ArenaFull("large", size)
         with self._lock:
-            start = self._head if self._head + size <= self.arena_size else 0
-            end = start + size
-            if any(r.offset < end and start < r.end for r in self._pending.values()):
-                raise ArenaFull("busy", size)
+            start = self._place(size)
             token = next(self._tokens)
-            self._pending[token] = _Region(start, end)
-            self._head = end
+            self._pending[token] = _Region(start, start + size)
+            self._head = start + size
             return token
+
+    def _place(self, size: int) -> int:
+        """Where a region of ``size`` bytes goes: at the head, or past the regions still
+        reserved that it would overlap (a long answer being gathered does not hold up the
+        others), back at the start once when the arena's end is reached. ``ArenaFull``
+        ("busy") when no place is free of reserved regions."""
+        start = self._head if self._head + size <= self.arena_size else 0
+        wrapped = start == 0
+        for _ in range(2 * len(self._pending) + 2):
+            blocking = [
+                r.end for r in self._pending.values() if r.offset < start + size and start < r.end
+            ]
+            if not blocking:
+                return start
+            start = max(blocking)
+            if start + size > self.arena_size:
+                if wrapped:
+                    break
+                start, wrapped = 0, True
+        raise ArenaFull("busy", size)
 
     def release(self, token: int) -> None:
         """Give back a region that will not be published (its request ended, its copy
