@@ -147,6 +147,8 @@ RING_SLOTS_ENV = "HIDDEN_STATE_PROXY_RING_SLOTS"
 ARENA_MIB_ENV = "HIDDEN_STATE_PROXY_ARENA_MIB"
 #: MiB one request's matrix record may take (hook; also in the ring header for the proxy).
 MAX_RECORD_MIB_ENV = "HIDDEN_STATE_PROXY_MAX_RECORD_MIB"
+#: MiB of device memory the hook may keep across steps for the requests in flight (hook).
+DEVICE_MIB_ENV = "HIDDEN_STATE_PROXY_DEVICE_MIB"
 #: Octal mode of the ring directory when proxy and vLLM run as different users (hook).
 RING_DIR_MODE_ENV = "HIDDEN_STATE_PROXY_RING_DIR_MODE"
 #: Seconds the hook waits for the ring directory's lock (hook).

@@ -15,6 +15,7 @@ import pytest
 from tests.ring.helpers import HIDDEN, key_for, make_writer
 from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV
 from vllm_hidden_state_proxy.ring import RingReader
+from vllm_hidden_state_proxy.ring.arena_space import ArenaFull
 from vllm_hidden_state_proxy.ring.layout import ARENA_PAYLOAD_OFFSET, arena_block_size, parse_header
 from vllm_hidden_state_proxy.ring.records import ErrorRecord, Record
 from vllm_hidden_state_proxy.ring.writer import RingWriter
@@ -225,3 +226,177 @@ def test_a_reader_racing_the_writer_gets_whole_records_or_errors(tmp_path: Path)
             stop.set()
             thread.join()
         assert whole > 0 and overwritten > 0
+
+
+# -- reservations (ring/arena_space.py): what is accepted fits until it is published ----------
+
+
+def payload_rows(size: int) -> int:
+    """Rows of a matrix of ``size`` payload bytes (LAYERS layers)."""
+    row = len(LAYERS) * HIDDEN * 4
+    assert size % row == 0
+    return size // row
+
+
+def publish_reserved(writer: RingWriter, index: int, rows: int, region: int) -> bytes:
+    data = matrix(index, rows)
+    writer.publish(
+        key_for(index),
+        data,
+        position=0,
+        num_prompt_tokens=rows,
+        layers=LAYERS,
+        pooling="all_prompt",
+        rows=rows,
+        region=region,
+    )
+    return data
+
+
+@pytest.mark.parametrize("arena", [1 << 12, 1 << 16])
+def test_a_matrix_of_exactly_the_max_record_does_not_fit_its_block(
+    tmp_path: Path, arena: int
+) -> None:
+    """The max record is a block's: header and payload. A payload of exactly the max record
+    (here also the arena's size, or far less) is refused at reservation, not when written."""
+    max_record = 1 << 12
+    rows = payload_rows(max_record)
+    with arena_writer(tmp_path, arena, max_record) as writer:
+        with pytest.raises(ArenaFull) as refused:
+            writer.space.reserve(max_record)
+        assert refused.value.reason == "large"
+        with pytest.raises(ValueError, match="max record"):
+            publish_matrix(writer, 1, rows)
+        assert writer.space.reserved == 0
+
+
+def test_a_matrix_filling_the_arena_with_its_header_is_written_from_anywhere(
+    tmp_path: Path,
+) -> None:
+    arena = 1 << 12
+    big = payload_rows(arena - ARENA_PAYLOAD_OFFSET)  # its block is the whole arena
+    with arena_writer(tmp_path, arena) as writer, RingReader.open(writer.path) as reader:
+        publish_matrix(writer, 1, 1)  # the head is past the start now
+        data = publish_matrix(writer, 2, big)
+        found = reader.lookup(key_for(2))
+        assert isinstance(found, Record) and found.vectors == data
+        assert isinstance(reader.lookup(key_for(1)), ErrorRecord)
+
+
+def test_quarter_arena_matrices_the_fourth_is_refused_at_reservation(tmp_path: Path) -> None:
+    """Four matrices of a quarter of the arena each: their payloads fit, their blocks do not.
+    The fourth is refused when it is reserved; the three accepted are read whole, in whatever
+    order they are published."""
+    arena = 1 << 14
+    rows = payload_rows(arena // 4)
+    with arena_writer(tmp_path, arena) as writer, RingReader.open(writer.path) as reader:
+        regions = [writer.space.reserve(arena // 4) for _ in range(3)]
+        with pytest.raises(ArenaFull) as refused:
+            writer.space.reserve(arena // 4)
+        assert refused.value.reason == "busy"
+        written = {
+            index: publish_reserved(writer, index, rows, regions[index - 1]) for index in (3, 1, 2)
+        }
+        for index, data in written.items():
+            found = reader.lookup(key_for(index))
+            assert isinstance(found, Record) and found.vectors == data, index
+
+
+def test_a_reserved_region_is_never_written_over(tmp_path: Path) -> None:
+    """Matrices published around a reserved one wrap the arena: they write over each other,
+    skipping the region still reserved (it does not hold them up), never over it; it is
+    written whole when its turn comes."""
+    rows = 3
+    size = rows * len(LAYERS) * HIDDEN * 4
+    block = arena_block_size(size)
+    with arena_writer(tmp_path, 4 * block) as writer, RingReader.open(writer.path) as reader:
+        region = writer.space.reserve(size)  # the arena's first block
+        for index in (2, 3, 4, 5):  # 5 wraps round: past the reserved region, over 2
+            publish_matrix(writer, index, rows)
+        assert isinstance(reader.lookup(key_for(2)), ErrorRecord)
+        for index in (3, 4, 5):
+            assert isinstance(reader.lookup(key_for(index)), Record), index
+        writer.space.reserve(size)  # 6 goes past 5, over 3
+        with pytest.raises(ArenaFull):
+            writer.space.reserve(2 * size)  # no place of two blocks without a reserved one
+        data = publish_reserved(writer, 1, rows, region)
+        found = reader.lookup(key_for(1))
+        assert isinstance(found, Record) and found.vectors == data
+
+
+def test_a_region_given_back_is_free_again(tmp_path: Path) -> None:
+    arena = 1 << 14
+    with arena_writer(tmp_path, arena) as writer:
+        regions = [writer.space.reserve(arena // 4) for _ in range(3)]
+        writer.space.release(regions[0])
+        writer.space.release(regions[0])  # twice: nothing more
+        writer.space.reserve(arena // 4)
+        assert writer.space.reserved == 3 * arena_block_size(arena // 4)
+
+
+def test_the_payload_is_read_from_a_buffer_once(tmp_path: Path) -> None:
+    """A matrix's payload may be any buffer (a numpy array's bytes, a memoryview slice): the
+    writer takes its crc and copies it into the ring without making bytes of it first."""
+    rows = 5
+    values = np.random.default_rng(3).standard_normal((len(LAYERS) * rows, HIDDEN))
+    array = np.ascontiguousarray(values.astype("<f4"))
+    with arena_writer(tmp_path, 1 << 16) as writer, RingReader.open(writer.path) as reader:
+        whole = memoryview(array.data).cast("B")
+        writer.publish(
+            key_for(1),
+            whole[: array.nbytes],
+            position=0,
+            num_prompt_tokens=rows,
+            layers=LAYERS,
+            pooling="all_prompt",
+            rows=rows,
+        )
+        found = reader.lookup(key_for(1))
+        assert isinstance(found, Record) and found.vectors == array.tobytes()
+
+
+def test_a_matrix_larger_than_its_region_is_refused(tmp_path: Path) -> None:
+    rows = 3
+    size = rows * len(LAYERS) * HIDDEN * 4
+    with arena_writer(tmp_path, 1 << 16) as writer:
+        region = writer.space.reserve(size - 64)
+        with pytest.raises(ValueError, match="larger than its region"):
+            publish_reserved(writer, 1, rows, region)
+        with pytest.raises(ValueError, match="no region"):
+            publish_reserved(writer, 2, rows, 12345)
+        assert writer.space.reserved == 0  # the refused one's region went back
+
+
+def test_reservations_published_in_any_order_keep_their_promise(tmp_path: Path) -> None:
+    """Random reservations, published in random order: a published block is read whole until
+    a region reserved after its publication is written; a refused reservation is the only
+    way a matrix does not fit."""
+    rng = np.random.default_rng(7)
+    row = len(LAYERS) * HIDDEN * 4
+    with arena_writer(tmp_path, 1 << 11) as writer, RingReader.open(writer.path) as reader:
+        clock = 0
+        pending: dict[int, tuple[int, int, int]] = {}  # index -> (region, rows, reserved at)
+        safe: dict[int, tuple[bytes, int]] = {}  # index -> (data, published at)
+        refused = 0
+        for index in range(1, 400):
+            clock += 1
+            if rng.random() < 0.55 and len(pending) < 5:
+                rows = int(rng.integers(1, 12))
+                try:
+                    pending[index] = (writer.space.reserve(rows * row), rows, clock)
+                except ArenaFull as full:
+                    assert full.reason == "busy"
+                    refused += 1
+                continue
+            if not pending:
+                continue
+            chosen = int(rng.choice(list(pending)))
+            region, rows, reserved_at = pending.pop(chosen)
+            data = publish_reserved(writer, chosen, rows, region)
+            for gone in [i for i, (_, at) in safe.items() if at < reserved_at]:
+                del safe[gone]  # reserved after they were published: may write them over
+            safe[chosen] = (data, clock)
+            for kept, (kept_data, _) in safe.items():
+                found = reader.lookup(key_for(kept))
+                assert isinstance(found, Record) and found.vectors == kept_data, kept
+        assert refused > 0

@@ -388,6 +388,10 @@ class FakeRows:
         assert self.completed, "read before the copy completed"
         return self._vectors
 
+    def buffer(self) -> memoryview:
+        assert self.completed, "read before the copy completed"
+        return memoryview(b"".join(self._vectors))
+
     def release(self) -> None:
         assert not self.released, "released twice"
         self.released = True

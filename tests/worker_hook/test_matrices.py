@@ -29,6 +29,7 @@ from tests.worker_hook.fakes import (
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     CHOICES_ENTRY,
+    DEVICE_MIB_ENV,
     MAX_RECORD_MIB_ENV,
     SPANS_ENTRY,
     all_answer_key,
@@ -61,9 +62,12 @@ def ring(tmp_path: Path) -> Iterator[tuple[RingWriter, RingReader]]:
         yield writer, reader
 
 
-def capture_of(writer: RingWriter) -> tuple[FakeV1Runner, StepCapture]:
+def capture_of(writer: RingWriter, device_limit: int = 1 << 30) -> tuple[FakeV1Runner, StepCapture]:
     runner = FakeV1Runner(torch.float32, content=by_position)
-    return runner, StepCapture(V1RunnerView(), writer, MODEL, captured=CAPTURED)
+    capture = StepCapture(
+        V1RunnerView(), writer, MODEL, captured=CAPTURED, device_limit=device_limit
+    )
+    return runner, capture
 
 
 def rows_of(req_id: str, positions: range, layer: int) -> bytes:
@@ -123,12 +127,12 @@ def test_a_matrix_over_the_max_record_is_a_413_before_any_row_is_kept(tmp_path: 
 
 
 def test_matrices_together_past_the_arena_are_a_503(tmp_path: Path) -> None:
+    block = 64 + 12 * ROW_BYTES  # 12 rows of 4 floats and the block's header: 256 bytes
     with (
-        arena_ring(tmp_path, 64 * 64, 12 * ROW_BYTES) as writer,
+        arena_ring(tmp_path, 7 * 64, block) as writer,
         RingReader.open(writer.path) as reader,
-    ):  # 4096 bytes: room for 256 rows of 4 floats, one request may take 12
+    ):  # 448 bytes: two blocks of 12 rows do not fit together
         runner, capture = capture_of(writer)
-        capture.budget.arena_bytes = 20 * ROW_BYTES  # two of 12 rows do not fit together
         other = key(6)
         new = {"a": xargs(K, pooling="all_prompt"), "b": xargs(other, pooling="all_prompt")}
         step(capture, runner, [("a", 12, 0, 4), ("b", 12, 0, 4)], new=new)
@@ -247,3 +251,95 @@ def test_malformed_spans_are_an_error_record(
     args = {**xargs(K, pooling="spans"), SPANS_ENTRY: spans}
     step(capture, runner, [("a", 10, 0, 10)], new={"a": args})
     assert "malformed spans" in error_of(reader.lookup(K)).message
+
+
+# -- the arena's reservation counts blocks and wrap-around; the device's, kept rows ----------
+
+
+@pytest.mark.parametrize("arena", [16 * ROW_BYTES, 1 << 20])
+def test_a_matrix_of_exactly_the_max_record_is_a_413_before_any_row_is_kept(
+    tmp_path: Path, arena: int
+) -> None:
+    """The max record counts the block's 64-byte header: 16 rows of exactly the max record
+    are refused when first seen (they were accepted, then failed to be written: a 502 after
+    the work, where the max record is the arena's size)."""
+    with (
+        arena_ring(tmp_path, arena, 16 * ROW_BYTES) as writer,
+        RingReader.open(writer.path) as reader,
+    ):
+        runner, capture = capture_of(writer)
+        step(capture, runner, [("a", 16, 0, 4)], new={"a": xargs(K, pooling="all_prompt")})
+        error = error_of(reader.lookup(K))
+        assert error.status == 413 and MAX_RECORD_MIB_ENV in error.message, error
+        assert "16 rows" in error.message
+        assert len(capture.matrices) == len(capture.budget) == len(capture.device) == 0
+        step(capture, runner, [("a", 16, 4, 12)])
+        assert writer.publish_count() == 1
+        assert writer.space.reserved == 0
+
+
+def test_matrices_that_would_wrap_the_arena_are_refused_at_reservation(tmp_path: Path) -> None:
+    """Four matrices of a quarter of the arena each, gathered in one step: their rows fit the
+    arena, their blocks do not. The fourth is a 503 when it is first seen; the first three are
+    read whole (the fourth used to wrap round and write the first over before it was read)."""
+    with arena_ring(tmp_path, 4 * 16 * ROW_BYTES) as writer, RingReader.open(writer.path) as reader:
+        runner, capture = capture_of(writer)
+        keys = {req_id: key(10 + n) for n, req_id in enumerate("abcd")}
+        new = {req_id: xargs(k, pooling="all_prompt") for req_id, k in keys.items()}
+        step(capture, runner, [(req_id, 16, 0, 16) for req_id in keys], new=new)
+        for req_id in "abc":
+            record = record_of(reader.lookup(keys[req_id]))
+            assert record.vector(FINAL) == rows_of(req_id, range(16), FINAL)
+        error = error_of(reader.lookup(keys["d"]))
+        assert error.status == 503 and "being gathered" in error.message
+        assert ARENA_MIB_ENV in error.message
+        assert writer.space.reserved == 0 and len(capture.budget) == 0
+
+
+def test_spans_sums_past_the_device_limit_are_a_413(ring: tuple[RingWriter, RingReader]) -> None:
+    writer, reader = ring
+    # 5 spans x 2 layers x 4 floats (160 bytes) and one layer's running sum of 11 rows (176)
+    runner, capture = capture_of(writer, device_limit=300)
+    args = {**xargs(K, pooling="spans", layers=LAYERS), SPANS_ENTRY: [0, 2] * 5}
+    step(capture, runner, [("a", 10, 0, 4)], new={"a": args})
+    error = error_of(reader.lookup(K))
+    assert error.status == 413 and DEVICE_MIB_ENV in error.message
+    assert len(capture.spans) == len(capture.device) == len(capture.budget) == 0
+
+
+def test_answers_kept_rows_past_the_device_limit_are_a_503_then_fit_again(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    """Each all_answer choice keeps up to 8 (max_tokens) rows of 2 layers: 256 bytes counted.
+    Two together are past a limit of 400: the second is a 503; once the first finished, a
+    third fits."""
+    writer, reader = ring
+    runner, capture = capture_of(writer, device_limit=400)
+    second, third = key(6), key(7)
+    first_args = answer_args()
+    second_args = {**first_args, **xargs(second, pooling="all_answer", layers=LAYERS)}
+    step(capture, runner, [("a", 3, 0, 3), ("b", 3, 0, 3)], new={"a": first_args, "b": second_args})
+    error = error_of(reader.lookup(second))
+    assert error.status == 503 and DEVICE_MIB_ENV in error.message
+    assert capture.device.reserved == 256
+    step(capture, runner, [("a", 3, 3, 1)])
+    step(capture, runner, [], finished=["a", "b"])
+    assert record_of(reader.lookup(all_answer_key(K, 0))).rows == 2
+    assert capture.device.reserved == 0 and writer.space.reserved == 0
+    third_args = xargs(third, pooling="all_answer", layers=LAYERS)
+    step(capture, runner, [("c", 3, 0, 3)], new={"c": third_args})
+    step(capture, runner, [], finished=["c"])
+    assert record_of(reader.lookup(all_answer_key(third, 0))).rows == 1
+
+
+def test_last_answer_rows_past_the_device_limit_are_a_413(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    runner, capture = capture_of(writer, device_limit=200)  # 9 positions x 2 layers: 288
+    step(
+        capture, runner, [("a", 3, 0, 3)], new={"a": xargs(K, pooling="last_answer", layers=LAYERS)}
+    )
+    error = error_of(reader.lookup(K))
+    assert error.status == 413 and DEVICE_MIB_ENV in error.message
+    assert len(capture.answers) == len(capture.device) == 0

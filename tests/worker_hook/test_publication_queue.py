@@ -8,11 +8,18 @@ tested in ``test_device_copy.py``.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from tests.worker_hook.fakes import (
+    CAPTURED,
     FINAL,
+    HIDDEN,
+    MODEL,
     FakeRows,
     error_of,
     key,
@@ -20,6 +27,7 @@ from tests.worker_hook.fakes import (
     row_vector,
 )
 from vllm_hidden_state_proxy.ring import RingReader, RingWriter
+from vllm_hidden_state_proxy.worker_hook.device_copy import SyncRowCopier
 from vllm_hidden_state_proxy.worker_hook.publication_queue import (
     COPY_FAILED,
     PUBLISH_FAILED,
@@ -33,7 +41,7 @@ def target(n: int, layers: tuple[int, ...] = (FINAL,), pooling: str = "last") ->
 
 
 class UnreadableRows(FakeRows):
-    def vectors(self) -> list[bytes]:
+    def buffer(self) -> memoryview:
         raise RuntimeError("unreadable")
 
 
@@ -179,7 +187,8 @@ def test_rows_that_do_not_match_their_targets_are_answered_with_error_records(
 def test_a_bad_record_costs_only_itself_and_is_answered(
     queue: PublicationQueue, reader: RingReader, on_error: list[str]
 ) -> None:
-    queue.add(done([b"short", row_vector(2)]), [target(1), target(2)])
+    not_captured = next(layer for layer in range(FINAL) if layer not in CAPTURED.layers)
+    queue.add(done([row_vector(1), row_vector(2)]), [target(1, (not_captured,)), target(2)])
     assert error_of(reader.lookup(key(1))).message == PUBLISH_FAILED
     assert record_of(reader.lookup(key(2))).vector(FINAL) == row_vector(2)
     assert on_error == ["publishing a hidden state to the ring"]
@@ -198,3 +207,45 @@ def test_publish_errors_survives_a_failing_writer(on_error: list[str]) -> None:
     PublicationQueue(closed, on_error.append).publish_errors([target(1), target(2)], "why")
     assert closed.keys == [key(1), key(2)]
     assert on_error == ["publishing an error record to the ring"] * 2
+
+
+def test_a_matrix_goes_to_the_ring_as_one_contiguous_buffer(tmp_path: Path) -> None:
+    """Issue #36: the host copy is one buffer (a view of the float32 tensor on CPU, no bytes
+    per row), and each record the writer gets is a slice of it, copied once into the ring."""
+    rows = 7
+    matrix = torch.arange(rows * HIDDEN, dtype=torch.float32).reshape(rows, HIDDEN)
+    pending = SyncRowCopier().start(matrix)
+    buffer = pending.buffer()
+    assert buffer.contiguous and buffer.nbytes == rows * HIDDEN * 4
+    assert np.shares_memory(np.frombuffer(buffer, np.uint8), matrix.numpy())
+
+    with (
+        RingWriter.create(
+            tmp_path,
+            hidden_size=HIDDEN,
+            model=MODEL,
+            slot_count=8,
+            num_hidden_layers=CAPTURED.num_hidden_layers,
+            layers=CAPTURED.layers,
+            arena_size=1 << 16,
+        ) as writer,
+        RingReader.open(writer.path) as reader,
+    ):
+        given: list[object] = []
+        publish = writer.publish
+
+        def recording(key: bytes, vectors: bytes | memoryview, **kw: Any) -> None:
+            given.append(vectors)
+            publish(key, vectors, **kw)
+
+        writer.publish = recording  # type: ignore[method-assign]
+        targets = [  # 3 positions of 2 layers, then a vector: the matrix's 7 rows
+            RecordTarget(key(1), 0, 3, (0, FINAL), "all_prompt", 3),
+            RecordTarget(key(2), 0, 1, (2,), "last"),
+        ]
+        PublicationQueue(writer, pytest.fail).add(SyncRowCopier().start(matrix), targets)
+        assert len(given) == 2 and all(isinstance(vectors, memoryview) for vectors in given)
+        found = record_of(reader.lookup(key(1)))
+        assert found.vector(0) == matrix[:3].numpy().tobytes()
+        assert found.vector(FINAL) == matrix[3:6].numpy().tobytes()
+        assert record_of(reader.lookup(key(2))).vector(2) == matrix[6].numpy().tobytes()

@@ -9,6 +9,7 @@ from vllm_hidden_state_proxy import protocol
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     DEFAULT_RING_DIR,
+    DEVICE_MIB_ENV,
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
     MAX_RECORD_MIB_ENV,
@@ -144,6 +145,13 @@ def test_sizes_in_mib_are_integers_and_name_their_variable(variable: str) -> Non
             _ = settings.arena_bytes if variable == ARENA_MIB_ENV else settings.max_record_bytes
 
 
+def test_the_device_limit_is_in_mib_with_a_default_and_names_its_variable() -> None:
+    assert HookSettings({}).device_bytes == 512 << 20
+    assert HookSettings({DEVICE_MIB_ENV: "3"}).device_bytes == 3 << 20
+    with pytest.raises(ValueError, match=DEVICE_MIB_ENV):
+        _ = HookSettings({DEVICE_MIB_ENV: "lots"}).device_bytes
+
+
 def test_the_table_names_every_hook_variable_of_the_protocol_once() -> None:
     names = [variable.env for variable in HOOK_VARIABLES]
     hook_names = {
@@ -152,6 +160,7 @@ def test_the_table_names_every_hook_variable_of_the_protocol_once() -> None:
         RING_SLOTS_ENV,
         ARENA_MIB_ENV,
         MAX_RECORD_MIB_ENV,
+        DEVICE_MIB_ENV,
         RING_DIR_MODE_ENV,
         RING_LOCK_TIMEOUT_ENV,
         HOOK_ENABLED_ENV,

@@ -7,11 +7,13 @@ counter += 1. The seq and publish counter are stored with the host's native 8-by
 never waits for readers: slots are reused in FIFO order.
 
 **A matrix record** (pooling ``all_prompt``/``all_answer``) first writes its rows as a block
-in the arena, at the arena's write head (back to its start when the block would not fit
-before its end): every older block the new one covers gets an odd seq first (written over),
-then seq odd -> key, length, crc, payload -> seq even; then the slot record pointing at it
-goes out as above. So the arena, like the slots, is reused oldest first, and a reader tells a
-block written over from its own record (see :mod:`.layout`).
+in the arena, in the region reserved for it (:mod:`.arena_space`: when its request was first
+seen, or now): every older block the region covers gets an odd seq first (written over), then
+seq odd -> key, length, crc, payload -> seq even; then the slot record pointing at it goes out
+as above. So the arena, like the slots, is reused oldest first, and a reader tells a block
+written over from its own record (see :mod:`.layout`). The payload is any buffer (a
+contiguous numpy array's memoryview): its crc is taken over it once, and it is copied into the
+mapping once.
 
 The writer never truncates its file (a mapping of a shrunk file faults with SIGBUS): a restarted
 writer makes a new file, named for its instance and engine, and old files of dead writers are
@@ -29,11 +31,11 @@ import os
 import secrets
 import threading
 import zlib
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS, POOLINGS, RING_DIR_ENV
+from vllm_hidden_state_proxy.ring.arena_space import ArenaFull, ArenaSpace
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
 from vllm_hidden_state_proxy.ring.files import (
     PRIVATE_MODES,
@@ -67,7 +69,6 @@ from vllm_hidden_state_proxy.ring.layout import (
     ZERO_KEY,
     RingHeader,
     RingShape,
-    arena_block_size,
     check_layers,
     pack_header,
     slot_size_for,
@@ -106,10 +107,9 @@ class RingWriter(ClosesOnExit):
         self._mm: mmap.mmap | None = mm
         self._count = 0
         self._lock = threading.Lock()
-        #: The arena's write head, the blocks not yet written over ((offset, end), oldest
-        #: first from just past the head), and the count of blocks written.
-        self._head = 0
-        self._blocks: deque[tuple[int, int]] = deque()
+        #: The arena's regions (reserved, and published blocks not yet written over), and the
+        #: count of blocks written.
+        self.space = ArenaSpace(header.shape.arena_size, header.shape.max_record)
         self._block_count = 0
         forget_in_forked_children(self)
 
@@ -256,17 +256,20 @@ class RingWriter(ClosesOnExit):
     def publish(
         self,
         key: bytes,
-        vectors: bytes,
+        vectors: bytes | memoryview,
         *,
         position: int,
         num_prompt_tokens: int,
         layers: Sequence[int] | None = None,
         pooling: str = "last",
         rows: int = 1,
+        region: int | None = None,
     ) -> None:
         """Publish ``vectors`` (LE float32, ``rows`` x ``hidden_size`` values per layer of
-        ``layers``, default: the final layer) under ``key``; a matrix pooling's through the
-        arena (``ValueError`` if it is larger than the ring's max record)."""
+        ``layers``, default: the final layer; any buffer, read once) under ``key``; a matrix
+        pooling's through the arena: into ``region`` (a token of ``self.space.reserve``), or a
+        region reserved now (``ValueError`` if its block is larger than the ring's max record,
+        or overlaps a region still reserved)."""
         _check_key(key)
         taken = (self.shape.num_hidden_layers,) if layers is None else tuple(layers)
         if not taken or len(set(taken)) != len(taken) or not set(taken) <= set(self.layers):
@@ -277,15 +280,11 @@ class RingWriter(ClosesOnExit):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or (rows > 1 > matrix):
             raise ValueError(f"rows must be 1, or at least 1 for a matrix pooling: {rows!r}")
         expected = matrix_bytes(rows, len(taken), self.hidden_size)
-        if len(vectors) != expected:
+        payload = memoryview(vectors).cast("B")
+        if payload.nbytes != expected:
             raise ValueError(
                 f"vectors must be {expected} bytes (float32 x {self.hidden_size} x {rows} rows "
-                f"x {len(taken)} layers), got {len(vectors)}"
-            )
-        if matrix and expected > self.shape.max_record:
-            raise ValueError(
-                f"a matrix record of {expected} bytes exceeds this ring's max record of "
-                f"{self.shape.max_record}"
+                f"x {len(taken)} layers), got {payload.nbytes}"
             )
         for name, value in (("position", position), ("num_prompt_tokens", num_prompt_tokens)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -300,15 +299,30 @@ class RingWriter(ClosesOnExit):
             pooling=pooling,
             layers=taken,
             hidden_size=self.hidden_size,
-            vectors=b"" if matrix else bytes(vectors),
+            vectors=b"" if matrix else payload.tobytes(),
             rows=rows,
         )
         if not matrix:
             self._write(key, pack_record(record))
             return
-        with self._lock:  # block and slot in one go: two writers could not interleave them
-            block = self._write_block(key, vectors)
-            self._write_slot(key, pack_record(record, block))
+        if region is None:
+            try:
+                region = self.space.reserve(expected)
+            except ArenaFull as full:
+                raise ValueError(
+                    f"a matrix record's block of {full.size} bytes exceeds this ring's max "
+                    f"record of {self.shape.max_record}"
+                    if full.reason == "large"
+                    else f"a matrix record's block of {full.size} bytes overlaps a region "
+                    "reserved for another matrix"
+                ) from None
+        try:
+            with self._lock:  # block and slot in one go: two writers could not interleave them
+                block = self._write_block(key, payload, region)
+                self._write_slot(key, pack_record(record, block))
+        except BaseException:
+            self.space.release(region)
+            raise
 
     def publish_error(self, key: bytes, message: str, status: int = HOOK_FAILED_STATUS) -> None:
         """Publish an error record: the proxy answers this request key with ``message`` (and
@@ -316,43 +330,27 @@ class RingWriter(ClosesOnExit):
         _check_key(key)
         self._write(key, pack_error(key, message, status))
 
-    def _write_block(self, key: bytes, payload: bytes | memoryview) -> ArenaBlock:
-        """Write ``payload`` as the arena's newest block (the lock is held)."""
+    def _write_block(self, key: bytes, payload: memoryview, region: int) -> ArenaBlock:
+        """Write ``payload`` as the arena's newest block, in ``region`` (the lock is held)."""
         mm = self._mm
         if mm is None:
             raise ValueError("ring writer is closed")
-        shape = self.shape
-        n = len(payload)
-        size = arena_block_size(n)
-        if size > shape.arena_size:
-            raise ValueError(f"a block of {size} bytes exceeds the arena of {shape.arena_size}")
-        head = self._head
-        if head + size > shape.arena_size:  # the tail's blocks go too: they are the oldest
-            self._write_over(head, shape.arena_size)
-            head = 0
-        self._write_over(head, head + size)
-        self._block_count += 1
-        seq = (2 * self._block_count) & 0xFFFFFFFFFFFFFFFE
-        base = shape.arena_offset + head
-        ARENA_SEQ.pack_into(mm, base, seq | 1)
-        crc = zlib.crc32(payload)
-        ARENA_META.pack_into(mm, base + ARENA_KEY_OFFSET, key, n, crc)
-        start = base + ARENA_PAYLOAD_OFFSET
-        mm[start : start + n] = payload
-        ARENA_SEQ.pack_into(mm, base, seq)
-        self._blocks.append((head, head + size))
-        self._head = head + size
-        return ArenaBlock(head, n, crc, seq)
-
-    def _write_over(self, start: int, end: int) -> None:
-        """Mark the blocks in ``[start, end)`` written over (odd seq), oldest first."""
-        mm = self._mm
-        blocks = self._blocks
         base = self.shape.arena_offset
-        while mm is not None and blocks and start <= blocks[0][0] < end:
-            offset, _ = blocks.popleft()
+        head, covered = self.space.publish(region, payload.nbytes)
+        for offset in covered:  # each gets an odd seq before anything is written
             seq = ARENA_SEQ.unpack_from(mm, base + offset)[0]
             ARENA_SEQ.pack_into(mm, base + offset, seq | 1)
+        n = payload.nbytes
+        self._block_count += 1
+        seq = (2 * self._block_count) & 0xFFFFFFFFFFFFFFFE
+        at = base + head
+        ARENA_SEQ.pack_into(mm, at, seq | 1)
+        crc = zlib.crc32(payload)
+        ARENA_META.pack_into(mm, at + ARENA_KEY_OFFSET, key, n, crc)
+        start = at + ARENA_PAYLOAD_OFFSET
+        mm[start : start + n] = payload
+        ARENA_SEQ.pack_into(mm, at, seq)
+        return ArenaBlock(head, n, crc, seq)
 
     def _write(self, key: bytes, payload: bytes) -> None:
         with self._lock:

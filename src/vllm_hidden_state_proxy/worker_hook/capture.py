@@ -60,16 +60,26 @@ scheduling) the stream is already synchronized, and the copies are published bef
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS, SPANS_POOLING
+from vllm_hidden_state_proxy.protocol import (
+    ANSWER_POOLINGS,
+    ANSWER_WINDOW,
+    MATRIX_POOLINGS,
+    SPANS_POOLING,
+)
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
-from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows
+from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows, FinishedAnswer
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import engine_identity, is_publishing_rank
 from vllm_hidden_state_proxy.worker_hook.layers import CapturedLayers
-from vllm_hidden_state_proxy.worker_hook.matrix_budget import MatrixBudget, Refusal
+from vllm_hidden_state_proxy.worker_hook.matrix_budget import (
+    DeviceBudget,
+    MatrixBudget,
+    Refusal,
+)
 from vllm_hidden_state_proxy.worker_hook.pooling import (
     MeanPooling,
     PromptMatrix,
@@ -90,6 +100,7 @@ from vllm_hidden_state_proxy.worker_hook.selection import (
     Selection,
     last_prompt_row,
 )
+from vllm_hidden_state_proxy.worker_hook.settings import DEVICE, HookSettings
 
 logger = logging.getLogger("vllm.hidden_state_hook")
 
@@ -124,6 +135,7 @@ class StepCapture:
         *,
         captured: CapturedLayers | None = None,
         copier: RowCopier | None = None,
+        device_limit: int = DEVICE.default,
     ) -> None:
         self.view = view
         self.writer = writer  # a RingWriter, or None on ranks that do not publish
@@ -134,8 +146,8 @@ class StepCapture:
         self.matrices = PromptMatrix()
         self.spans = SpanPooling()
         self.answers = AnswerRows()
-        shape = getattr(writer, "shape", None)
-        self.budget = MatrixBudget(getattr(shape, "arena_size", 0), getattr(shape, "max_record", 0))
+        self.budget = MatrixBudget(getattr(writer, "space", None))
+        self.device = DeviceBudget(device_limit)
         #: Speculative decoding computes several positions per step and accepts some: the
         #: position that chose an answer's token is not known (``"last_answer"`` refused).
         self.speculative = False
@@ -158,11 +170,12 @@ class StepCapture:
             return cls(view, None, model_name)
         identity = engine_identity(vllm_config)
         try:
+            device_limit = HookSettings().device_bytes
             writer, captured = create_ring(runner, view, identity, model_name)
         except Exception as error:
             leave_note(identity, error, view)
             raise
-        capture = cls(view, writer, model_name, captured=captured)
+        capture = cls(view, writer, model_name, captured=captured, device_limit=device_limit)
         capture.speculative = getattr(vllm_config, "speculative_config", None) is not None
         return capture
 
@@ -218,8 +231,10 @@ class StepCapture:
         if len(self.matrices) or len(self.spans):
             self.matrices.keep_only(selected.pending)
             self.spans.keep_only(selected.pending)
-        if len(self.budget):
-            self.budget.keep_only({*selected.pending, *self.answers.ids()})
+        if len(self.budget) or len(self.device):
+            live = {*selected.pending, *self.answers.ids()}
+            self.budget.keep_only(live)
+            self.device.keep_only(live)
         if not selected.pending:
             return
         wanted = [rid for rid in selected.pending if rid in scheduler_output.num_scheduled_tokens]
@@ -274,19 +289,31 @@ class StepCapture:
                 continue
             problem = self.answers.track(req_id, selection)
             if problem is not None:
-                self.budget.release([req_id])
+                self._release([req_id])
                 self._publish_error(selection.key, problem)
 
+    def _release(self, req_ids: list[str]) -> None:
+        self.budget.release(req_ids)
+        self.device.release(req_ids)
+
     def _reserve_answer(self, req_id: str, selection: Selection) -> Refusal | None:
-        """An ``"all_answer"`` choice's bytes, reserved before any row is kept."""
+        """A choice's kept rows (on the device) and, for ``"all_answer"``, its matrix's region
+        of the arena, reserved before any row is kept."""
+        hidden = int(getattr(self.writer, "hidden_size", 0))
+        count = len(selection.layers)
         if selection.pooling != "all_answer":
-            return None
+            what = f"the last_answer rows of {ANSWER_WINDOW + 1} positions x {count} layers"
+            kept = matrix_bytes(ANSWER_WINDOW + 1, count, hidden)
+            return self.device.reserve(req_id, kept, what)
         rows = selection.max_tokens
         if rows is None:
             return Refusal("an 'all_answer' request needs max_tokens (vLLM did not set it)", 413)
-        hidden = int(getattr(self.writer, "hidden_size", 0))
-        what = f"the all_answer matrix of up to {rows} rows x {len(selection.layers)} layers"
-        return self.budget.reserve(req_id, matrix_bytes(rows, len(selection.layers), hidden), what)
+        what = f"the all_answer matrix of up to {rows} rows x {count} layers"
+        size = matrix_bytes(rows, count, hidden)
+        refusal = self.budget.reserve(req_id, size, what) or self.device.reserve(req_id, size, what)
+        if refusal is not None:
+            self._release([req_id])
+        return refusal
 
     def _keep_answers(self, runner: Any, scheduler_output: Any) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
@@ -306,28 +333,47 @@ class StepCapture:
     def _publish_answers(self, finished_ids: Any, scheduler_output: Any) -> None:
         """Publish the records of the answers that finished. A step with nothing scheduled
         gets no ``sample_tokens`` (nor ``get_output``) from vLLM, so there they go out now."""
-        if len(self.budget):
-            self.budget.release(finished_ids)
-        for finished in self.answers.finish(finished_ids):
-            if not finished.targets:
-                self._publish_error(
-                    finished.key,
-                    finished.problem
-                    or "the request ended before any state of its answer was computed",
-                )
-                continue
-            try:
-                if self.copier is None:
-                    self.copier = copier_for(finished.rows[0].device)
-                started = self.copier.start(finished.rows)
-            except Exception:
-                self._errors.exception("copying an answer's hidden states")
-                self._publish_error(finished.key, STEP_FAILED)
-                continue
-            if self.publications is not None:
-                number = self.publications.add(started, finished.targets)
-                if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
-                    self.publications.publish_through(number)
+        for req_id in finished_ids:
+            region = self.budget.hand_over(req_id)  # an all_answer's: its copy holds it now
+            self.device.release([req_id])
+            for finished in self.answers.finish([req_id]):
+                self._publish_answer(finished, region, scheduler_output)
+                region = None
+            self._give_back(region)
+
+    def _give_back(self, region: int | None) -> None:
+        """An arena region whose matrix will not be published."""
+        if region is not None and self.writer is not None:
+            self.writer.space.release(region)
+
+    def _publish_answer(
+        self, finished: FinishedAnswer, region: int | None, scheduler_output: Any
+    ) -> None:
+        """Copy a finished choice's rows and queue its records (an ``"all_answer"``'s into
+        ``region``, which goes back to the arena if they will not be published)."""
+        if not finished.targets:
+            self._give_back(region)
+            self._publish_error(
+                finished.key,
+                finished.problem or "the request ended before any state of its answer was computed",
+            )
+            return
+        try:
+            if self.copier is None:
+                self.copier = copier_for(finished.rows[0].device)
+            started = self.copier.start(finished.rows)
+        except Exception:
+            self._errors.exception("copying an answer's hidden states")
+            self._give_back(region)
+            self._publish_error(finished.key, STEP_FAILED)
+            return
+        targets = finished.targets
+        if region is not None:
+            targets = [dataclasses.replace(target, region=region) for target in targets]
+        if self.publications is not None:
+            number = self.publications.add(started, targets)
+            if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+                self.publications.publish_through(number)
 
     def _publish_error(self, key: bytes, message: str, status: int = 502) -> None:
         if self.writer is None:
@@ -351,7 +397,7 @@ class StepCapture:
         self.means.forget(req_ids)
         self.matrices.forget(req_ids)
         self.spans.forget(req_ids)
-        self.budget.release(req_ids)
+        self._release(req_ids)
 
     def _start_copy(self, runner: Any, scheduler_output: Any, wanted: list[str]) -> None:
         captured = self.captured
@@ -382,6 +428,7 @@ class StepCapture:
                     layers=selection.layers,
                     pooling=selection.pooling,
                     rows=rows_per_layer,
+                    region=self.budget.hand_over(request.req_id) if matrix else None,
                 )
                 if matrix:  # its own copy: one tensor, not a view per row
                     matrices.append((vectors, target))
@@ -441,11 +488,18 @@ class StepCapture:
         record)."""
         spans = selection.pooling == SPANS_POOLING
         if request.req_id not in (self.spans if spans else self.matrices):
-            rows = len(selection.spans) if spans else request.num_prompt_tokens
+            prompt = request.num_prompt_tokens
+            rows = len(selection.spans) if spans else prompt
             count = len(selection.layers)
             hidden = int(layers[selection.layers[0]].shape[-1])
             what = f"the {selection.pooling} matrix of {rows} rows x {count} layers x {hidden}"
-            refusal = self.budget.reserve(request.req_id, matrix_bytes(rows, count, hidden), what)
+            size = matrix_bytes(rows, count, hidden)
+            # On the device: the rows so far; a spans request's sums, and one layer's running
+            # sum of a step's rows (at most the prompt's).
+            kept = size + matrix_bytes(prompt + 1, 1, hidden) if spans else size
+            refusal = self.budget.reserve(request.req_id, size, what) or self.device.reserve(
+                request.req_id, kept, what
+            )
             if refusal is not None:
                 self._fail([request.req_id], refusal.message, refusal.status)
                 return None
@@ -454,7 +508,7 @@ class StepCapture:
         else:
             matrix = self.matrices.add(request, selection.layers, layers)
         if matrix is not None:
-            self.budget.release([request.req_id])  # the copy holds it from here
+            self.device.release([request.req_id])  # the copy holds it from here
         return matrix
 
 

@@ -38,15 +38,22 @@ class PendingRows(Protocol):
         """Block until the copy has completed."""
         ...
 
-    def vectors(self) -> list[bytes]:
-        """Each row as little-endian float32 bytes, in the order given to ``start``.
+    def buffer(self) -> memoryview:
+        """The rows, in the order given to ``start``, as one contiguous run of little-endian
+        float32 bytes (a view of the host copy: no copy is made).
 
-        Only valid once ``done()`` returned True or ``wait()`` returned.
+        Only valid once ``done()`` returned True or ``wait()`` returned, and until
+        ``release()``.
         """
         ...
 
+    def vectors(self) -> list[bytes]:
+        """Each row as little-endian float32 bytes (a copy each: for tests and small reads;
+        the publication reads ``buffer()``)."""
+        ...
+
     def release(self) -> None:
-        """Give host buffers back for reuse; call once, after ``vectors()``."""
+        """Give host buffers back for reuse; call once, after ``buffer()`` is no longer used."""
         ...
 
 
@@ -66,14 +73,32 @@ def stack_as_float32(rows: Sequence[Any]) -> Any:
     return torch.stack([row.to(torch.float32) for row in rows])
 
 
+def host_float32(rows: Sequence[Any]) -> Any:
+    """Synchronous: the rows as one C-contiguous little-endian float32 numpy array
+    ``[len(rows), hidden_size]`` (a float32 CPU matrix is not copied)."""
+    stacked = stack_as_float32(rows).to(device="cpu")
+    return _little_endian(stacked.contiguous().numpy())
+
+
 def rows_as_float32(rows: Sequence[Any]) -> list[bytes]:
     """Synchronous: the rows as little-endian float32 bytes each."""
-    stacked = stack_as_float32(rows).to(device="cpu")
-    return _rows_as_bytes(stacked.contiguous().numpy())
+    return _rows_as_bytes(host_float32(rows))
+
+
+def _little_endian(array: Any) -> Any:
+    """``array`` as C-contiguous little-endian float32 (no copy on a little-endian host)."""
+    import numpy as np
+
+    return np.ascontiguousarray(array.astype("<f4", copy=False))
+
+
+def as_bytes(array: Any) -> memoryview:
+    """A C-contiguous array's bytes, without a copy."""
+    return memoryview(array).cast("B")
 
 
 def _rows_as_bytes(array: Any) -> list[bytes]:
-    array = array.astype("<f4", copy=False)
+    array = _little_endian(array)
     return [array[i].tobytes() for i in range(array.shape[0])]
 
 
@@ -81,10 +106,10 @@ def _rows_as_bytes(array: Any) -> list[bytes]:
 
 
 class ReadyRows:
-    """A copy that completed before ``start`` returned."""
+    """A copy that completed before ``start`` returned: ``array``, C-contiguous LE float32."""
 
-    def __init__(self, vectors: list[bytes]) -> None:
-        self._vectors = vectors
+    def __init__(self, array: Any) -> None:
+        self._array = array
 
     def done(self) -> bool:
         return True
@@ -92,8 +117,11 @@ class ReadyRows:
     def wait(self) -> None:
         return None
 
+    def buffer(self) -> memoryview:
+        return as_bytes(self._array)
+
     def vectors(self) -> list[bytes]:
-        return self._vectors
+        return _rows_as_bytes(self._array)
 
     def release(self) -> None:
         return None
@@ -101,7 +129,7 @@ class ReadyRows:
 
 class SyncRowCopier:
     def start(self, rows: Sequence[Any]) -> PendingRows:
-        return ReadyRows(rows_as_float32(rows))
+        return ReadyRows(host_float32(rows))
 
 
 # -- devices: asynchronous ------------------------------------------------------------------------
@@ -202,10 +230,16 @@ class InFlightRows:
             self._event.synchronize()
             self._completed = True
 
-    def vectors(self) -> list[bytes]:
+    def _host(self) -> Any:
         if not self._completed or self._buffers is None:
             raise RuntimeError("the host copy has not completed (or was released)")
-        return _rows_as_bytes(self._buffers.rows[: self._count].numpy())
+        return _little_endian(self._buffers.rows[: self._count].numpy())
+
+    def buffer(self) -> memoryview:
+        return as_bytes(self._host())
+
+    def vectors(self) -> list[bytes]:
+        return _rows_as_bytes(self._host())
 
     def release(self) -> None:
         buffers, self._buffers = self._buffers, None

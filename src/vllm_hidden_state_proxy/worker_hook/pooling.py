@@ -14,9 +14,10 @@ extend it, and the gap left by the prefix cache, are :func:`.selection.mean_rows
   matrix that is copied to the host. What they may take is :mod:`.matrix_budget`'s.
 - ``"spans"`` (:class:`SpanPooling`): the mean of each given span of prompt positions. Each
   step adds, per layer, its rows' sums within each span into a ``[layers, spans, hidden_size]``
-  float32 accumulator: from a running sum of the step's rows (``cumsum``), two gathers per
-  step whatever the span count; the last step divides by the spans' lengths. Only the pooled
-  rows travel.
+  float32 accumulator: from a running sum of the step's rows (``cumsum``, one layer at a time,
+  so a step holds one ``[rows + 1, hidden_size]`` float32 sum), two gathers per layer and step
+  whatever the span count; the last step divides by the spans' lengths. Only the pooled rows
+  travel. What these keep on the device is counted (:mod:`.matrix_budget`).
 """
 
 from __future__ import annotations
@@ -142,14 +143,21 @@ class SpanPooling(_InFlight[_SpanSums]):
             )
         count = rows.end - rows.first
         begin = rows.covered - count  # the prompt position of the step's first added row
-        chunk = torch.stack([step_layers[layer][rows.first : rows.end] for layer in layers])
-        running = torch.zeros(
-            (len(layers), count + 1, chunk.shape[-1]), dtype=torch.float32, device=chunk.device
-        )
-        torch.cumsum(chunk.to(torch.float32), dim=1, out=running[:, 1:])
         lower = (state.starts - begin).clamp(0, count)
         upper = (state.ends - begin).clamp(0, count)
-        state.total += running[:, upper] - running[:, lower]
+        # One layer's running sum at a time: [count + 1, hidden] float32 is the most a step
+        # adds on the device (what the device budget counts), whatever the layer count.
+        running = torch.zeros(
+            (count + 1, int(first_layer.shape[1])), dtype=torch.float32, device=first_layer.device
+        )
+        for index, layer in enumerate(layers):
+            torch.cumsum(
+                step_layers[layer][rows.first : rows.end],
+                dim=0,
+                dtype=torch.float32,
+                out=running[1:],
+            )
+            state.total[index] += running[upper] - running[lower]
         state.covered = rows.covered
         if state.covered < request.num_prompt_tokens:
             return None

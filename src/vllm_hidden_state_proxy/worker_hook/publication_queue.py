@@ -42,6 +42,9 @@ class RecordTarget:
     layers: tuple[int, ...]
     pooling: str = "last"
     rows: int = 1
+    #: A matrix's region of the ring's arena, reserved when its request was first seen
+    #: (:mod:`.matrix_budget`); the writer writes it, or it is given back.
+    region: int | None = None
 
     @property
     def row_count(self) -> int:
@@ -126,45 +129,67 @@ class PublicationQueue:
                     entry.rows.wait()
                 elif not entry.rows.done():
                     return
-                vectors: list[bytes] | None = entry.rows.vectors()
-                entry.rows.release()
+                buffer: memoryview | None = entry.rows.buffer()
             except Exception:
                 self._on_error("copying a step's hidden states to the host")
-                vectors = None
+                buffer = None
             with self._entries_lock:
                 self._entries.popleft()
-            if vectors is None:
+            if buffer is None:
                 self.publish_errors(entry.targets, COPY_FAILED)
-            else:
-                self._publish(entry.targets, vectors)
+                continue
+            try:
+                self._publish(entry.targets, buffer)
+            finally:  # after the records: the host buffer may be reused once released
+                try:
+                    entry.rows.release()
+                except Exception:
+                    self._on_error("copying a step's hidden states to the host")
 
     def publish_errors(self, targets: list[RecordTarget], message: str) -> None:
-        """Error records for ``targets``: their requests get ``message`` instead of vectors."""
+        """Error records for ``targets``: their requests get ``message`` instead of vectors
+        (and their regions of the arena go back)."""
         for target in targets:
+            self._give_back(target)
             try:
                 self._writer.publish_error(target.key, message)
             except Exception:
                 self._on_error("publishing an error record to the ring")
 
-    def _publish(self, targets: list[RecordTarget], vectors: list[bytes]) -> None:
-        if len(vectors) != sum(target.row_count for target in targets):
+    def _give_back(self, target: RecordTarget) -> None:
+        if target.region is not None:
+            try:
+                self._writer.space.release(target.region)
+            except Exception:
+                self._on_error("giving back a region of the ring's arena")
+
+    def _publish(self, targets: list[RecordTarget], buffer: memoryview) -> None:
+        """Publish ``buffer`` (the copied rows, one after another, as bytes) as ``targets``:
+        each record a slice of it, no copy before the ring's."""
+        count = sum(target.row_count for target in targets)
+        row = 4 * int(self._writer.hidden_size)
+        if buffer.nbytes != count * row:
             self._on_error("matching copied rows to their keys")
             self.publish_errors(targets, COPY_FAILED)
             return
         at = 0
         for target in targets:
-            rows = vectors[at : at + target.row_count]
-            at += target.row_count
+            size = target.row_count * row
+            part = buffer[at : at + size]
+            at += size
             try:
                 self._writer.publish(
                     target.key,
-                    b"".join(rows),
+                    part,
                     position=target.position,
                     num_prompt_tokens=target.num_prompt_tokens,
                     layers=target.layers,
                     pooling=target.pooling,
                     rows=target.rows,
+                    region=target.region,
                 )
             except Exception:
                 self._on_error("publishing a hidden state to the ring")
                 self.publish_errors([target], PUBLISH_FAILED)
+            finally:
+                part.release()

@@ -21,6 +21,7 @@ from vllm_hidden_state_proxy.option_table import Option, markdown_table
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     DEFAULT_RING_DIR,
+    DEVICE_MIB_ENV,
     HOOK_ENABLED_ENV,
     LAYERS_ENV,
     MAX_RECORD_MIB_ENV,
@@ -102,19 +103,31 @@ ARENA: Option[int] = Option(
     256 << 20,
     "MiB of each engine's arena, the part of its ring file that matrices travel through "
     "(poolings `all_prompt`, `all_answer`); reserved in the ring directory's file system at "
-    "startup; also what the matrices being gathered in the worker may take together (past it a "
-    "request's record is an error: 503). `0`: no matrices",
+    "startup; also what the matrices being gathered in the worker may take together, each "
+    "block's header and the tail left at a wrap counted (past it a request's record is an "
+    "error: 503, never a matrix written over before it is published). `0`: no matrices",
     mebibytes(ARENA_MIB_ENV),
     env=ARENA_MIB_ENV,
     shown_default="`256`",
 )
 MAX_RECORD: Option[int] = Option(
     64 << 20,
-    "MiB one request's matrix record may take (rows x layers x hidden size x 4 bytes); past it "
-    "the request is refused with a 413 naming this variable (at most the arena's size)",
+    "MiB one request's matrix record may take in the arena: its block, a 64-byte header and "
+    "rows x layers x hidden size x 4 bytes, padded to 64; past it the request is refused with a "
+    "413 naming this variable, before any row is kept (at most the arena's size)",
     mebibytes(MAX_RECORD_MIB_ENV),
     env=MAX_RECORD_MIB_ENV,
     shown_default="`64`",
+)
+DEVICE: Option[int] = Option(
+    512 << 20,
+    "MiB of device memory the hook may keep across steps for the requests in flight: "
+    "`all_prompt` rows so far, `spans` sums (and one layer's running sum), the answers' kept "
+    "rows, each counted at its most in float32 when the request is first seen; past it an error "
+    "record naming this variable: 413 for one request alone, 503 for the requests together",
+    mebibytes(DEVICE_MIB_ENV),
+    env=DEVICE_MIB_ENV,
+    shown_default="`512`",
 )
 RING_DIR_MODE: Option[tuple[int, int]] = Option(
     PRIVATE_MODES,
@@ -150,6 +163,7 @@ HOOK_VARIABLES: tuple[Option[Any], ...] = (
     RING_SLOTS,
     ARENA,
     MAX_RECORD,
+    DEVICE,
     RING_DIR_MODE,
     RING_LOCK_TIMEOUT,
     HOOK,
@@ -195,6 +209,11 @@ class HookSettings:
     def max_record_bytes(self) -> int:
         """Bytes; ``ValueError`` naming the variable if it is malformed."""
         return MAX_RECORD.read(self.environ)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes; ``ValueError`` naming the variable if it is malformed."""
+        return DEVICE.read(self.environ)
 
     @property
     def ring_modes(self) -> tuple[int, int]:
