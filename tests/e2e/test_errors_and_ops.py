@@ -66,7 +66,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
             },
             "kv_transfer_params.last_hidden_state_info",
         ),
-        ({"kv_transfer_params": {"return_last_hidden_state": True}, "stream": "yes"}, "stream"),
+        ({"kv_transfer_params": {"return_last_hidden_state": True}, "stream": "maybe"}, "stream"),
         (
             {
                 "kv_transfer_params": {"return_last_hidden_state": True},
