@@ -368,7 +368,7 @@ async def test_a_record_that_is_not_what_was_asked_is_never_a_wrong_answer(
     async def handle(request: httpx.Request) -> httpx.Response:
         record = record_for(forwarded_key(request), layers, pooling)
         layered_writer.publish(
-            record.key, record.vectors, position=1, num_prompt_tokens=2, layers=layers
+            record.key, bytes(record.vectors), position=1, num_prompt_tokens=2, layers=layers
         )
         return httpx.Response(200, content=orjson.dumps({"choices": []}))
 

@@ -60,7 +60,7 @@ from vllm_hidden_state_proxy.proxy.upstream import (
     transport_error,
 )
 from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
-from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
+from vllm_hidden_state_proxy.ring import Found, PendingRows, PublishMarks, Record
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
 _NO_ENCODING = frozenset({b"accept-encoding"})
@@ -153,7 +153,9 @@ class JoinableAnswer:
 Answer = VllmAnswer | JoinableAnswer
 
 
-async def record_of(state: ProxyState, request: KeyedRequest, early: Found | None = None) -> Record:
+async def record_of(
+    state: ProxyState, request: KeyedRequest, early: Found | PendingRows | None = None
+) -> Record:
     """The request's record; ``ProxyError`` if there is none (see :mod:`.vector_lookup`), or
     if it lacks a layer or the pooling the request asked for (a hook of another release)."""
     record = await wait_for_record(

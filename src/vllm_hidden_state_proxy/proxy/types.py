@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
 from vllm_hidden_state_proxy.protocol import SPANS_POOLING
-from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    Found,
+    PendingRows,
+    PublishMarks,
+    RingHeader,
+    RingShape,
+)
 
 # -- the client's field names ----------------------------------------------------------------
 
@@ -126,6 +133,8 @@ class RingSource(Protocol):
     """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
 
     def lookup(self, key: bytes) -> Found | None: ...
+
+    def find(self, key: bytes) -> Found | PendingRows | None: ...
 
     def has_ring(self) -> bool: ...
 

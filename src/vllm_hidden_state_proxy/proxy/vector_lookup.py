@@ -24,12 +24,15 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
+import anyio
+
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     MATRIX_POOLINGS,
     MAX_RECORD_MIB_ENV,
     absolute_layer,
 )
+from vllm_hidden_state_proxy.proxy import vector_memory
 from vllm_hidden_state_proxy.proxy.errors import (
     ProxyError,
     bad_request,
@@ -50,9 +53,11 @@ from vllm_hidden_state_proxy.proxy.types import (
     WantedVectors,
     is_int,
 )
+from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     Found,
+    PendingRows,
     PublishMarks,
     Record,
     RingShape,
@@ -69,9 +74,11 @@ EARLY_DELAY = 0.05
 EARLY_INTERVAL = 0.02
 
 
-def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> Found | None:
+def _matching(
+    rings: RingSource, key: bytes, error_key: bytes | None = None
+) -> Found | PendingRows | None:
     """The record of ``key``; else, with ``error_key``, an error record published under it."""
-    found = rings.lookup(key)
+    found = rings.find(key)
     if found is not None and found.key == key:  # a record for another key is never ours
         return found
     if error_key is None:
@@ -82,7 +89,18 @@ def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> 
     return None
 
 
-def _as_record(found: Found) -> Record:
+async def _as_record(found: Found | PendingRows) -> Record:
+    """The record with its rows, counted against the request's memory for vectors: a large
+    matrix before its rows are copied (413/503 instead of the copy), and copied and checked in
+    a thread, off the event loop; a small record as it is (it is already copied)."""
+    if isinstance(found, PendingRows):
+        vector_memory.take(found.size)
+        loaded = await anyio.to_thread.run_sync(found.load, limiter=off_loop_limiter())
+        if isinstance(loaded, ErrorRecord):
+            vector_memory.give_back(found.size)
+        found = loaded
+    elif isinstance(found, Record):
+        vector_memory.take(len(found.vectors))
     if isinstance(found, ErrorRecord):
         raise hook_error(found.message, found.status)
     return found
@@ -94,7 +112,7 @@ async def wait_for_record(
     marks: PublishMarks,
     timeout: float,
     metrics: ProxyMetrics,
-    early: Found | None = None,
+    early: Found | PendingRows | None = None,
     error_key: bytes | None = None,
 ) -> Record:
     """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
@@ -118,7 +136,7 @@ async def wait_for_record(
         metrics.vector_misses["not_published"] += 1
         raise vector_timeout(timeout)
     metrics.vector_wait.observe(time.monotonic() - start)
-    return _as_record(found)
+    return await _as_record(found)
 
 
 async def _poll(
@@ -127,7 +145,7 @@ async def _poll(
     marks: PublishMarks,
     deadline: float,
     error_key: bytes | None = None,
-) -> Found | None:
+) -> Found | PendingRows | None:
     """Look again with a doubling interval, until found, overwritten or ``deadline``."""
     delay = FIRST_BACKOFF
     while not rings.overwritten_since(marks):
@@ -156,7 +174,7 @@ class EarlyCapture:
         self.rings = rings
         self.key = key
         self.marks = marks
-        self.found: Found | None = None
+        self.found: Found | PendingRows | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def during(self, work: Awaitable[T]) -> T:
