@@ -30,11 +30,11 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
+from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_join import (
     dump_json,
     encode_vector,
     prompt_list_fields,
-    send_joined,
     send_unchanged,
     single_prompt_fields,
     vector_info,

@@ -37,7 +37,6 @@ import pybase64
 
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import (
     BY_LAYER,
@@ -54,7 +53,7 @@ from vllm_hidden_state_proxy.ring import Record
 from vllm_hidden_state_proxy.ring.records import Rows
 
 #: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
-_REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
+REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
 
 
 #: A vector as float32 values in native byte order, which :func:`dump_json` writes as a list.
@@ -224,19 +223,8 @@ async def send_whole(
     send: Send, status: int, upstream_headers: RawHeaders, body: bytes, content_type: bytes
 ) -> None:
     """A complete response with vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
-    headers = downstream_response_headers(upstream_headers, drop=_REBUILT_DROP)
+    headers = downstream_response_headers(upstream_headers, drop=REBUILT_DROP)
     await send_response(send, status, body, content_type, headers)
-
-
-async def send_joined(
-    send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
-) -> None:
-    """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``."""
-    try:
-        body = dump_json(with_kv_fields(completion, fields))
-    except orjson.JSONEncodeError as exc:  # e.g. nested deeper than orjson writes
-        raise ProxyError(502, f"vLLM's answer cannot be re-encoded with the vector: {exc}") from exc
-    await send_whole(send, 200, headers, body, b"application/json")
 
 
 async def send_unchanged(send: Send, status: int, headers: RawHeaders, content: bytes) -> None:

@@ -42,7 +42,8 @@ class Endpoint(ABC):
         settings = self.state.settings
         # The body's bytes count against the budget until the exchange that holds them ends;
         # so do its vectors' (taken as they are read, see vector_memory.py).
-        with self.state.body_budget.share() as share, sharing(self.state.vector_memory):
+        vectors = sharing(self.state.vector_memory, scope, settings.send_timeout)
+        with self.state.body_budget.share() as share, vectors:
             body = await receive_body(
                 scope, receive, send, settings.max_body_bytes, share, settings.body_timeout
             )

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.protocol import (
     new_request_key,
     request_key_to_wire,
 )
+from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_choices import (
     AnswerAsks,
     ChoiceCount,
@@ -43,7 +44,6 @@ from vllm_hidden_state_proxy.proxy.answer_choices import (
 )
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
-    send_joined,
     single_prompt_fields,
 )
 from vllm_hidden_state_proxy.proxy.answer_stream import relay_with_answer_vectors

@@ -52,6 +52,7 @@ from vllm_hidden_state_proxy.proxy.types import (
     VectorRequest,
     WantedVectors,
     is_int,
+    is_token_ids,
 )
 from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
 from vllm_hidden_state_proxy.ring import (
@@ -273,6 +274,7 @@ def check_matrix_room(
             f"This vLLM server carries no matrices (pooling {pooling!r}): its worker hook runs "
             f"with {ARENA_MIB_ENV}=0. Restart it with an arena.",
         )
+    _check_vectors_bound(document, wanted, shapes)
     if wanted.request.pooling != "all_answer":
         return
     limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
@@ -291,3 +293,37 @@ def check_matrix_room(
             f"fewer tokens or layers.",
             param,
         )
+
+
+def _check_vectors_bound(
+    document: dict[str, Any], wanted: WantedVectors, shapes: Sequence[RingShape]
+) -> None:
+    """413 before sending if the request's matrices, as far as their size is known now, are
+    more than ``--max-vectors-size``: ``"all_answer"`` with ``max_tokens`` (times ``n``), and
+    ``"all_prompt"`` of token-id prompts; either times the prompts of a completions list. (The
+    rows of a text prompt are known only in vLLM: those are counted as they arrive.)"""
+    limit = vector_memory.per_request_limit()
+    if limit is None:
+        return
+    pooling = wanted.request.pooling
+    prompt = document.get("prompt")
+    prompts: list[Any] = [prompt]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompts = prompt
+    if pooling == "all_answer":
+        limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
+        rows = next((value for value in limits if is_int(value)), None)
+        n = document.get("n")
+        choices = n if is_int(n) and n > 0 else 1
+        if rows is None:
+            return
+        total_rows = rows * choices * len(prompts)
+        param = "max_completion_tokens" if is_int(limits[0]) else "max_tokens"
+    elif pooling == "all_prompt" and all(is_token_ids(ids) for ids in prompts):
+        total_rows = sum(len(ids) for ids in prompts)
+        param = "prompt"
+    else:
+        return
+    size = matrix_bytes(total_rows, len(wanted.distinct_layers), shapes[0].hidden_size)
+    if size > limit:
+        raise vector_memory.request_too_large(size, limit, param)
