@@ -50,7 +50,10 @@ async def fetch_all(
                 try:
                     answer = await fetch_keyed_json(state, scope, document, wanted, budget)
                 except ProxyError as error:
-                    results[index] = error
+                    # Without its traceback: its frames hold ``results`` (this closure's), a
+                    # cycle that would keep every answer's records (matrices) in memory until
+                    # the garbage collector's next full pass, long after the budget let go.
+                    results[index] = error.with_traceback(None)
                     group.cancel_scope.cancel()
                     return
                 results[index] = answer
