@@ -9,7 +9,9 @@ MiB (base64 float32 in the answer: 4/3 of that on the wire) for every flagged co
 - ``ordinary``: four clients send unflagged one-token chats through the same proxy, alone and
   while one client pulls matrices back to back (turns interleaved); p50 and p99 of each and
   the rise of p99.
-- ``memory``: the proxy's RSS (sampled every 0.1 s) while one client sends prompt lists of
+- ``memory``: the proxy's memory (sampled every 0.05 s: private, ``RssAnon``, which the
+  budget bounds, and shared, the ring's pages it read, which count in RSS) while one client
+  sends prompt lists of
   matrices (8 prompts a request: past ``--max-vectors-size`` at 64 MiB, so 413s) and
   :data:`SILENT_CLIENTS` clients ask for a matrix each and never read, until the proxy cuts
   them (``--send-timeout``); against the idle RSS plus ``--vectors-budget``.
@@ -163,22 +165,50 @@ async def _lists(url: str, seconds: float) -> dict[int, int]:
     return statuses
 
 
-async def _memory(proxy: Server, port: int) -> tuple[float | None, float | None, dict[int, int]]:
-    idle = rss_mib(proxy.pid)
-    with PeakRss(proxy.pid) as peak:
+def private_mib(pid: int) -> tuple[float, float] | None:
+    """(private anonymous memory, mapped shared memory) in MiB: RSS split as Linux counts it
+    (``RssAnon``, ``RssShmem``); None where it cannot be read. The rings' pages the proxy has
+    read count in RSS as shared memory: vLLM's files, not the proxy's allocations."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssShmem"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class PeakPrivate(PeakRss):
+    """:class:`PeakRss` of the private anonymous memory (``RssAnon``), and the most shared."""
+
+    shared_mib: float | None = None
+
+    def _run(self) -> None:
+        while self.pid is not None and not self._stop.is_set():
+            found = private_mib(self.pid)
+            if found is not None:
+                self.peak_mib = max(found[0], self.peak_mib or 0.0)
+                self.shared_mib = max(found[1], self.shared_mib or 0.0)
+            self._stop.wait(self.interval)
+
+
+async def _memory(proxy: Server, port: int) -> tuple[PeakPrivate, PeakRss, dict[int, int]]:
+    private, rss = PeakPrivate(proxy.pid, 0.05), PeakRss(proxy.pid, 0.05)
+    with private, rss:
         silent = await asyncio.to_thread(_silent_clients, port, SILENT_CLIENTS)
         try:
             statuses = await _lists(proxy.url, SEND_TIMEOUT + 3)
         finally:
             for sock in silent:
                 sock.close()
-    return idle, peak.peak_mib, statuses
+    return private, rss, statuses
 
 
 async def measure_matrix_arm(
     proxy: Server, matrix_mib: int, pulls: int, ordinary: int, rounds: int, progress: Progress
 ) -> Table:
     matrix = matrix_mib * MIB
+    idle = private_mib(proxy.pid)
+    idle_rss = rss_mib(proxy.pid)
     task = progress.task("matrices: pulls, ordinary chats beside them, memory", 3 * rounds + 1)
     one = await _pull_rate(proxy.url, matrix, pulls, 1)
     four = await _pull_rate(proxy.url, matrix, max(1, pulls // 4), 4)
@@ -194,7 +224,8 @@ async def measure_matrix_arm(
         pulled += count
         task.advance(1)
     port = int(proxy.url.rsplit(":", 1)[1])
-    idle, peak, statuses = await _memory(proxy, port)
+    private, rss, statuses = await _memory(proxy, port)
+    after = private_mib(proxy.pid)
     task.advance(rounds)
     task.done()
     base, side = summarize(alone, 1e3), summarize(beside, 1e3)
@@ -208,12 +239,23 @@ async def measure_matrix_arm(
         {"measure": "ordinary p99 ms, beside pulls", "value": side.p99},
         {"measure": "ordinary p99 rise ms", "value": side.p99 - base.p99},
         {"measure": "matrices pulled beside", "value": pulled},
-        {"measure": "proxy RSS MiB, idle", "value": idle},
-        {"measure": "proxy RSS MiB, peak under lists and silent clients", "value": peak},
+        {"measure": "proxy RSS MiB, idle (before the arm)", "value": idle_rss},
+        {"measure": "proxy private MiB (RssAnon), idle", "value": idle and idle[0]},
+        {"measure": "proxy RSS MiB, peak under lists and silent clients", "value": rss.peak_mib},
+        {
+            "measure": "proxy private MiB, peak under lists and silent clients",
+            "value": private.peak_mib,
+        },
+        {"measure": "proxy shared MiB (the rings' pages read), peak", "value": private.shared_mib},
+        {"measure": "proxy private MiB, after (clients gone)", "value": after and after[0]},
         {"measure": "--vectors-budget MiB", "value": budget},
         {
             "measure": "peak - idle - budget MiB (<= 0: within the bound)",
-            "value": None if peak is None or idle is None else peak - idle - budget,
+            "value": (
+                None
+                if private.peak_mib is None or idle is None
+                else private.peak_mib - idle[0] - budget
+            ),
         },
         {
             "measure": "prompt-list statuses",
