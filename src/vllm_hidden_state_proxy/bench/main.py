@@ -248,7 +248,7 @@ def measure_matrices(options: BenchOptions, results: Results, progress: Progress
         options.output_dir,
         options.matrix_mib,
         pulls=2 if smoke else 8,
-        ordinary=20 if smoke else 200,
+        pulls_beside=1 if smoke else 3,
         rounds=1 if smoke else 3,
         progress=progress,
     )

@@ -6,9 +6,9 @@ MiB (base64 float32 in the answer: 4/3 of that on the wire) for every flagged co
 
 - ``pull``: one client pulls matrices back to back; MB/s of matrix rows (float32) served,
   then four clients at once.
-- ``ordinary``: four clients send unflagged one-token chats through the same proxy, alone and
-  while one client pulls matrices back to back (turns interleaved); p50 and p99 of each and
-  the rise of p99.
+- ``ordinary``: four clients send unflagged one-token chats through the same proxy while one
+  client pulls matrices back to back, then alone for as long (turns interleaved); p50 and p99
+  of each and the rise of p99.
 - ``memory``: the proxy's memory (sampled every 0.05 s: private, ``RssAnon``, which the
   budget bounds, and shared, the ring's pages it read, which count in RSS) while one client
   sends prompt lists of
@@ -23,7 +23,6 @@ sending); the hook's side is the worker's (the ring microbenchmark and the e2e t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
 from pathlib import Path
@@ -96,14 +95,12 @@ async def _pull_n(client: httpx.AsyncClient, expected: int, pulls: int) -> None:
         await _pull(client, expected)
 
 
-async def _ordinary(url: str, count: int) -> list[float]:
+async def _ordinary(url: str, until: asyncio.Event) -> list[float]:
+    """Unflagged one-token chats, :data:`ORDINARY_CONCURRENCY` in flight, until ``until``."""
     latencies: list[float] = []
-    remaining = count
 
     async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
+        while not until.is_set():
             start = time.perf_counter()
             response = await client.post("/v1/chat/completions", content=ORDINARY)
             latencies.append(time.perf_counter() - start)
@@ -115,25 +112,28 @@ async def _ordinary(url: str, count: int) -> list[float]:
     return latencies
 
 
-async def _ordinary_beside_pulls(url: str, matrix: int, count: int) -> tuple[list[float], int]:
-    pulled = 0
+async def _ordinary_alone(url: str, seconds: float) -> list[float]:
+    until = asyncio.Event()
+    asyncio.get_running_loop().call_later(seconds, until.set)
+    return await _ordinary(url, until)
 
-    async def keep_pulling() -> None:
-        nonlocal pulled
-        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            while True:
-                await _pull(client, matrix * 4 // 3)
-                pulled += 1
 
-    puller = asyncio.get_running_loop().create_task(keep_pulling())
-    await asyncio.sleep(0.2)  # the first pull under way
-    try:
-        latencies = await _ordinary(url, count)
-    finally:
-        puller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await puller
-    return latencies, pulled
+async def _ordinary_beside_pulls(url: str, matrix: int, pulls: int) -> tuple[list[float], float]:
+    """Ordinary chats while one client pulls ``pulls`` matrices back to back: their latencies
+    and the seconds the pulls took."""
+    until = asyncio.Event()
+
+    async def pull_then_stop() -> float:
+        start = time.perf_counter()
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                await _pull_n(client, matrix * 4 // 3, pulls)
+        finally:
+            until.set()
+        return time.perf_counter() - start
+
+    seconds, latencies = await asyncio.gather(pull_then_stop(), _ordinary(url, until))
+    return latencies, seconds
 
 
 def _silent_clients(port: int, count: int) -> list[socket.socket]:
@@ -204,7 +204,7 @@ async def _memory(proxy: Server, port: int) -> tuple[PeakPrivate, PeakRss, dict[
 
 
 async def measure_matrix_arm(
-    proxy: Server, matrix_mib: int, pulls: int, ordinary: int, rounds: int, progress: Progress
+    proxy: Server, matrix_mib: int, pulls: int, pulls_beside: int, rounds: int, progress: Progress
 ) -> Table:
     matrix = matrix_mib * MIB
     idle = private_mib(proxy.pid)
@@ -217,11 +217,11 @@ async def measure_matrix_arm(
     beside: list[float] = []
     pulled = 0
     for _ in range(rounds):  # interleaved: the machine's other load falls on both
-        alone += await _ordinary(proxy.url, ordinary)
-        task.advance(1)
-        latencies, count = await _ordinary_beside_pulls(proxy.url, matrix, ordinary)
+        latencies, seconds = await _ordinary_beside_pulls(proxy.url, matrix, pulls_beside)
         beside += latencies
-        pulled += count
+        pulled += pulls_beside
+        task.advance(1)
+        alone += await _ordinary_alone(proxy.url, seconds)
         task.advance(1)
     port = int(proxy.url.rsplit(":", 1)[1])
     private, rss, statuses = await _memory(proxy, port)
@@ -266,18 +266,19 @@ async def measure_matrix_arm(
         TITLE,
         rows,
         f"Base64 float32 all_prompt matrices from the instant upstream's fake hook; "
-        f"{ORDINARY_CONCURRENCY} ordinary clients, {rounds} interleaved turns of {ordinary} "
-        f"chats each way; memory: {SILENT_CLIENTS} clients that never read plus one sending "
+        f"{ORDINARY_CONCURRENCY} ordinary clients, {rounds} interleaved turns each way: beside "
+        f"{pulls_beside} matrix pulls, then alone for as long; memory: {SILENT_CLIENTS} "
+        "clients that never read plus one sending "
         f"lists of {PROMPTS_PER_LIST} prompts, for {SEND_TIMEOUT + 3:.0f} s, "
         f"--send-timeout {SEND_TIMEOUT:.0f}.",
     )
 
 
 def run_matrix_arm(
-    log_dir: Path, matrix_mib: int, pulls: int, ordinary: int, rounds: int, progress: Progress
+    log_dir: Path, matrix_mib: int, pulls: int, pulls_beside: int, rounds: int, progress: Progress
 ) -> Table:
     proxies = [("matrices", ("--send-timeout", str(SEND_TIMEOUT)))]
     with instant_stack(log_dir, progress, proxies, matrix_bytes=matrix_mib * MIB) as stack:
         return asyncio.run(
-            measure_matrix_arm(stack.proxies[0], matrix_mib, pulls, ordinary, rounds, progress)
+            measure_matrix_arm(stack.proxies[0], matrix_mib, pulls, pulls_beside, rounds, progress)
         )
