@@ -30,13 +30,13 @@ from typing import Any
 import anyio
 import numpy as np
 import orjson
+import pybase64
 
 from vllm_hidden_state_proxy.proxy import vector_memory
 from vllm_hidden_state_proxy.proxy.answer_join import (
     REBUILT_DROP,
     Matrix,
     as_dtype,
-    base64_text,
     dump_json,
     float32_view,
     with_kv_fields,
@@ -76,7 +76,7 @@ def matrix_pieces(matrix: Matrix) -> Iterator[Callable[[], bytes]]:
         def base64_piece(start: int) -> Callable[[], bytes]:
             def encode() -> bytes:
                 part = memoryview(rows)[4 * start : 4 * min(start + step, total)]
-                text = base64_text(as_dtype(part, matrix.dtype)).encode("ascii")
+                text = pybase64.b64encode(as_dtype(part, matrix.dtype))
                 opening = b'"' if start == 0 else b""
                 closing = b'"' if start + step >= total else b""
                 return opening + text + closing
