@@ -116,7 +116,7 @@ def written_over(arena_size: int) -> str:
 
 #: A matrix block at least this large is left for :meth:`PendingRows.load` by :meth:`find`.
 DEFER_BYTES = 256 * 1024
-#: Bytes copied per step by :meth:`PendingRows.load` (each step holds the GIL only that long).
+#: Bytes copied per step by :meth:`PendingRows.load`.
 COPY_STEP = 1 << 20
 
 
@@ -151,13 +151,15 @@ class PendingRows:
         if ARENA_SEQ.unpack_from(view, 0)[0] == block.seq:
             key, n, crc = ARENA_META.unpack_from(view, ARENA_KEY_OFFSET)
             if key == record.key and n == block.length and crc == block.crc:
-                rows = bytearray(n)
-                source = view[ARENA_PAYLOAD_OFFSET : ARENA_PAYLOAD_OFFSET + n]
-                with memoryview(rows) as target:
-                    for at in range(0, n, COPY_STEP):  # the GIL is let go between steps
-                        target[at : at + COPY_STEP] = source[at : at + COPY_STEP]
-                if ARENA_SEQ.unpack_from(view, 0)[0] == block.seq and zlib.crc32(rows) == crc:
-                    return replace(record, vectors=rows)
+                # numpy copies without the GIL, into memory it does not zero first (a
+                # bytearray's zeroing would hold the GIL for the whole size): the event loop
+                # thread gets the GIL back within a step.
+                rows = np.empty(n, dtype=np.uint8)
+                source = np.frombuffer(view, dtype=np.uint8, count=n, offset=ARENA_PAYLOAD_OFFSET)
+                for at in range(0, n, COPY_STEP):
+                    np.copyto(rows[at : at + COPY_STEP], source[at : at + COPY_STEP])
+                if ARENA_SEQ.unpack_from(view, 0)[0] == block.seq and zlib.crc32(rows.data) == crc:
+                    return replace(record, vectors=rows.data)
         return ErrorRecord(record.key, written_over(self.arena_size), 503)
 
 

@@ -34,8 +34,8 @@ class Record:
     layers: tuple[int, ...]
     hidden_size: int
     #: Little-endian float32, ``rows`` x ``hidden_size`` values per layer, layer after layer
-    #: (a large matrix's rows, copied out of the ring in steps, come as a ``bytearray``; a cut
-    #: of them as a view).
+    #: (a large matrix's rows, copied out of the ring in steps, come as a view of the array they
+    #: were copied into; a cut of them as a view).
     vectors: Rows
     #: Positions per layer: 1 for a vector, more for a matrix (consecutive, from ``position``).
     rows: int = 1
