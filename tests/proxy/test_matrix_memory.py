@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio.to_thread
 import httpx
 import numpy as np
 import orjson
@@ -72,6 +73,12 @@ def matrix_vllm(writer: RingWriter, rows: int) -> FakeVLLM:
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
             "usage": {"prompt_tokens": rows, "completion_tokens": 1, "total_tokens": rows + 1},
         }
+        if sent_document(request).get("stream") is True:
+            chunk = {**answer, "object": "text_completion", "usage": None}
+            events = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, content=events
+            )
         return httpx.Response(200, json=answer)
 
     return FakeVLLM(handle)
@@ -214,6 +221,33 @@ async def test_a_large_matrix_is_sent_in_pieces_encoded_off_the_loop(
         assert np.array_equal(got, np.frombuffer(want, "<f4").reshape(rows, HIDDEN_SIZE))
     else:
         assert base64.b64decode(matrix["data"]) == bytes(as_dtype(want, dtype))
+
+
+async def test_a_large_matrix_in_a_stream_is_encoded_off_the_loop_and_counted(
+    ring_dir: str, big_writer: RingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    real = anyio.to_thread.run_sync
+
+    async def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
+        def where() -> Any:
+            threads.append(threading.current_thread().name)
+            return function(*args)
+
+        return await real(where, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", watched)
+    rows = MIB // ROW
+    vllm = matrix_vllm(big_writer, rows)
+    async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+        response = await proxy.client.post(COMPLETIONS, json={**flagged("a"), "stream": True})
+        memory = proxy.app.state.proxy.vector_memory
+        assert memory.held == 0 and memory.peak >= 4 * rows * ROW  # its text counted
+    assert response.status_code == 200
+    first = response.text.split("\n\n")[0].removeprefix("data: ")
+    matrix = orjson.loads(first)["kv_transfer_params"]["last_hidden_state"]
+    assert base64.b64decode(matrix["data"]) == rows_for(forwarded_key(vllm.requests[0]), rows)
+    assert threads and threading.main_thread().name not in threads
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -10,6 +10,9 @@ sent (uvicorn's send waits while the socket's buffer is above its high-water mar
 against the request's share of the vector memory (:mod:`.vector_memory`). The response has no
 ``content-length`` (HTTP/1.1 chunked).
 
+A stream's (SSE) event that carries large matrices is encoded whole, in a thread, counted
+against the request's memory (:func:`encoded_off_loop`).
+
 Every send of a flagged JSON answer, the whole body too, must complete within
 ``--send-timeout``: a client that stops reading for that long has its connection cut (uvicorn's
 transport aborted, which frees what it buffered) and the request's memory is given back. A
@@ -237,3 +240,16 @@ async def _within(send: Send, message: dict[str, Any], timeout: float | None) ->
         await asyncio.wait_for(send(message), timeout)
     except asyncio.TimeoutError:
         raise ClientTooSlow from None
+
+
+async def encoded_off_loop(encode: Callable[[], bytes], fields: Any) -> bytes:
+    """``encode()``: a stream's event with ``fields`` joined in. When the fields are large, in
+    a thread, after counting its text (at most 4 bytes a float32 byte, as float lists) against
+    the request's memory for vectors (held until the request ends: a stream's event is sent
+    whole)."""
+    matrices_size, vectors_size = _vectors_size(fields)
+    size = matrices_size + vectors_size
+    if size < OFF_LOOP_BYTES:
+        return encode()
+    vector_memory.take(4 * size)
+    return await anyio.to_thread.run_sync(encode, limiter=off_loop_limiter())
