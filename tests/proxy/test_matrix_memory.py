@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -371,3 +371,41 @@ async def test_the_event_loop_keeps_turning_while_a_large_matrix_is_served(
     # Before: copy, CRC, rounding and base64 of 32 MiB ran on the loop in one go (>= 0.3 s).
     # The httpx in-process client joins the pieces on the loop: allow it its share.
     assert max(gaps) < max(0.1, took / 4), (max(gaps), took)
+
+
+async def test_a_large_matrix_taken_early_survives_its_block_being_written_over(
+    ring_dir: str,
+) -> None:
+    """A long generation: the early capture copies the matrix while vLLM still works, so newer
+    matrices that write over its arena block afterwards cannot take it away (a 200, not a
+    503), and it is counted once."""
+    rows = MIB // ROW
+    keys: list[bytes] = []
+
+    def matrix(key: bytes) -> Record:
+        return Record(
+            key, MODEL, 0, rows, "all_prompt", (FINAL,), HIDDEN_SIZE, rows_for(key, rows), rows
+        )
+
+    with create_writer(ring_dir, arena_size=3 * MIB, max_record=MIB, slot_count=64) as writer:
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b'{"id": "c", "object": "text_completion", '
+            await asyncio.sleep(0.5)  # still answering: the early capture takes the matrix
+            for other in range(4):  # newer matrices go round the arena
+                publish(writer, matrix(bytes([other + 1]) * 16))
+            yield b'"model": "m", "choices": []}'
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            keys.append(forwarded_key(request))
+            publish(writer, matrix(keys[0]))
+            headers = {"content-type": "application/json"}
+            return httpx.Response(200, headers=headers, content=body())
+
+        async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
+            response = await proxy.client.post(COMPLETIONS, json=flagged("a"))
+            memory = proxy.app.state.proxy.vector_memory
+            assert memory.held == 0 and memory.peak <= rows * ROW + 2 * PIECE_BYTES + 64 * 1024
+    assert response.status_code == 200, response.text[:300]
+    data = response.json()["kv_transfer_params"]["last_hidden_state"]["data"]
+    assert base64.b64decode(data) == rows_for(keys[0], rows)

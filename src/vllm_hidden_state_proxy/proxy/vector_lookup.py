@@ -90,8 +90,8 @@ def _matching(
     return None
 
 
-async def _as_record(found: Found | PendingRows) -> Record:
-    """The record with its rows, counted against the request's memory for vectors: a large
+async def _loaded(found: Found | PendingRows) -> Found:
+    """``found`` with its rows, counted against the request's memory for vectors: a large
     matrix before its rows are copied (413/503 instead of the copy), and copied and checked in
     a thread, off the event loop; a small record as it is (it is already copied)."""
     if isinstance(found, PendingRows):
@@ -99,11 +99,20 @@ async def _as_record(found: Found | PendingRows) -> Record:
         loaded = await anyio.to_thread.run_sync(found.load, limiter=off_loop_limiter())
         if isinstance(loaded, ErrorRecord):
             vector_memory.give_back(found.size)
-        found = loaded
-    elif isinstance(found, Record):
+        return loaded
+    if isinstance(found, Record):
         vector_memory.take(len(found.vectors))
+    return found
+
+
+async def _as_record(found: Found | PendingRows, counted: bool = False) -> Record:
+    """The record (loaded and counted unless ``counted``); its error as a ``ProxyError``."""
+    if not counted:
+        found = await _loaded(found)
     if isinstance(found, ErrorRecord):
         raise hook_error(found.message, found.status)
+    if isinstance(found, PendingRows):  # pragma: no cover - counted ones are loaded
+        return await _as_record(found)
     return found
 
 
@@ -115,6 +124,7 @@ async def wait_for_record(
     metrics: ProxyMetrics,
     early: Found | PendingRows | None = None,
     error_key: bytes | None = None,
+    early_counted: bool = False,
 ) -> Record:
     """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
 
@@ -137,7 +147,7 @@ async def wait_for_record(
         metrics.vector_misses["not_published"] += 1
         raise vector_timeout(timeout)
     metrics.vector_wait.observe(time.monotonic() - start)
-    return await _as_record(found)
+    return await _as_record(found, counted=early_counted and found is early)
 
 
 async def _poll(
@@ -176,6 +186,8 @@ class EarlyCapture:
         self.key = key
         self.marks = marks
         self.found: Found | PendingRows | None = None
+        #: ``found`` was loaded and counted here (see :func:`_loaded`).
+        self.counted = False
         self._task: asyncio.Task[None] | None = None
 
     async def during(self, work: Awaitable[T]) -> T:
@@ -201,6 +213,13 @@ class EarlyCapture:
                 return
             if found is not None:
                 self.found = found
+                if isinstance(found, PendingRows):
+                    # Copied now: the arena may be written over before the answer ends.
+                    try:
+                        self.found = await _loaded(found)
+                    except ProxyError:  # refused: the lookup after the answer says so
+                        return
+                    self.counted = True
                 return
             if self.rings.overwritten_since(self.marks):
                 return
