@@ -35,7 +35,7 @@ import numpy as np
 import orjson
 import pybase64
 
-from vllm_hidden_state_proxy.proxy import vector_memory
+import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
 from vllm_hidden_state_proxy.proxy.answer_join import (
     REBUILT_DROP,
     Matrix,
@@ -237,8 +237,9 @@ async def _within(send: Send, message: dict[str, Any], timeout: float | None) ->
         await send(message)
         return
     try:
-        await asyncio.wait_for(send(message), timeout)
-    except asyncio.TimeoutError:
+        with anyio.fail_after(timeout):  # a cancel scope: no task per send, as wait_for makes
+            await send(message)
+    except TimeoutError:
         raise ClientTooSlow from None
 
 

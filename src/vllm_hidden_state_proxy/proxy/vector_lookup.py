@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 
 import anyio
 
+import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     MATRIX_POOLINGS,
     MAX_RECORD_MIB_ENV,
     absolute_layer,
 )
-from vllm_hidden_state_proxy.proxy import vector_memory
 from vllm_hidden_state_proxy.proxy.errors import (
     ProxyError,
     bad_request,
