@@ -242,7 +242,7 @@ async def test_a_large_matrix_in_a_stream_is_encoded_off_the_loop_and_counted(
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
         response = await proxy.client.post(COMPLETIONS, json={**flagged("a"), "stream": True})
         memory = proxy.app.state.proxy.vector_memory
-        assert memory.held == 0 and memory.peak >= 4 * rows * ROW  # its text counted
+        assert memory.held == 0 and memory.peak >= 2 * rows * ROW  # rows and text counted
     assert response.status_code == 200
     first = response.text.split("\n\n")[0].removeprefix("data: ")
     matrix = orjson.loads(first)["kv_transfer_params"]["last_hidden_state"]

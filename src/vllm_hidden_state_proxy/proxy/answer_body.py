@@ -125,24 +125,33 @@ def _without_matrices(document: Any) -> tuple[bytes, list[Matrix], bytes]:
     return text, matrices, marker.encode("ascii")
 
 
+#: JSON text bytes per float32 byte written as a float list, at most (~15 characters a value).
+FLOAT_TEXT = 4
+
+
 def _vectors_size(document: Any) -> tuple[int, int]:
-    """Bytes of the matrices' rows in ``document`` (a dict of fields, lists, matrices), and of
-    the vectors (float32 arrays and base64 texts) beside them."""
+    """Bytes of the matrices' rows in ``document`` (a dict of fields, lists, matrices), and
+    the JSON text that its vectors and matrices take, at most."""
     stack = [document]
-    size = vectors = 0
+    size = text = 0
     while stack:
         value = stack.pop()
         if isinstance(value, Matrix):
             size += value.size
+            if value.fmt == "base64":
+                encoded = value.size if value.dtype == "float32" else value.size // 2
+                text += 4 * (encoded // 3 + 1)
+            else:
+                text += FLOAT_TEXT * value.size
         elif isinstance(value, str):
-            vectors += len(value)
+            text += len(value)
         elif isinstance(value, np.ndarray):
-            vectors += value.nbytes
+            text += FLOAT_TEXT * value.nbytes
         elif isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
-    return size, vectors
+    return size, text
 
 
 async def send_joined(
@@ -161,17 +170,17 @@ async def send_json_answer(
     whole, or in pieces if the matrices of ``fields`` are large (see the module docstring).
     Raises ``ProxyError`` before any byte is sent (the body cannot be written, or would take
     the request over its memory)."""
-    matrices_size, vectors_size = _vectors_size(fields)
+    matrices_size, text_size = _vectors_size(fields)
     if matrices_size < OFF_LOOP_BYTES:
         try:
-            if matrices_size + vectors_size < OFF_LOOP_BYTES:
+            if text_size < OFF_LOOP_BYTES:
                 body = dump_json(document)
             else:  # many vectors (a long prompt list): written in a thread
-                vector_memory.take(16 * (matrices_size + vectors_size))  # float text at most
+                vector_memory.take(text_size)
                 body = await anyio.to_thread.run_sync(
                     dump_json, document, limiter=off_loop_limiter()
                 )
-                vector_memory.give_back(16 * (matrices_size + vectors_size))
+                vector_memory.give_back(text_size)
         except orjson.JSONEncodeError as exc:
             raise ProxyError(
                 502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
@@ -244,13 +253,11 @@ async def _within(send: Send, message: dict[str, Any], timeout: float | None) ->
 
 
 async def encoded_off_loop(encode: Callable[[], bytes], fields: Any) -> bytes:
-    """``encode()``: a stream's event with ``fields`` joined in. When the fields are large, in
-    a thread, after counting its text (at most 4 bytes a float32 byte, as float lists) against
-    the request's memory for vectors (held until the request ends: a stream's event is sent
-    whole)."""
-    matrices_size, vectors_size = _vectors_size(fields)
-    size = matrices_size + vectors_size
-    if size < OFF_LOOP_BYTES:
+    """``encode()``: a stream's event (or a whole answer) with ``fields`` in it. When their
+    JSON text is large, in a thread, after counting that text against the request's memory
+    for vectors (held until the request ends: such an event is sent whole)."""
+    _, text_size = _vectors_size(fields)
+    if text_size < OFF_LOOP_BYTES:
         return encode()
-    vector_memory.take(4 * size)
+    vector_memory.take(text_size)
     return await anyio.to_thread.run_sync(encode, limiter=off_loop_limiter())

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
 from vllm_hidden_state_proxy.proxy.answer_join import (
     Floats,
     base64_text,
@@ -162,7 +163,9 @@ class EmbeddingsApp(Endpoint):
             await send_error(send, input_error(answers.index, plan.field, answers.failure))
             return
         try:
-            payload = dump_json(embeddings_response(plan, wanted, answers))
+            response = embeddings_response(plan, wanted, answers)
+            # Up to --max-embedding-inputs vectors: written in a thread when large, and counted.
+            payload = await encoded_off_loop(lambda: dump_json(response), response)
         except ProxyError as error:
             await send_error(send, error)
             return
