@@ -133,5 +133,14 @@ def test_the_hop_alone_ring_memory_and_every_target(report: dict[str, Any]) -> N
     (layers,) = [target for target in report["targets"] if target["table"] == "layers"]
     assert layers["value"] is None and layers["passed"] is None
     for target in report["targets"]:  # the others measured (no thresholds: CI timing is noise)
-        if target is not layers:
+        if target["table"] == "matrices":  # differences: any sign
+            assert target["value"] is not None, target
+        elif target is not layers:
             assert target["value"] is not None and target["value"] > 0, target
+
+
+def test_the_matrix_arm(report: dict[str, Any]) -> None:
+    matrices = rows(report, "matrices")
+    positive(matrices["MB/s of 4 MiB matrices, 1 client"], "value")
+    positive(matrices["ordinary p99 ms, beside pulls"], "value")
+    positive(matrices["proxy private MiB, peak under lists and silent clients"], "value")

@@ -468,3 +468,27 @@ def test_a_prompt_list_gets_one_matrix_per_prompt_or_choice(
     assert len(by_layer) == len(infos) == 4  # one per choice of the merged answer
     for choice, layers, info in zip(choices, by_layer, infos, strict=True):
         check_answer(reference, choice["prompt_token_ids"], choice["token_ids"], layers, info)
+
+
+@pytest.mark.parametrize("fmt", ["base64", "float"])
+def test_a_large_matrix_comes_in_pieces_with_transformers_rows(
+    client: Any, model_name: str, reference: Reference, fmt: str
+) -> None:
+    """Issue #36: matrices of 256 KiB or more are sent in pieces, encoded off the event loop
+    (no content-length); the rows are the same."""
+    rows = 400  # x 3 layers x 128 x 4 bytes: 600 KiB of rows, the final layer's twice
+    raw = client.completions.with_raw_response.create(
+        model=model_name,
+        prompt="word " * (rows - 1),
+        max_tokens=1,
+        extra_body={
+            "kv_transfer_params": kv("all_prompt", last_hidden_state_format=fmt),
+            "return_token_ids": True,
+        },
+    )
+    assert "content-length" not in raw.headers
+    answer = raw.parse().model_dump()
+    params = answer["kv_transfer_params"]
+    prompt_ids = answer["choices"][0]["prompt_token_ids"]
+    assert params["last_hidden_state_info"]["rows"] == len(prompt_ids) >= rows - 10
+    check_prompt(reference, prompt_ids, params)

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.ring import (
     EngineFailure,
     ErrorRecord,
     Found,
+    PendingRows,
     PublishMarks,
     Record,
     RingHeader,
@@ -158,6 +159,9 @@ class FakeRing:
             return record_for(bytes(reversed(key)))
         return self.records.get(key)
 
+    def find(self, key: bytes) -> Found | PendingRows | None:
+        return self.lookup(key)
+
     def has_ring(self) -> bool:
         return self.present
 
@@ -207,7 +211,7 @@ def publish(hook: Hook, found: Found) -> None:
     else:
         hook.publish(
             found.key,
-            found.vectors,
+            bytes(found.vectors),
             position=found.position,
             num_prompt_tokens=found.num_prompt_tokens,
             layers=found.layers,

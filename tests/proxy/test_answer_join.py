@@ -30,11 +30,11 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
+from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_join import (
     dump_json,
     encode_vector,
     prompt_list_fields,
-    send_joined,
     send_unchanged,
     single_prompt_fields,
     vector_info,
@@ -368,7 +368,7 @@ async def test_a_record_that_is_not_what_was_asked_is_never_a_wrong_answer(
     async def handle(request: httpx.Request) -> httpx.Response:
         record = record_for(forwarded_key(request), layers, pooling)
         layered_writer.publish(
-            record.key, record.vectors, position=1, num_prompt_tokens=2, layers=layers
+            record.key, bytes(record.vectors), position=1, num_prompt_tokens=2, layers=layers
         )
         return httpx.Response(200, content=orjson.dumps({"choices": []}))
 

@@ -34,6 +34,8 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
     layers_table,
     measure_visit,
 )
+from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
+from vllm_hidden_state_proxy.bench.matrices import run_matrix_arm
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
@@ -236,13 +238,38 @@ def measure_layers(
     results.tables["layers"] = layers_table(tallies)
 
 
+def measure_matrices(options: BenchOptions, results: Results, progress: Progress) -> None:
+    """The matrix arm, in front of the instant upstream (issue #36)."""
+    if not options.matrix_mib:
+        results.tables["matrices"] = Table(MATRICES_TITLE, note="skipped: --no-matrices")
+        return
+    smoke = options.smoke
+    results.tables["matrices"] = run_matrix_arm(
+        options.output_dir,
+        options.matrix_mib,
+        pulls=2 if smoke else 8,
+        pulls_beside=1 if smoke else 3,
+        rounds=1 if smoke else 3,
+        progress=progress,
+    )
+
+
 def run(options: BenchOptions, progress: Progress) -> Results:
     options.output_dir.mkdir(parents=True, exist_ok=True)
     results = Results(meta=describe(options))
     load_at_start = _load()
+    if options.matrices_only:
+        try:
+            measure_matrices(options, results, progress)
+        finally:
+            results.meta["load"] = (
+                f"1-minute load average {load_at_start} at start, {_load()} at end"
+            )
+        return results
     try:
         results.tables.update(measure_ring(options.ring_ops, progress))
         measure_hop(options, results, progress)
+        measure_matrices(options, results, progress)
         if options.proxy_url is not None and options.vllm_url is not None:
             model = served_model(options.vllm_url, options.vllm_api_key)
             stack = ChatStack(

@@ -19,6 +19,9 @@ INSTANT_REQUESTS_PER_REQUEST = 10
 #: requests per instant-upstream arm (enough CPU time for a few ticks).
 SMOKE_REQUESTS, SMOKE_STREAMS, SMOKE_RING_OPS, SMOKE_INSTANT_REQUESTS = 3, 2, 200, 200
 RING_OPS = 3000
+#: The matrix arm's matrices: the largest one request may take by default (the hook's
+#: HIDDEN_STATE_PROXY_MAX_RECORD_MIB); in smoke mode, small ones.
+MATRIX_MIB, SMOKE_MATRIX_MIB = 64, 4
 ROUNDS = 6
 #: Requests per arm of the CPU-time phase, at least (the proxy's share must be many ticks).
 MIN_CPU_REQUESTS = 50
@@ -51,6 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
     add("--no-instant", action="store_true", help="skip the instant-upstream phase")
     add("--no-layers", action="store_true", help="skip the phase that starts four vLLM servers")
+    add("--no-matrices", action="store_true", help="skip the matrix arm")
+    add(
+        "--matrices-only",
+        action="store_true",
+        help="run the matrix arm alone (no vLLM: the instant upstream publishes the matrices)",
+    )
+    add(
+        "--matrix-mib",
+        type=int,
+        metavar="MIB",
+        help=f"the matrix arm's matrix size (default {MATRIX_MIB}; smoke {SMOKE_MATRIX_MIB})",
+    )
     add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 
@@ -79,6 +94,10 @@ class BenchOptions:
     #: Requests per kind of traffic and server visit of the layers-cost phase, in half as many
     #: bursts as ``rounds`` (long ones: bursts of 33 varied by -30%/+100% here); 0: no phase.
     layers_requests: int
+    #: The matrix arm's matrix size in MiB; 0: no matrix arm.
+    matrix_mib: int = 0
+    #: Only the matrix arm (nothing that needs vLLM).
+    matrices_only: bool = False
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
     #: Sent as ``Authorization: Bearer`` to ``vllm_url`` only (the direct arms).
@@ -145,6 +164,11 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
     batches = (
         () if args.no_embeddings else parse_levels(args.embedding_batches, "--embedding-batches")
     )
+    if args.matrix_mib is not None and args.matrix_mib < 1:
+        raise OptionsError("--matrix-mib must be at least 1")
+    if args.matrices_only and args.no_matrices:
+        raise OptionsError("--matrices-only and --no-matrices contradict each other")
+    matrix_mib = args.matrix_mib or (SMOKE_MATRIX_MIB if smoke else MATRIX_MIB)
     return BenchOptions(
         output_dir=args.output_dir,
         model_dir=args.model_dir,
@@ -162,6 +186,8 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         embedding_batches=batches,
         instant_requests=0 if args.no_instant else max(rounds, instant),
         layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
+        matrix_mib=0 if args.no_matrices else matrix_mib,
+        matrices_only=bool(args.matrices_only),
         api_key=args.api_key,
         vllm_api_key=args.vllm_api_key,
     )

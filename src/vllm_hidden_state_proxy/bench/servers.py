@@ -184,9 +184,11 @@ def instant_stack(
     progress: Progress,
     proxies: Sequence[InstantProxy | tuple[str, Sequence[str]]] = INSTANT_PROXIES,
     timeout: float = 60.0,
+    matrix_bytes: int = 0,
 ) -> Iterator[InstantStack]:
     """The instant upstream and proxies in front of it (each: a label, more options and
-    optionally the program; ``hidden-state-proxy proxy`` by default)."""
+    optionally the program; ``hidden-state-proxy proxy`` by default); with ``matrix_bytes``,
+    the upstream publishes ``"all_prompt"`` matrices of that size."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
     app_port = free_port()
@@ -194,6 +196,8 @@ def instant_stack(
     app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
     uds = os.path.join(ring_dir, UDS_NAME)
     app_command += ["--port", str(app_port), "--ring-dir", ring_dir, "--uds", uds]
+    if matrix_bytes:
+        app_command += ["--matrix-bytes", str(matrix_bytes)]
     env = proxy_environment(None)
     try:
         with contextlib.ExitStack() as running:

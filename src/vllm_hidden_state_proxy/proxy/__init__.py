@@ -18,7 +18,9 @@ endpoints.py         the POST endpoints' base classes: read the body (asgi.py: i
   ▼
 keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
   │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
-  ├─ JSON ─────────▶ vector_lookup.py: the record from the rings ──▶ answer_join.py
+  ├─ JSON ─────────▶ vector_lookup.py: the record from the rings (a large matrix copied in
+  │                  a thread, counted by vector_memory.py) ──▶ answer_join.py, sent by
+  │                  answer_body.py (large matrices in pieces, each within --send-timeout)
   └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
                      there (vector_lookup.py, answer_join.py), relay the rest (relay.py);
                      /v1/responses: responses_stream.py

@@ -15,7 +15,10 @@ there are kept):
   ``{"shape": [rows, hidden_size], "dtype", "data"}``: ``data`` base64 of the little-endian
   rows one after another (the default for matrices), or a list of rows (``"float"``).
 - ``last_hidden_state_dtype`` ``"float16"``/``"bfloat16"`` rounds base64 values to 16 bits
-  (to nearest, ties to even; bfloat16 is float32's upper half).
+  (to nearest, ties to even; bfloat16 is float32's upper half, by ``ml_dtypes``, a NaN kept
+  with its payload's upper bits and made quiet).
+- A matrix rides in the fields as a :class:`Matrix`, not yet encoded: :func:`dump_json`
+  encodes it in place; :mod:`.answer_body` sends a large one in pieces, encoded off the loop.
 - A request with several prompts (``/v1/completions`` with a list) gets the same fields in the
   plural (``last_hidden_states``, ``last_hidden_state_infos``) or, for layers, a list of
   objects: one entry per prompt, in prompt order.
@@ -23,17 +26,17 @@ there are kept):
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import orjson
+import pybase64
 
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import (
     BY_LAYER,
@@ -47,51 +50,92 @@ from vllm_hidden_state_proxy.proxy.types import (
     WantedVectors,
 )
 from vllm_hidden_state_proxy.ring import Record
+from vllm_hidden_state_proxy.ring.records import Rows
 
 #: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
-_REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
+REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
 
 
 #: A vector as float32 values in native byte order, which :func:`dump_json` writes as a list.
 Floats = npt.NDArray[np.float32]
 
 
-def float32_view(vector: bytes) -> Floats:
+def float32_view(vector: Rows) -> Floats:
     """Little-endian float32 bytes as a float32 array (a view, no copy, on little-endian hosts)."""
     return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
 
 
-def as_dtype(vector: bytes, dtype: str) -> bytes:
+def bfloat16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), as their 16 bits; a NaN
+    keeps its sign and the upper bits of its payload, made quiet."""
+    with np.errstate(invalid="ignore"):  # ml_dtypes warns on NaNs, and makes them canonical
+        bits = values.astype(ml_dtypes.bfloat16).view("<u2")
+    nan = np.isnan(values)
+    if nan.any():
+        bits[nan] = ((values[nan].view("<u4") >> 16) | 0x40).astype("<u2")
+    return bits
+
+
+def as_dtype(vector: Rows, dtype: str) -> Rows:
     """Little-endian float32 bytes as little-endian ``dtype`` bytes (rounded to nearest even)."""
     if dtype == "float32":
         return vector
     values = np.frombuffer(vector, dtype="<f4")
     if dtype == "float16":
-        return values.astype("<f2").tobytes()
-    bits = values.view("<u4").astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # a NaN stays a (quiet) NaN, not an infinity
-    return np.where(nan, (bits >> 16) | 0x40, rounded).astype("<u2").tobytes()
+        return values.astype("<f2").data.cast("B")
+    return bfloat16_bits(values).data.cast("B")
 
 
-def encode_vector(vector: bytes, fmt: str, dtype: str = "float32") -> Floats | str:
+def base64_text(vector: Rows) -> str:
+    return pybase64.b64encode(vector).decode("ascii")
+
+
+def encode_vector(vector: Rows, fmt: str, dtype: str = "float32") -> Floats | str:
     if fmt == "base64":
-        return base64.b64encode(as_dtype(vector, dtype)).decode("ascii")
+        return base64_text(as_dtype(vector, dtype))
     return float32_view(vector)
 
 
+class Matrix:
+    """A matrix's rows (little-endian float32) and how the client asked for them: the
+    ``"data"`` of its JSON object, not yet encoded. (Not a dataclass: orjson would write one
+    as an object instead of asking :func:`_encoded`.)"""
+
+    __slots__ = ("count", "dtype", "fmt", "hidden_size", "rows")
+
+    def __init__(self, rows: Rows, count: int, hidden_size: int, fmt: str, dtype: str) -> None:
+        self.rows = rows
+        self.count = count
+        self.hidden_size = hidden_size
+        self.fmt = fmt
+        self.dtype = dtype
+
+    @property
+    def size(self) -> int:
+        return len(self.rows) if isinstance(self.rows, (bytes, bytearray)) else self.rows.nbytes
+
+    def encoded(self) -> Floats | str:
+        """The whole ``"data"`` value, for :func:`dump_json`."""
+        data = encode_vector(self.rows, self.fmt, self.dtype)
+        return data if isinstance(data, str) else data.reshape(self.count, self.hidden_size)
+
+
 def encode_matrix(
-    rows: bytes, count: int, hidden_size: int, fmt: str, dtype: str = "float32"
+    rows: Rows, count: int, hidden_size: int, fmt: str, dtype: str = "float32"
 ) -> dict[str, Any]:
-    """A matrix of ``count`` rows (little-endian float32 bytes) as its JSON object."""
-    data: Floats | str = encode_vector(rows, fmt, dtype)
-    if not isinstance(data, str):
-        data = data.reshape(count, hidden_size)
+    """A matrix of ``count`` rows (little-endian float32 bytes) as its JSON object; its
+    ``"data"`` a :class:`Matrix`, encoded where the answer is written."""
     return {
         "shape": [count, hidden_size],
         "dtype": dtype if fmt == "base64" else "float32",
-        "data": data,
+        "data": Matrix(rows, count, hidden_size, fmt, dtype),
     }
+
+
+def _encoded(value: Any) -> Any:
+    if isinstance(value, Matrix):
+        return value.encoded()
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
 def dump_json(document: Any) -> bytes:
@@ -101,7 +145,7 @@ def dump_json(document: Any) -> bytes:
     write; a reader that parses them as float32 gets the ring's values bit for bit.
     Raises ``orjson.JSONEncodeError`` (e.g. nested deeper than orjson writes).
     """
-    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(document, default=_encoded, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
@@ -179,19 +223,8 @@ async def send_whole(
     send: Send, status: int, upstream_headers: RawHeaders, body: bytes, content_type: bytes
 ) -> None:
     """A complete response with vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
-    headers = downstream_response_headers(upstream_headers, drop=_REBUILT_DROP)
+    headers = downstream_response_headers(upstream_headers, drop=REBUILT_DROP)
     await send_response(send, status, body, content_type, headers)
-
-
-async def send_joined(
-    send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
-) -> None:
-    """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``."""
-    try:
-        body = dump_json(with_kv_fields(completion, fields))
-    except orjson.JSONEncodeError as exc:  # e.g. nested deeper than orjson writes
-        raise ProxyError(502, f"vLLM's answer cannot be re-encoded with the vector: {exc}") from exc
-    await send_whole(send, 200, headers, body, b"application/json")
 
 
 async def send_unchanged(send: Send, status: int, headers: RawHeaders, content: bytes) -> None:

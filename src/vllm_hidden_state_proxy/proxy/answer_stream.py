@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
 from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks, ChoiceCount, counted
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
@@ -77,11 +78,13 @@ class AnswerEvents:
             chunk = {name: value for name, value in chunk.items() if name != "usage"}
             changed = True
         if any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices):
-            chunk = with_kv_fields(chunk, await self.fields(_finished(choices, usage)))
+            fields = await self.fields(_finished(choices, usage))
+            chunk = with_kv_fields(chunk, fields)
             if self.asks.usage and self.asks.choices == 1:
                 self._held.append((event, chunk, separator))
                 return b""
-            changed = True
+            written = chunk
+            return await encoded_off_loop(lambda: _encoded(event, written), fields) + separator
         return _encoded(event, chunk) + separator if changed else event + separator
 
     def release(self, fingerprint: Any = None) -> bytes:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
-    send_joined,
     send_unchanged,
 )
 from vllm_hidden_state_proxy.proxy.asgi import send_error

@@ -8,14 +8,20 @@ A client disconnect cancels what is still in flight.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
 import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_join import Floats, dump_json, float32_view, send_whole
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
+from vllm_hidden_state_proxy.proxy.answer_join import (
+    Floats,
+    base64_text,
+    dump_json,
+    float32_view,
+    send_whole,
+)
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     FORWARDED_FIELDS,
@@ -32,21 +38,22 @@ from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAns
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Scope, Send, WantedVectors
 from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings, resolve_layers
+from vllm_hidden_state_proxy.ring.records import Rows
 
 
-def embedding_of(vector: bytes, normalize: bool, encoding_format: str) -> Floats | str:
+def embedding_of(vector: Rows, normalize: bool, encoding_format: str) -> Floats | str:
     """A vector (LE float32 bytes), scaled to unit L2 norm on request (in float64, then rounded
     to float32), as float32 values or base64 of their little-endian bytes."""
     if not normalize:
         if encoding_format == "base64":
-            return base64.b64encode(vector).decode("ascii")
+            return base64_text(vector)
         return float32_view(vector)
     values = float32_view(vector).astype(np.float64)
     norm = float(np.linalg.norm(values))
     scaled = (values / norm if norm > 0 else values).astype(np.float32)
     if encoding_format != "base64":
         return scaled
-    return base64.b64encode(scaled.astype("<f4").tobytes()).decode("ascii")
+    return base64_text(scaled.astype("<f4").data)
 
 
 def _where(index: int, field: str) -> str:
@@ -156,7 +163,9 @@ class EmbeddingsApp(Endpoint):
             await send_error(send, input_error(answers.index, plan.field, answers.failure))
             return
         try:
-            payload = dump_json(embeddings_response(plan, wanted, answers))
+            response = embeddings_response(plan, wanted, answers)
+            # Up to --max-embedding-inputs vectors: written in a thread when large, and counted.
+            payload = await encoded_off_loop(lambda: dump_json(response), response)
         except ProxyError as error:
             await send_error(send, error)
             return

@@ -26,6 +26,7 @@ from vllm_hidden_state_proxy.proxy.vector_lookup import (
     check_rings,
     resolve_layers,
 )
+from vllm_hidden_state_proxy.proxy.vector_memory import sharing
 
 
 class Endpoint(ABC):
@@ -40,8 +41,10 @@ class Endpoint(ABC):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.state.settings
-        # The body's bytes count against the budget until the exchange that holds them ends.
-        with self.state.body_budget.share() as share:
+        # The body's bytes count against the budget until the exchange that holds them ends;
+        # so do its vectors' (taken as they are read, see vector_memory.py).
+        vectors = sharing(self.state.vector_memory, scope, settings.send_timeout)
+        with self.state.body_budget.share() as share, vectors:
             body = await receive_body(
                 scope, receive, send, settings.max_body_bytes, share, settings.body_timeout
             )

@@ -50,7 +50,10 @@ async def fetch_all(
                 try:
                     answer = await fetch_keyed_json(state, scope, document, wanted, budget)
                 except ProxyError as error:
-                    results[index] = error
+                    # Without its traceback: its frames hold ``results`` (this closure's), a
+                    # cycle that would keep every answer's records (matrices) in memory until
+                    # the garbage collector's next full pass, long after the budget let go.
+                    results[index] = error.with_traceback(None)
                     group.cancel_scope.cancel()
                     return
                 results[index] = answer
@@ -59,8 +62,12 @@ async def fetch_all(
 
         for index, (scope, document) in enumerate(jobs):
             group.start_soon(one, index, scope, document)
+    # ``results`` stays reachable from the finished tasks' frames (cancelled ones keep theirs
+    # in their CancelledError: cycles the garbage collector frees late): empty it, so that
+    # answers (their records: matrices) live only as long as the caller holds them.
+    taken, results[:] = list(results), []
     answers: list[JoinableAnswer] = []
-    for index, result in enumerate(results):
+    for index, result in enumerate(taken):
         if isinstance(result, (VllmAnswer, ProxyError)):
             return Failed(index, result)
         if isinstance(result, JoinableAnswer):

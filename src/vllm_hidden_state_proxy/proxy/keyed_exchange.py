@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.protocol import (
     new_request_key,
     request_key_to_wire,
 )
+from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_choices import (
     AnswerAsks,
     ChoiceCount,
@@ -43,7 +44,6 @@ from vllm_hidden_state_proxy.proxy.answer_choices import (
 )
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
-    send_joined,
     single_prompt_fields,
 )
 from vllm_hidden_state_proxy.proxy.answer_stream import relay_with_answer_vectors
@@ -60,7 +60,7 @@ from vllm_hidden_state_proxy.proxy.upstream import (
     transport_error,
 )
 from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
-from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
+from vllm_hidden_state_proxy.ring import PublishMarks, Record
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
 _NO_ENCODING = frozenset({b"accept-encoding"})
@@ -153,7 +153,9 @@ class JoinableAnswer:
 Answer = VllmAnswer | JoinableAnswer
 
 
-async def record_of(state: ProxyState, request: KeyedRequest, early: Found | None = None) -> Record:
+async def record_of(
+    state: ProxyState, request: KeyedRequest, early: EarlyCapture | None = None
+) -> Record:
     """The request's record; ``ProxyError`` if there is none (see :mod:`.vector_lookup`), or
     if it lacks a layer or the pooling the request asked for (a hook of another release)."""
     record = await wait_for_record(
@@ -162,7 +164,8 @@ async def record_of(state: ProxyState, request: KeyedRequest, early: Found | Non
         request.marks,
         state.settings.vector_timeout,
         state.metrics,
-        early,
+        None if early is None else early.found,
+        early_counted=early is not None and early.counted,
     )
     wanted = request.wanted
     layers, pooling = wanted.distinct_layers, wanted.request.record_pooling
@@ -242,7 +245,7 @@ async def _read_completion(
         return await _read_answer_completion(state, request, response, budget, request.asks)
     early = EarlyCapture(state.rings, request.key, request.marks)
     completion = _completion_of(await _received(state, early.during(_read_body(response, budget))))
-    record = await record_of(state, request, early.found)
+    record = await record_of(state, request, early)
     return JoinableAnswer(list(response.headers.raw), completion, (record,))
 
 

@@ -199,6 +199,33 @@ class ProxySettings:
         parse=int,
         shown_default="67108864 (64 MiB)",
     )
+    max_vectors_bytes: int = option(
+        256 * MIB,
+        "--max-vectors-size",
+        "most bytes of vectors and matrices one flagged request may hold in the proxy (records "
+        "copied out of the rings, and their encoded answer while it is sent); more is a 413, "
+        "before sending to vLLM where the size is known then",
+        metavar="BYTES",
+        parse=int,
+        shown_default="268435456 (256 MiB)",
+    )
+    vectors_budget_bytes: int = option(
+        768 * MIB,
+        "--vectors-budget",
+        "bytes of vectors and matrices held at once over all requests (as --max-vectors-size "
+        "counts them); a request that would go over gets 503",
+        metavar="BYTES",
+        parse=int,
+        shown_default="805306368 (768 MiB)",
+    )
+    send_timeout: float = option(
+        30.0,
+        "--send-timeout",
+        "a flagged JSON answer's client must take each piece of it (1 MiB) within this long; "
+        "otherwise its connection is cut and its memory freed",
+        metavar="SECONDS",
+        parse=float,
+    )
     fan_out_limit: int = option(
         64,
         "--fan-out-limit",
@@ -277,6 +304,9 @@ class ProxySettings:
             "max_embedding_inputs",
             "max_prompts",
             "max_answer_bytes",
+            "max_vectors_bytes",
+            "vectors_budget_bytes",
+            "send_timeout",
             "fan_out_limit",
             "max_connections",
             "workers",

@@ -1,5 +1,5 @@
-"""Per-app runtime state: settings, metrics, the budget of buffered request bodies, and what the
-lifespan opens."""
+"""Per-app runtime state: settings, metrics, the budgets of buffered request bodies and of vectors,
+and what the lifespan opens."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.types import RingSource
+from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ProxyState:
         self.metrics = metrics or ProxyMetrics()
         #: This process's request bodies in memory, against ``--body-budget``.
         self.body_budget = BodyBudget(settings.body_budget_bytes)
+        #: This process's vectors and matrices in memory, against ``--vectors-budget``.
+        self.vector_memory = VectorMemory(settings.vectors_budget_bytes, settings.max_vectors_bytes)
         self.connections: Connections | None = None
 
     def _open(self) -> Connections:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
@@ -160,7 +161,10 @@ async def relay_with_vectors(
         status, body = ended_before_a_choice(scanner.error)
         await send_response(send, status, body, b"application/json")
         return
-    head = replace_event(buffer, found, with_kv_fields(found.chunk, await fields()))
+    joined = await fields()
+    head = await encoded_off_loop(
+        lambda: replace_event(buffer, found, with_kv_fields(found.chunk, joined)), joined
+    )
     await send(
         {
             "type": "http.response.start",

@@ -48,7 +48,14 @@ from vllm_hidden_state_proxy.protocol import (
     VECTORS,
     XARGS,
 )
-from vllm_hidden_state_proxy.ring import EngineFailure, Found, PublishMarks, RingHeader, RingShape
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    Found,
+    PendingRows,
+    PublishMarks,
+    RingHeader,
+    RingShape,
+)
 
 # -- the client's field names: ``protocol.py`` (the client module reads them too) -----------
 
@@ -140,6 +147,8 @@ class RingSource(Protocol):
     """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
 
     def lookup(self, key: bytes) -> Found | None: ...
+
+    def find(self, key: bytes) -> Found | PendingRows | None: ...
 
     def has_ring(self) -> bool: ...
 

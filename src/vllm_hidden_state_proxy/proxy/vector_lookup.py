@@ -24,6 +24,9 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
+import anyio
+
+import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     MATRIX_POOLINGS,
@@ -49,10 +52,13 @@ from vllm_hidden_state_proxy.proxy.types import (
     VectorRequest,
     WantedVectors,
     is_int,
+    is_token_ids,
 )
+from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     Found,
+    PendingRows,
     PublishMarks,
     Record,
     RingShape,
@@ -69,9 +75,11 @@ EARLY_DELAY = 0.05
 EARLY_INTERVAL = 0.02
 
 
-def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> Found | None:
+def _matching(
+    rings: RingSource, key: bytes, error_key: bytes | None = None
+) -> Found | PendingRows | None:
     """The record of ``key``; else, with ``error_key``, an error record published under it."""
-    found = rings.lookup(key)
+    found = rings.find(key)
     if found is not None and found.key == key:  # a record for another key is never ours
         return found
     if error_key is None:
@@ -82,9 +90,29 @@ def _matching(rings: RingSource, key: bytes, error_key: bytes | None = None) -> 
     return None
 
 
-def _as_record(found: Found) -> Record:
+async def _loaded(found: Found | PendingRows) -> Found:
+    """``found`` with its rows, counted against the request's memory for vectors: a large
+    matrix before its rows are copied (413/503 instead of the copy), and copied and checked in
+    a thread, off the event loop; a small record as it is (it is already copied)."""
+    if isinstance(found, PendingRows):
+        vector_memory.take(found.size)
+        loaded = await anyio.to_thread.run_sync(found.load, limiter=off_loop_limiter())
+        if isinstance(loaded, ErrorRecord):
+            vector_memory.give_back(found.size)
+        return loaded
+    if isinstance(found, Record):
+        vector_memory.take(len(found.vectors))
+    return found
+
+
+async def _as_record(found: Found | PendingRows, counted: bool = False) -> Record:
+    """The record (loaded and counted unless ``counted``); its error as a ``ProxyError``."""
+    if not counted:
+        found = await _loaded(found)
     if isinstance(found, ErrorRecord):
         raise hook_error(found.message, found.status)
+    if isinstance(found, PendingRows):  # pragma: no cover - counted ones are loaded
+        return await _as_record(found)
     return found
 
 
@@ -94,8 +122,9 @@ async def wait_for_record(
     marks: PublishMarks,
     timeout: float,
     metrics: ProxyMetrics,
-    early: Found | None = None,
+    early: Found | PendingRows | None = None,
     error_key: bytes | None = None,
+    early_counted: bool = False,
 ) -> Record:
     """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
 
@@ -118,7 +147,7 @@ async def wait_for_record(
         metrics.vector_misses["not_published"] += 1
         raise vector_timeout(timeout)
     metrics.vector_wait.observe(time.monotonic() - start)
-    return _as_record(found)
+    return await _as_record(found, counted=early_counted and found is early)
 
 
 async def _poll(
@@ -127,7 +156,7 @@ async def _poll(
     marks: PublishMarks,
     deadline: float,
     error_key: bytes | None = None,
-) -> Found | None:
+) -> Found | PendingRows | None:
     """Look again with a doubling interval, until found, overwritten or ``deadline``."""
     delay = FIRST_BACKOFF
     while not rings.overwritten_since(marks):
@@ -156,7 +185,9 @@ class EarlyCapture:
         self.rings = rings
         self.key = key
         self.marks = marks
-        self.found: Found | None = None
+        self.found: Found | PendingRows | None = None
+        #: ``found`` was loaded and counted here (see :func:`_loaded`).
+        self.counted = False
         self._task: asyncio.Task[None] | None = None
 
     async def during(self, work: Awaitable[T]) -> T:
@@ -182,6 +213,13 @@ class EarlyCapture:
                 return
             if found is not None:
                 self.found = found
+                if isinstance(found, PendingRows):
+                    # Copied now: the arena may be written over before the answer ends.
+                    try:
+                        self.found = await _loaded(found)
+                    except ProxyError:  # refused: the lookup after the answer says so
+                        return
+                    self.counted = True
                 return
             if self.rings.overwritten_since(self.marks):
                 return
@@ -255,6 +293,7 @@ def check_matrix_room(
             f"This vLLM server carries no matrices (pooling {pooling!r}): its worker hook runs "
             f"with {ARENA_MIB_ENV}=0. Restart it with an arena.",
         )
+    _check_vectors_bound(document, wanted, shapes)
     if wanted.request.pooling != "all_answer":
         return
     limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
@@ -273,3 +312,37 @@ def check_matrix_room(
             f"fewer tokens or layers.",
             param,
         )
+
+
+def _check_vectors_bound(
+    document: dict[str, Any], wanted: WantedVectors, shapes: Sequence[RingShape]
+) -> None:
+    """413 before sending if the request's matrices, as far as their size is known now, are
+    more than ``--max-vectors-size``: ``"all_answer"`` with ``max_tokens`` (times ``n``), and
+    ``"all_prompt"`` of token-id prompts; either times the prompts of a completions list. (The
+    rows of a text prompt are known only in vLLM: those are counted as they arrive.)"""
+    limit = vector_memory.per_request_limit()
+    if limit is None:
+        return
+    pooling = wanted.request.pooling
+    prompt = document.get("prompt")
+    prompts: list[Any] = [prompt]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompts = prompt
+    if pooling == "all_answer":
+        limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
+        rows = next((value for value in limits if is_int(value)), None)
+        n = document.get("n")
+        choices = n if is_int(n) and n > 0 else 1
+        if rows is None:
+            return
+        total_rows = rows * choices * len(prompts)
+        param = "max_completion_tokens" if is_int(limits[0]) else "max_tokens"
+    elif pooling == "all_prompt" and all(is_token_ids(ids) for ids in prompts):
+        total_rows = sum(len(ids) for ids in prompts)
+        param = "prompt"
+    else:
+        return
+    size = matrix_bytes(total_rows, len(wanted.distinct_layers), shapes[0].hidden_size)
+    if size > limit:
+        raise vector_memory.request_too_large(size, limit, param)

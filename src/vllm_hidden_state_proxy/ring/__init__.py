@@ -30,7 +30,7 @@ from vllm_hidden_state_proxy.ring.layout import (
     slot_size_for,
 )
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, FailureNote, live_notes
-from vllm_hidden_state_proxy.ring.reader import RingReader
+from vllm_hidden_state_proxy.ring.reader import PendingRows, RingReader
 from vllm_hidden_state_proxy.ring.records import (
     ErrorRecord,
     Found,
@@ -46,6 +46,7 @@ __all__ = [
     "FailureNote",
     "Found",
     "Owners",
+    "PendingRows",
     "PublishMarks",
     "Record",
     "RingDirectory",

@@ -47,7 +47,7 @@ from vllm_hidden_state_proxy.ring.layout import (
     RingShape,
 )
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, read_live_note
-from vllm_hidden_state_proxy.ring.reader import RingReader
+from vllm_hidden_state_proxy.ring.reader import PendingRows, RingReader
 from vllm_hidden_state_proxy.ring.records import (
     Found,
 )
@@ -265,10 +265,10 @@ class RingDirectory(ClosesOnExit):
         with contextlib.suppress(OSError):
             self._refused[name] = _stat_sig(os.stat(reader.path, follow_symlinks=False))
 
-    def _search(self, key: bytes) -> tuple[Found | None, RingReader | None]:
+    def _search(self, key: bytes) -> tuple[Found | PendingRows | None, RingReader | None]:
         for name, reader in list(self._readers.items()):
             try:
-                found = reader.lookup(key)
+                found = reader.find(key)
             except RingFormatError as exc:
                 self._drop_broken(name, reader, exc)
                 continue
@@ -329,7 +329,13 @@ class RingDirectory(ClosesOnExit):
     # -- public API ----------------------------------------------------------------------------
 
     def lookup(self, key: bytes) -> Found | None:
-        """The record (or error record) published under ``key`` in any mapped ring, or ``None``.
+        """The record (or error record) published under ``key`` in any mapped ring, or ``None``."""
+        found = self.find(key)
+        return found.load() if isinstance(found, PendingRows) else found
+
+    def find(self, key: bytes) -> Found | PendingRows | None:
+        """As :meth:`lookup`, but a large matrix's rows are left for :meth:`PendingRows.load`,
+        to be copied outside this directory's lock (see :mod:`.reader`).
 
         On a miss, re-reads the index entries a weakly ordered CPU may have shown stale, and
         searches again if that changed anything. At most every ~50 ms, notices new, restarted

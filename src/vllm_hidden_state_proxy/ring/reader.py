@@ -12,6 +12,14 @@ record's rows are then copied out of its arena block, whose seq, key, length and
 the slot record's, and whose seq must be unchanged after the copy; otherwise newer blocks
 have been written over it, and the lookup answers an error record (503) saying so.
 
+**Large matrices off the lock.** :meth:`RingReader.find` leaves a matrix whose rows are at
+least :data:`DEFER_BYTES` uncopied: it answers a :class:`PendingRows` (the slot's record, its
+block, and a view of the block that keeps the mapping alive even if the reader is closed), and
+:meth:`PendingRows.load`, run by the caller wherever it likes (the proxy: in a thread, after
+counting its size against its memory budget), makes the same checks and copy as a lookup: seq,
+key, length and CRC, the seq unchanged after the copy. It reads nothing of the reader, so the
+directory's lock is not held while tens of MiB are copied and checked.
+
 **Memory ordering.** The writer stores, in program order: index entry := zero, seq odd, slot
 key/length/CRC/payload, seq even, index entry := key, publish counter += 1 (:mod:`.writer`),
 with no fences (Python has none; each store is a ``memcpy``). On x86-64 (TSO) other cores see
@@ -55,6 +63,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
 from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV
 from vllm_hidden_state_proxy.ring.closing import ClosesOnExit
@@ -103,6 +112,55 @@ def written_over(arena_size: int) -> str:
         f"records before the proxy read them: raise {ARENA_MIB_ENV} in vLLM's environment, or "
         "retry"
     )
+
+
+#: A matrix block at least this large is left for :meth:`PendingRows.load` by :meth:`find`.
+DEFER_BYTES = 256 * 1024
+#: Bytes copied per step by :meth:`PendingRows.load`.
+COPY_STEP = 1 << 20
+
+
+class PendingRows:
+    """A matrix record found in a ring whose rows are not copied yet (see the module
+    docstring, *Large matrices off the lock*)."""
+
+    __slots__ = ("_view", "arena_size", "block", "record")
+
+    def __init__(
+        self, record: Record, block: ArenaBlock, view: memoryview, arena_size: int
+    ) -> None:
+        self.record = record
+        self.block = block
+        self.arena_size = arena_size
+        #: The block, header and rows, as bytes of the mapping (an export: keeps it mapped).
+        self._view = view
+
+    @property
+    def key(self) -> bytes:
+        return self.record.key
+
+    @property
+    def size(self) -> int:
+        """The rows' bytes, as the copy will take them."""
+        return self.block.length
+
+    def load(self) -> Found:
+        """The record with its rows, or an error record (503) if newer blocks have been written
+        over them. Thread-safe: reads only its own view."""
+        view, block, record = self._view, self.block, self.record
+        if ARENA_SEQ.unpack_from(view, 0)[0] == block.seq:
+            key, n, crc = ARENA_META.unpack_from(view, ARENA_KEY_OFFSET)
+            if key == record.key and n == block.length and crc == block.crc:
+                # numpy copies without the GIL, into memory it does not zero first (a
+                # bytearray's zeroing would hold the GIL for the whole size): the event loop
+                # thread gets the GIL back within a step.
+                rows = np.empty(n, dtype=np.uint8)
+                source = np.frombuffer(view, dtype=np.uint8, count=n, offset=ARENA_PAYLOAD_OFFSET)
+                for at in range(0, n, COPY_STEP):
+                    np.copyto(rows[at : at + COPY_STEP], source[at : at + COPY_STEP])
+                if ARENA_SEQ.unpack_from(view, 0)[0] == block.seq and zlib.crc32(rows.data) == crc:
+                    return replace(record, vectors=rows.data)
+        return ErrorRecord(record.key, written_over(self.arena_size), 503)
 
 
 #: Seconds after its first read during which an index entry may still have been read stale on a
@@ -202,6 +260,11 @@ class RingReader(ClosesOnExit):
 
         Raises :class:`RingFormatError` only if the file shrank under the mapping.
         """
+        found = self.find(key)
+        return found.load() if isinstance(found, PendingRows) else found
+
+    def find(self, key: bytes) -> Found | PendingRows | None:
+        """As :meth:`lookup`, but a large matrix's rows are left for :meth:`PendingRows.load`."""
         mm = self._mm
         if mm is None or not isinstance(key, bytes) or len(key) != KEY_BYTES or key == ZERO_KEY:
             return None
@@ -292,7 +355,7 @@ class RingReader(ClosesOnExit):
             unsettled.popleft()  # re-read just now, at least SETTLE after its first read
         return changed
 
-    def _read_slot(self, slot: int, key: bytes) -> Found | None:
+    def _read_slot(self, slot: int, key: bytes) -> Found | PendingRows | None:
         mm = self._mm
         mv = self._mv
         if mm is None or mv is None:
@@ -320,13 +383,18 @@ class RingReader(ClosesOnExit):
             return self._read_block(*decoded)
         return decoded
 
-    def _read_block(self, record: Record, block: ArenaBlock) -> Found | None:
+    def _read_block(self, record: Record, block: ArenaBlock) -> Found | PendingRows | None:
         """``record`` with its rows, copied out of ``block``; an error record if newer blocks
         have been written over it."""
         mm = self._mm
         if mm is None:
             return None
         base = self._shape.arena_offset + block.offset
+        if block.length >= DEFER_BYTES and block.length <= self._shape.arena_size:
+            end = base + ARENA_PAYLOAD_OFFSET + block.length
+            if end <= len(mm):
+                view = np.frombuffer(mm, dtype=np.uint8, count=end - base, offset=base).data
+                return PendingRows(record, block, view, self._shape.arena_size)
         if ARENA_SEQ.unpack_from(mm, base)[0] == block.seq:
             key, n, crc = ARENA_META.unpack_from(mm, base + ARENA_KEY_OFFSET)
             if key == record.key and n == block.length and crc == block.crc:

@@ -16,6 +16,10 @@ import msgpack
 MAX_ERROR_CHARS = 1000
 
 
+#: Little-endian float32 values: a record's, or a view of part of them.
+Rows = bytes | bytearray | memoryview
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """The vectors (or, for a matrix pooling, the rows) published for one request key."""
@@ -29,20 +33,24 @@ class Record:
     #: Absolute layer indices, in the order of ``vectors``.
     layers: tuple[int, ...]
     hidden_size: int
-    #: Little-endian float32, ``rows`` x ``hidden_size`` values per layer, layer after layer.
-    vectors: bytes
+    #: Little-endian float32, ``rows`` x ``hidden_size`` values per layer, layer after layer
+    #: (a large matrix's rows, copied out of the ring in steps, come as a view of the array they
+    #: were copied into; a cut of them as a view).
+    vectors: Rows
     #: Positions per layer: 1 for a vector, more for a matrix (consecutive, from ``position``).
     rows: int = 1
 
-    def vector(self, layer: int) -> bytes:
-        """One layer's vector (or matrix: ``rows`` vectors) as little-endian float32 bytes;
-        ``KeyError`` if not in the record."""
+    def vector(self, layer: int) -> Rows:
+        """One layer's vector (or matrix: ``rows`` vectors) as little-endian float32 bytes (a
+        view of the record's, not a copy); ``KeyError`` if not in the record."""
         try:
             index = self.layers.index(layer)
         except ValueError:
             raise KeyError(layer) from None
         size = 4 * self.hidden_size * self.rows
-        return self.vectors[index * size : (index + 1) * size]
+        if len(self.layers) == 1 and len(self.vectors) == size:
+            return self.vectors
+        return memoryview(self.vectors)[index * size : (index + 1) * size]
 
     def floats(self, layer: int) -> list[float]:
         """One layer's vector (a matrix's rows one after another) as Python floats."""
@@ -57,7 +65,11 @@ class Record:
         if not 1 <= count <= self.rows:
             raise ValueError(f"{count} rows of a matrix of {self.rows}")
         size = 4 * self.hidden_size
-        cut = b"".join(self.vector(layer)[: count * size] for layer in self.layers)
+        cut: Rows
+        if len(self.layers) == 1:  # a view: no copy of a large matrix
+            cut = memoryview(self.vectors)[: count * size]
+        else:
+            cut = b"".join(memoryview(self.vector(layer))[: count * size] for layer in self.layers)
         return Record(
             self.key,
             self.model,

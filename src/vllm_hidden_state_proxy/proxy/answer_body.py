@@ -1,0 +1,263 @@
+"""Sending a flagged JSON answer: whole when small, in pieces when its matrices are large; every
+piece within ``--send-timeout``.
+
+An answer whose matrices hold at least :data:`.vector_memory.OFF_LOOP_BYTES` is not built
+whole: vLLM's completion with the vectors' fields is written with a marker where each
+matrix's ``"data"`` goes, and the client gets the text between the markers as it is and each
+matrix encoded a piece at a time (about 1 MiB of its rows per piece, base64 or float lists), in
+a thread, off the event loop. The memory it takes is one piece being encoded and one being
+sent (uvicorn's send waits while the socket's buffer is above its high-water mark), counted
+against the request's share of the vector memory (:mod:`.vector_memory`). The response has no
+``content-length`` (HTTP/1.1 chunked).
+
+A stream's (SSE) event that carries large matrices is encoded whole, in a thread, counted
+against the request's memory (:func:`encoded_off_loop`).
+
+Every send of a flagged JSON answer, the whole body too, must complete within
+``--send-timeout``: a client that stops reading for that long has its connection cut (uvicorn's
+transport aborted, which frees what it buffered) and the request's memory is given back. A
+final empty send waits for the socket's buffer to drain below its high-water mark, so an answer
+is not left in the buffer of a client that never reads. Streams (SSE) are relayed as before:
+this applies to JSON answers only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import orjson
+import pybase64
+
+import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
+from vllm_hidden_state_proxy.proxy.answer_join import (
+    REBUILT_DROP,
+    Matrix,
+    as_dtype,
+    dump_json,
+    float32_view,
+    with_kv_fields,
+)
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.types import RawHeaders, Send
+from vllm_hidden_state_proxy.proxy.vector_memory import OFF_LOOP_BYTES, off_loop_limiter
+
+log = logging.getLogger("vllm_hidden_state_proxy.proxy")
+
+#: float32 values per base64 piece: a multiple of 3, so that pieces join into one base64 text
+#: whatever the dtype (4 or 2 bytes a value); 1 MiB of float32 rows.
+BASE64_VALUES = 3 * 87_381
+#: float32 values per piece of float lists (about 0.8 MiB of text).
+FLOAT_VALUES = 64 * 1024
+#: Bytes a piece's text may take: base64 of 1 MiB, or 64 Ki floats of up to 15 characters.
+PIECE_BYTES = max(4 * BASE64_VALUES * 4 // 3 + 4, FLOAT_VALUES * 16 + 16)
+#: A body up to this size is sent in one message and may stay in the socket's buffer after the
+#: handler ends (as any small response); a larger one is followed by an empty final send that
+#: waits for the buffer to drain.
+SMALL_BODY = 64 * 1024
+
+
+class ClientTooSlow(Exception):
+    """The client did not take a piece of its answer within ``--send-timeout``."""
+
+
+def matrix_pieces(matrix: Matrix) -> Iterator[Callable[[], bytes]]:
+    """The JSON text of ``matrix``'s ``"data"``, as functions that each encode one piece."""
+    rows, hidden = matrix.rows, matrix.hidden_size
+    values = float32_view(rows)
+    if matrix.fmt == "base64":
+        step = BASE64_VALUES
+        total = values.size
+
+        def base64_piece(start: int) -> Callable[[], bytes]:
+            def encode() -> bytes:
+                part = memoryview(rows)[4 * start : 4 * min(start + step, total)]
+                text = pybase64.b64encode(as_dtype(part, matrix.dtype))
+                opening = b'"' if start == 0 else b""
+                closing = b'"' if start + step >= total else b""
+                return opening + text + closing
+
+            return encode
+
+        if total == 0:
+            yield lambda: b'""'
+        for start in range(0, total, step):
+            yield base64_piece(start)
+        return
+    table = values.reshape(matrix.count, hidden)
+    per_piece = max(1, FLOAT_VALUES // max(hidden, 1))
+
+    def float_piece(start: int) -> Callable[[], bytes]:
+        def encode() -> bytes:
+            text = orjson.dumps(table[start : start + per_piece], option=orjson.OPT_SERIALIZE_NUMPY)
+            opening = b"[" if start == 0 else b","
+            closing = b"]" if start + per_piece >= matrix.count else b""
+            return opening + text[1:-1] + closing
+
+        return encode
+
+    if matrix.count == 0:
+        yield lambda: b"[]"
+    for start in range(0, matrix.count, per_piece):
+        yield float_piece(start)
+
+
+def _without_matrices(document: Any) -> tuple[bytes, list[Matrix], bytes]:
+    """``document`` as JSON with a marker in place of each matrix's data; the matrices in
+    order; the marker's pattern."""
+    matrices: list[Matrix] = []
+    marker = secrets.token_hex(16)
+
+    def mark(value: Any) -> Any:
+        if isinstance(value, Matrix):
+            matrices.append(value)
+            return f"{marker}:{len(matrices) - 1}"
+        raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+    text = orjson.dumps(document, default=mark, option=orjson.OPT_SERIALIZE_NUMPY)
+    return text, matrices, marker.encode("ascii")
+
+
+#: JSON text bytes per float32 byte written as a float list, at most (~15 characters a value).
+FLOAT_TEXT = 4
+
+
+def _vectors_size(document: Any) -> tuple[int, int]:
+    """Bytes of the matrices' rows in ``document`` (a dict of fields, lists, matrices), and
+    the JSON text that its vectors and matrices take, at most."""
+    stack = [document]
+    size = text = 0
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Matrix):
+            size += value.size
+            if value.fmt == "base64":
+                encoded = value.size if value.dtype == "float32" else value.size // 2
+                text += 4 * (encoded // 3 + 1)
+            else:
+                text += FLOAT_TEXT * value.size
+        elif isinstance(value, str):
+            text += len(value)
+        elif isinstance(value, np.ndarray):
+            text += FLOAT_TEXT * value.nbytes
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return size, text
+
+
+async def send_joined(
+    send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``, with
+    vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
+    own = downstream_response_headers(headers, drop=REBUILT_DROP)
+    await send_json_answer(send, own, with_kv_fields(completion, fields), fields)
+
+
+async def send_json_answer(
+    send: Send, headers: RawHeaders, document: dict[str, Any], fields: Any
+) -> None:
+    """Send ``document`` (vLLM's completion with ``fields`` joined in) as a 200 JSON answer:
+    whole, or in pieces if the matrices of ``fields`` are large (see the module docstring).
+    Raises ``ProxyError`` before any byte is sent (the body cannot be written, or would take
+    the request over its memory)."""
+    matrices_size, text_size = _vectors_size(fields)
+    if matrices_size < OFF_LOOP_BYTES:
+        try:
+            if text_size < OFF_LOOP_BYTES:
+                body = dump_json(document)
+            else:  # many vectors (a long prompt list): written in a thread
+                vector_memory.take(text_size)
+                body = await anyio.to_thread.run_sync(
+                    dump_json, document, limiter=off_loop_limiter()
+                )
+                vector_memory.give_back(text_size)
+        except orjson.JSONEncodeError as exc:
+            raise ProxyError(
+                502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
+            ) from exc
+        vector_memory.take(len(body))
+        start_headers = [(b"content-type", b"application/json")]
+        start_headers.append((b"content-length", str(len(body)).encode("ascii")))
+        pieces: list[bytes | Callable[[], bytes]] = [body]
+    else:
+        try:
+            text, matrices, marker = _without_matrices(document)
+        except orjson.JSONEncodeError as exc:
+            raise ProxyError(
+                502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
+            ) from exc
+        vector_memory.take(len(text) + 2 * PIECE_BYTES)
+        start_headers = [(b"content-type", b"application/json")]
+        pieces = []
+        parts = re.split(b'"' + re.escape(marker) + rb':(\d+)"', text)
+        for index, part in enumerate(parts):
+            if index % 2 == 0:
+                pieces.append(part)
+            else:
+                pieces.extend(matrix_pieces(matrices[int(part)]))
+    share = vector_memory.current()
+    timeout = share.send_timeout if share is not None else None
+    try:
+        await _send_pieces(send, 200, start_headers + list(headers), pieces, timeout)
+    except ClientTooSlow:
+        log.info("cut a client that did not take its answer within %s s (--send-timeout)", timeout)
+        if share is not None and share.cut is not None:
+            share.cut()
+            for _ in range(3):  # the transport's connection_lost runs on the next iterations
+                await asyncio.sleep(0)
+
+
+async def _send_pieces(
+    send: Send,
+    status: int,
+    headers: RawHeaders,
+    pieces: list[bytes | Callable[[], bytes]],
+    timeout: float | None,
+) -> None:
+    await _within(
+        send, {"type": "http.response.start", "status": status, "headers": headers}, timeout
+    )
+    if len(pieces) == 1 and isinstance(pieces[0], bytes) and len(pieces[0]) <= SMALL_BODY:
+        message = {"type": "http.response.body", "body": pieces[0], "more_body": False}
+        await _within(send, message, timeout)
+        return
+    for piece in pieces:
+        if callable(piece):
+            piece = await anyio.to_thread.run_sync(piece, limiter=off_loop_limiter())
+        if piece:
+            message = {"type": "http.response.body", "body": piece, "more_body": True}
+            await _within(send, message, timeout)
+    # Waits for the socket's buffer to drain below its high-water mark (see above).
+    await _within(send, {"type": "http.response.body", "body": b"", "more_body": False}, timeout)
+
+
+async def _within(send: Send, message: dict[str, Any], timeout: float | None) -> None:
+    if timeout is None:
+        await send(message)
+        return
+    try:
+        with anyio.fail_after(timeout):  # a cancel scope: no task per send, as wait_for makes
+            await send(message)
+    except TimeoutError:
+        raise ClientTooSlow from None
+
+
+async def encoded_off_loop(encode: Callable[[], bytes], fields: Any) -> bytes:
+    """``encode()``: a stream's event (or a whole answer) with ``fields`` in it. When their
+    JSON text is large, in a thread, after counting that text against the request's memory
+    for vectors (held until the request ends: such an event is sent whole)."""
+    _, text_size = _vectors_size(fields)
+    if text_size < OFF_LOOP_BYTES:
+        return encode()
+    vector_memory.take(text_size)
+    return await anyio.to_thread.run_sync(encode, limiter=off_loop_limiter())
