@@ -97,7 +97,7 @@ def model_first(argv: Sequence[str]) -> list[str]:
 def _normalised(argv: Sequence[str]) -> list[str]:
     """``argv`` with the options of ``serve`` or ``proxy`` (its first word) normalised."""
     if argv and argv[0] == "serve":
-        return model_first(normalise_flags(argv, serve_options.flags() | {"--model"}))
+        return model_first(normalise_flags(argv, serve_options.flags()))
     if argv and argv[0] == "proxy":
         flags = {spec.flag for _, spec in proxy_settings.options() if spec.flag is not None}
         return normalise_flags(argv, flags)
