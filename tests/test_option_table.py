@@ -146,3 +146,31 @@ def test_marked_sections() -> None:
     assert with_section(updated, "t", "old\n") == DOCUMENT
     with pytest.raises(ValueError, match="no section 'other'"):
         with_section(DOCUMENT, "other", "x")
+
+
+@pytest.mark.parametrize(
+    ("environ", "value"),
+    [({}, 3), ({"OLD": "5"}, 5), ({ENV: "7", "OLD": "5"}, 7), ({ENV: "", "OLD": "5"}, 5)],
+)
+def test_a_fallback_variable_is_read_when_the_own_one_is_unset(
+    environ: dict[str, str], value: int
+) -> None:
+    """E.g. the proxy's key: its own variable, else vLLM's VLLM_API_KEY."""
+    spec = Option(3, "how many", int, flag="--count", env=ENV, fallback_env=("OLD",))
+    assert spec.read(environ) == value
+    assert spec.variables == (ENV, "OLD")
+    assert markdown_table([spec]).splitlines()[2] == (
+        f"| `--count` | `{ENV}`, else `OLD` | `3` | how many |"
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, _with(spec), environ=environ)
+    assert f"${ENV} or $OLD or {value}" in " ".join(parser.format_help().split())
+    assert parser.parse_args([]).count == value
+
+
+def _with(spec: Option[Any]) -> type:
+    @dataclass(frozen=True)
+    class One:
+        count: int = field(default=spec.default, metadata={"option": spec})
+
+    return One

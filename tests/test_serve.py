@@ -40,6 +40,7 @@ from vllm_hidden_state_proxy.protocol import (
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
     UPSTREAM_API_KEY_ENV,
+    VLLM_API_KEY_ENV,
 )
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings, command_line
 from vllm_hidden_state_proxy.serve_options import RING_DIR_PREFIX
@@ -147,7 +148,13 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
 class Serve:
     """``serve`` with fake children, its stderr collected line by line."""
 
-    def __init__(self, tmp_path: Path, *options: str, **fake_modes: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *options: str,
+        environ: dict[str, str] | None = None,
+        **fake_modes: str,
+    ) -> None:
         tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # one test may start several
         (tmp_path / "child.py").write_text(FAKE_CHILD)
         (tmp_path / "runner.py").write_text(RUNNER)
@@ -157,6 +164,7 @@ class Serve:
         env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
         env.update(http_proxy=UNREACHABLE_PROXY, HTTP_PROXY=UNREACHABLE_PROXY)
         env.update({f"FAKE_{role.upper()}": mode for role, mode in fake_modes.items()})
+        env.update(environ or {})
         runner = [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "child.py")]
         ports = ["--port", str(self.port)]
         self.process = subprocess.Popen(
@@ -239,8 +247,8 @@ Starter = Callable[..., Serve]
 def start(tmp_path: Path) -> Iterator[Starter]:
     started: list[Serve] = []
 
-    def starter(*options: str, **fake_modes: str) -> Serve:
-        started.append(Serve(tmp_path, *options, **fake_modes))
+    def starter(*options: str, environ: dict[str, str] | None = None, **fake_modes: str) -> Serve:
+        started.append(Serve(tmp_path, *options, environ=environ, **fake_modes))
         return started[-1]
 
     yield starter
@@ -503,7 +511,7 @@ def test_vllm_listens_on_a_private_socket_with_a_key_only_the_proxy_gets(start: 
     assert socket_path.parent.name.startswith(serve.SOCKET_DIR_PREFIX)
     assert _private_to_me(socket_path.parent)
     assert len(os.fsencode(uds)) < 108
-    key = server.child_environment("vllm")[serve.VLLM_API_KEY_ENV]
+    key = server.child_environment("vllm")[VLLM_API_KEY_ENV]
     assert len(key) >= 32
     proxy_env = server.child_environment("proxy")
     assert proxy_env[UPSTREAM_API_KEY_ENV] == key
@@ -522,7 +530,7 @@ def test_each_serve_gets_its_own_key(start: Starter) -> None:
     first, second = start(), start()
     first.ready()
     second.ready()
-    keys = {s.child_environment("vllm")[serve.VLLM_API_KEY_ENV] for s in (first, second)}
+    keys = {s.child_environment("vllm")[VLLM_API_KEY_ENV] for s in (first, second)}
     assert len(keys) == 2
 
 
@@ -534,7 +542,7 @@ def test_vllm_port_opts_into_loopback_tcp_still_with_the_key(start: Starter) -> 
     proxy_argv = server.saved_argv("proxy")
     assert f"--upstream=http://127.0.0.1:{vllm_port}" in proxy_argv
     assert not any(arg.startswith("--upstream-uds") for arg in proxy_argv)
-    key = server.child_environment("vllm")[serve.VLLM_API_KEY_ENV]
+    key = server.child_environment("vllm")[VLLM_API_KEY_ENV]
     assert server.child_environment("proxy")[UPSTREAM_API_KEY_ENV] == key
     assert f"starting vLLM on 127.0.0.1:{vllm_port} " in server.output
 
@@ -543,9 +551,36 @@ def test_a_chosen_upstream_key_is_vllms_key(start: Starter) -> None:
     """For tools that must reach vLLM directly (the bench's direct arms, the e2e tests)."""
     server: Serve = start("--upstream-api-key", "chosen-vllm-key")
     server.ready()
-    assert server.child_environment("vllm")[serve.VLLM_API_KEY_ENV] == "chosen-vllm-key"
+    assert server.child_environment("vllm")[VLLM_API_KEY_ENV] == "chosen-vllm-key"
     assert server.child_environment("proxy")[UPSTREAM_API_KEY_ENV] == "chosen-vllm-key"
     assert not any("chosen-vllm-key" in arg for arg in server.saved_argv("proxy"))
+
+
+def test_a_users_vllm_api_key_is_the_proxys_and_vllm_keeps_a_private_one(start: Starter) -> None:
+    """``VLLM_API_KEY=K vllm serve M`` moved to ``serve``: clients still need K (now at the
+    proxy, which listens on all interfaces as vLLM did), and vLLM gets serve's own key."""
+    server: Serve = start(environ={VLLM_API_KEY_ENV: "users-key", API_KEY_ENV: ""})
+    server.ready()
+    assert server.child_environment("proxy")[API_KEY_ENV] == "users-key"
+    vllm_key = server.child_environment("vllm")[VLLM_API_KEY_ENV]
+    assert vllm_key != "users-key" and len(vllm_key) >= 32
+    assert server.child_environment("proxy")[UPSTREAM_API_KEY_ENV] == vllm_key
+    argv = server.saved_argv("proxy")
+    assert "--host=0.0.0.0" in argv
+    assert not any("users-key" in arg for arg in argv)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+
+
+def test_the_proxy_gets_its_drain_time_and_serve_waits_for_it(start: Starter) -> None:
+    server: Serve = start("--drain_timeout", "30", proxy="slow-stop")
+    server.ready()
+    assert "--drain-timeout=30.0" in server.saved_argv("proxy")
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+    # The proxy's 30 s and a margin of 5, vLLM's 20, and 10 more for each process group.
+    assert "can take up to 75 s" in server.output
+    assert "did not stop" not in server.output, server.output  # the fake proxy takes 2 s
 
 
 def test_without_layers_vllm_gets_no_layer_setting(start: Starter) -> None:
@@ -642,7 +677,7 @@ def test_vllm_environment(
         monkeypatch.setenv(name, value)
     environment = serve.vllm_environment("/rings", "vllm-key", layers)
     assert environment[RING_DIR_ENV] == "/rings"
-    assert environment[serve.VLLM_API_KEY_ENV] == "vllm-key"
+    assert environment[VLLM_API_KEY_ENV] == "vllm-key"
     assert HOOK_ENABLED_ENV not in environment
     assert environment.get("VLLM_PLUGINS") == expected_plugins
     assert environment.get(LAYERS_ENV) == expected_layers

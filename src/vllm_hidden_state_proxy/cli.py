@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_hidden_state_proxy import option_table, serve_options
+from vllm_hidden_state_proxy import __version__, option_table, serve_options
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
 from vllm_hidden_state_proxy.option_table import option
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, VLLM_API_KEY_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 
@@ -27,7 +27,11 @@ class CheckOptions:
         "", "--url", "the proxy, e.g. http://127.0.0.1:8000", shown_default="required"
     )
     api_key: str | None = option(
-        None, "--api-key", "the proxy's API key, if it has one", env=API_KEY_ENV
+        None,
+        "--api-key",
+        "the proxy's API key, if it has one",
+        env=API_KEY_ENV,
+        fallback_env=(VLLM_API_KEY_ENV,),
     )
     model: str | None = option(
         None, "--model", "the model name to send", shown_default="the first of /v1/models"
@@ -35,11 +39,77 @@ class CheckOptions:
     timeout: float = option(120.0, "--timeout", "per request", metavar="SECONDS", parse=float)
 
 
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"hidden-state-proxy {__version__}")
+
+
+def normalise_flags(argv: Sequence[str], known: set[str]) -> list[str]:
+    """``argv`` with vLLM's other spelling of each option in ``known`` (``--api_key`` for
+    ``--api-key``, also as ``--api_key=K``) rewritten to ours; everything else unchanged (vLLM
+    reads both spellings of its own options), and nothing after a bare ``--``."""
+    result: list[str] = []
+    for position, arg in enumerate(argv):
+        if arg == "--":
+            return result + list(argv[position:])
+        name, equals, value = arg.partition("=")
+        if name.startswith("--") and "_" in name and name.replace("_", "-") in known:
+            arg = name.replace("_", "-") + equals + value
+        result.append(arg)
+    return result
+
+
+class TwoModels(ValueError):
+    """``serve A --model B``."""
+
+
+def model_first(argv: Sequence[str]) -> list[str]:
+    """``serve``'s arguments (``argv[0]`` is ``serve``) with vLLM's ``--model M`` (or
+    ``--model=M``) turned into the model argument, first, as ``serve M`` takes it; unchanged
+    without ``--model``. Done before parsing: a model given as an option leaves no positional,
+    and argparse would take the value of the first option it does not know (``--dtype
+    float16``) for it. :class:`TwoModels` if a model is given twice, differently."""
+    rest: list[str] = []
+    models: list[str] = []
+    position = 1
+    while position < len(argv):
+        arg = argv[position]
+        if arg == "--":
+            rest += argv[position:]
+            break
+        if arg == "--model" and position + 1 < len(argv):
+            models.append(argv[position + 1])
+            position += 2
+            continue
+        if arg.startswith("--model="):
+            models.append(arg.removeprefix("--model="))
+        else:
+            rest.append(arg)
+        position += 1
+    if not models:
+        return list(argv)
+    if rest and not rest[0].startswith("-"):  # vLLM's positional model, too
+        models.append(rest.pop(0))
+    if len(set(models)) > 1:
+        raise TwoModels(f"two models: {' and '.join(map(repr, dict.fromkeys(models)))}")
+    return [argv[0], models[0], *rest]
+
+
+def _normalised(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the options of ``serve`` or ``proxy`` (its first word) normalised."""
+    if argv and argv[0] == "serve":
+        return model_first(normalise_flags(argv, serve_options.flags()))
+    if argv and argv[0] == "proxy":
+        flags = {spec.flag for _, spec in proxy_settings.options() if spec.flag is not None}
+        return normalise_flags(argv, flags)
+    return list(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hidden-state-proxy",
         description="Return a chat model's hidden states from vLLM, in the same OpenAI-style call.",
     )
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -49,10 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start vLLM with the worker hook active, reachable only by the proxy "
         "(a private Unix socket and a random API key), then the proxy. "
         "Options this command does not know are passed to vLLM unchanged "
-        "(e.g. --max-model-len 4096 --dtype float16). If either process dies, both stop "
+        "(e.g. --max-model-len 4096 --dtype float16); options are understood in vLLM's "
+        "spellings too (--api_key as --api-key). If either process dies, both stop "
         "and the exit status is non-zero; Ctrl-C stops both.",
     )
-    serve.add_argument("model", help="model name or path, as for `vllm serve`")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        help="model name or path, as for `vllm serve` (or as vLLM's --model MODEL)",
+    )
     serve_options.add_arguments(serve)
 
     proxy = commands.add_parser(
@@ -88,22 +163,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
     )
     add_bench_arguments(bench)
+    for command in (serve, proxy, check, tiny, bench):
+        _add_version(command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        arguments = _normalised(sys.argv[1:] if argv is None else argv)
+    except TwoModels as problem:
+        parser.error(str(problem))
+    args, extra = parser.parse_known_args(arguments)
     if args.command != "serve" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "serve" and args.model is None:
+        parser.error("serve needs a model: serve MODEL (or serve --model MODEL)")
     if args.command in ("serve", "proxy"):
         overrides = {"upstream_url": "http://127.0.0.1", "ring_dir": "/"}
         try:  # check the proxy's options before anything starts
-            proxy_settings.from_arguments(
+            settings = proxy_settings.from_arguments(
                 args, **{k: v for k, v in overrides.items() if args.command == "serve"}
             )
         except ValueError as problem:
             parser.error(str(problem))
+        args.host = settings.host  # its default follows the API key
+        exposure = settings.exposure_problem
+        if exposure is not None and args.command == "serve":
+            parser.error(exposure)
+        if exposure is not None:  # the proxy in a container: its network may be the boundary
+            print(f"[hidden-state-proxy] WARNING: {exposure}", file=sys.stderr, flush=True)
     if args.command == "proxy":
         from vllm_hidden_state_proxy.proxy.server import serve_proxy
 

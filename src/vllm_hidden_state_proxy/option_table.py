@@ -42,6 +42,8 @@ class Option(Generic[T]):
     flag: str | None = None
     #: Environment variable whose value, when set and not empty, replaces the default.
     env: str | None = None
+    #: Variables read, in order, when ``env`` is unset or empty (e.g. vLLM's ``VLLM_API_KEY``).
+    fallback_env: tuple[str, ...] = ()
     metavar: str | None = None
     #: Passed to ``serve``'s proxy child through ``env`` instead of its command line.
     secret: bool = False
@@ -53,8 +55,17 @@ class Option(Generic[T]):
     def read(self, environ: Mapping[str, str] | None = None) -> T:
         """The value of ``env`` in ``environ`` (default: this process's environment), parsed;
         the default when it is unset or empty. The parser's errors propagate."""
-        raw = (os.environ if environ is None else environ).get(self.env) if self.env else None
-        return self.parse(raw) if raw else self.default
+        source = os.environ if environ is None else environ
+        for name in self.variables:
+            raw = source.get(name)
+            if raw:
+                return self.parse(raw)
+        return self.default
+
+    @property
+    def variables(self) -> tuple[str, ...]:
+        """The variables this option is read from, first one first."""
+        return ((self.env,) if self.env else ()) + self.fallback_env
 
     @property
     def default_text(self) -> str:
@@ -100,8 +111,8 @@ def add_arguments(
             continue
         default = spec.read(environ)
         shown = spec.shown_default or ("none" if default is None else str(default))
-        if spec.env:
-            shown = f"${spec.env} or {shown}"
+        if spec.variables:
+            shown = " or ".join(f"${name}" for name in spec.variables) + f" or {shown}"
         text = f"{spec.help} (default {shown})"
         if spec.parse is bool:
             parser.add_argument(spec.flag, dest=name, action="store_true", help=spec.help)
@@ -148,7 +159,7 @@ def _default_cell(spec: Option[Any]) -> str:
 
 _CELLS: dict[str, Callable[[Option[Any]], str]] = {
     "option": _flag_cell,
-    "environment": lambda spec: f"`{spec.env}`" if spec.env else "",
+    "environment": lambda spec: ", else ".join(f"`{name}`" for name in spec.variables),
     "variable": lambda spec: f"`{spec.env}`",
     "default": _default_cell,
     "meaning": lambda spec: spec.help,

@@ -163,12 +163,19 @@ API_KEY_ENV = "HIDDEN_STATE_PROXY_API_KEY"
 UPSTREAM_API_KEY_ENV = "HIDDEN_STATE_PROXY_UPSTREAM_API_KEY"
 #: The proxy's ``/v1/embeddings`` prompt template.
 EMBEDDING_TEMPLATE_ENV = "HIDDEN_STATE_PROXY_EMBEDDING_TEMPLATE"
+#: Seconds the proxy lets requests in flight finish after SIGTERM.
+DRAIN_TIMEOUT_ENV = "HIDDEN_STATE_PROXY_DRAIN_TIMEOUT"
+#: Seconds the proxy's ``/metrics`` waits for vLLM's.
+METRICS_UPSTREAM_TIMEOUT_ENV = "HIDDEN_STATE_PROXY_METRICS_UPSTREAM_TIMEOUT"
 #: Internal, from the proxy's server to its worker processes (``--workers``): the settings as
 #: JSON, and the shared-memory file of their metrics.
 WORKER_SETTINGS_ENV = "HIDDEN_STATE_PROXY_WORKER_SETTINGS"
 WORKER_METRICS_ENV = "HIDDEN_STATE_PROXY_WORKER_METRICS"
 #: Where the built-in tiny model is built and cached (``make demo``, the tests, the bench).
 TINY_MODEL_DIR_ENV = "HIDDEN_STATE_PROXY_TINY_MODEL_DIR"
+#: vLLM's own variable for its ``--api-key``; the proxy's key when the proxy's own variable is
+#: unset (``VLLM_API_KEY=... vllm serve`` moved to ``serve`` keeps its key).
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 #: vLLM's own variable naming the general plugins it loads (all, when unset), and the hook's
 #: name among them (its ``vllm.general_plugins`` entry point in pyproject.toml).
 VLLM_PLUGINS_ENV = "VLLM_PLUGINS"

@@ -60,6 +60,7 @@ from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENV,
     PLUGIN_NAME,
     RING_DIR_ENV,
+    VLLM_API_KEY_ENV,
     VLLM_PLUGINS_ENV,
 )
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
@@ -76,15 +77,14 @@ from vllm_hidden_state_proxy.worker_hook.settings import HookSettings
 
 SOCKET_DIR_PREFIX = "hidden-state-proxy-serve-"
 VLLM_SOCKET_NAME = "vllm.sock"
-#: vLLM's own variable for its ``--api-key`` (vllm/entrypoints/serve/middleware/register.py).
-VLLM_API_KEY_ENV = "VLLM_API_KEY"
 #: The host part of vLLM's URL over its socket: ignored by the clients, sent as ``Host``.
 SOCKET_URL = "http://localhost"
 #: ``sizeof(sockaddr_un.sun_path)`` on Linux, the terminating NUL included.
 _SUN_PATH_MAX = 108
 #: How long the proxy may take to answer /health once started (it also asks vLLM's /health).
 PROXY_STARTUP_TIMEOUT = 60.0
-PROXY_STOP_GRACE = 5.0
+#: Seconds the proxy gets beyond its own ``--drain-timeout`` to exit after SIGTERM.
+PROXY_STOP_MARGIN = 5.0
 VLLM_STOP_GRACE = 20.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: How long the pre-start check tries the ring directory's lock (another server's hook holds it
@@ -302,6 +302,8 @@ class _StopRequest:
 
 @dataclass
 class _Children:
+    #: How long the proxy may take to exit after SIGTERM (its drain time and a margin).
+    proxy_grace: float
     vllm: subprocess.Popen[bytes] | None = None
     proxy: subprocess.Popen[bytes] | None = None
 
@@ -312,14 +314,14 @@ class _Children:
         return None
 
     def stop(self) -> None:
-        stop_process_group(self.proxy, "the proxy", grace=PROXY_STOP_GRACE, say=_say)
+        stop_process_group(self.proxy, "the proxy", grace=self.proxy_grace, say=_say)
         stop_process_group(self.vllm, "vLLM", grace=VLLM_STOP_GRACE, say=_say)
 
 
 def _must_end(children: _Children, stop: _StopRequest, when: str) -> int | None:
     """The exit status if ``serve`` must end now (a signal came, or a child exited), else None."""
     if stop.received is not None:
-        longest = PROXY_STOP_GRACE + VLLM_STOP_GRACE + 2 * GROUP_EXIT_GRACE
+        longest = children.proxy_grace + VLLM_STOP_GRACE + 2 * GROUP_EXIT_GRACE
         _say(f"{stop.received}: stopping the proxy and vLLM (can take up to {longest:.0f} s)")
         return 0
     gone = children.exited()
@@ -483,7 +485,7 @@ def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     if problem is not None:
         _say(problem)
         return 1
-    children = _Children()
+    children = _Children(proxy_grace=args.drain_timeout + PROXY_STOP_MARGIN)
     with _StopRequest().installed() as stop:
         ring_dir = args.ring_dir or _default_ring_dir()
         socket_dir: str | None = None

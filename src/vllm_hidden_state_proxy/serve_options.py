@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option_table.add_arguments(parser, ServeOptions)
 
 
+def flags() -> set[str]:
+    """Every option ``serve`` parses itself (the rest go to vLLM)."""
+    proxy = {spec.flag for name, spec in _PROXY_OPTIONS.items() if name not in SERVE_DECIDES}
+    own = {spec.flag for _, spec in option_table.options(ServeOptions)}
+    return {flag for flag in proxy | own if flag is not None}
+
+
 def options_table() -> str:
     """The Markdown table of ``serve``'s own options (``docs/api.md`` carries it verbatim)."""
     return option_table.markdown_table(spec for _, spec in option_table.options(ServeOptions))

@@ -24,8 +24,7 @@ import pytest
 
 from tests.e2e.server import SERVED_MODEL_NAME, RunningStack, run_serve
 from vllm_hidden_state_proxy.processes import http_status
-from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY
-from vllm_hidden_state_proxy.serve import VLLM_API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, VLLM_API_KEY_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_server]
 

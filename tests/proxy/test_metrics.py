@@ -35,7 +35,7 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     metrics.flagged_received += 3
     metrics.vector_misses["engine_without_ring"] += 1
     metrics.upstream_errors += 4
-    text = metrics.render(live_rings=headers(8), engines_without_ring=2)
+    text = metrics.render(live_rings=headers(8), engines_without_ring=2, upstream_metrics_up=False)
     values = samples(text)
     assert {k: values[f'hidden_state_proxy_requests_total{{kind="{k}"}}'] for k in KINDS} == {
         "ordinary": 0,
@@ -55,15 +55,19 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     info = 'hidden_state_proxy_ring_info{instance="00000000000000ab",engine="7",'
     assert values[info + 'runner="vLLM 0.32.0 V1 CPUModelRunner"}'] == 1
     assert values["hidden_state_proxy_engines_without_ring"] == 2
+    assert values["hidden_state_proxy_upstream_metrics_up"] == 0
     lines = text.decode().splitlines()
     assert "# TYPE hidden_state_proxy_live_rings gauge" in lines
     assert "# TYPE hidden_state_proxy_engines_without_ring gauge" in lines
+    assert "# TYPE hidden_state_proxy_upstream_metrics_up gauge" in lines
     assert "# TYPE hidden_state_proxy_requests_total counter" in lines
     assert text.endswith(b"\n")
 
 
 def test_a_runner_label_is_escaped() -> None:
-    text = ProxyMetrics().render(live_rings=headers(1, 'a "b" \\ c'), engines_without_ring=0)
+    text = ProxyMetrics().render(
+        live_rings=headers(1, 'a "b" \\ c'), engines_without_ring=0, upstream_metrics_up=True
+    )
     assert b'runner="a \\"b\\" \\\\ c"} 1' in text
 
 
@@ -71,7 +75,9 @@ def test_histogram_buckets_are_cumulative() -> None:
     metrics = ProxyMetrics()
     for value in (0.00005, 0.0001, 0.003, 0.003, 7.0, 60.0):
         metrics.vector_wait.observe(value)
-    values = samples(metrics.render(live_rings=headers(1), engines_without_ring=0))
+    values = samples(
+        metrics.render(live_rings=headers(1), engines_without_ring=0, upstream_metrics_up=True)
+    )
     prefix = 'hidden_state_proxy_vector_wait_seconds_bucket{le="'
     bucket = {k[len(prefix) : -2]: v for k, v in values.items() if k.startswith(prefix)}
     assert bucket["0.0001"] == 2  # le is inclusive

@@ -3,6 +3,8 @@ reports an engine of a publishing vLLM that has no ring, metrics the rings' gaug
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import httpx
 import pytest
@@ -204,6 +206,7 @@ async def test_metrics_are_vllms_then_the_proxys(ring_dir: str, writer: RingWrit
         f'hidden_state_proxy_ring_info{{instance="{writer.header.instance:016x}",engine="0",'
         'runner=""} 1',
         "hidden_state_proxy_engines_without_ring 0",
+        "hidden_state_proxy_upstream_metrics_up 1",
         'hidden_state_proxy_vector_wait_seconds_bucket{le="+Inf"} 1',
         "hidden_state_proxy_vector_wait_seconds_count 1",
     ):
@@ -238,17 +241,29 @@ async def test_the_ring_gauges_follow_the_directory(ring_dir: str, writer: RingW
         assert gauges((await proxy.client.get("/metrics")).text) == ("1", "0")
 
 
-@pytest.mark.parametrize("mode", ["status-500", "unreachable"])
+@pytest.mark.parametrize("mode", ["status-500", "unreachable", "slow"])
 async def test_metrics_without_vllm_still_serve_the_proxys_own(mode: str) -> None:
+    release = anyio.Event()
+
     async def handle(request: httpx.Request) -> httpx.Response:
         if mode == "unreachable":
             raise httpx.ConnectError("refused", request=request)
+        if mode == "slow":  # answers only after the proxy's --metrics-upstream-timeout
+            await release.wait()
+            return httpx.Response(200, content=VLLM_METRICS)
         return httpx.Response(500, content=b"boom")
 
     ring = FakeRing(failures=(FAILURE,))
-    async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
+    settings = settings_for("/unused", metrics_upstream_timeout=0.2)
+    async with proxy_client(settings, FakeVLLM(handle), ring) as proxy:
+        started = time.monotonic()
         response = await proxy.client.get("/metrics")
+        waited = time.monotonic() - started
+        release.set()
     assert response.status_code == 200
+    assert waited < 1.9  # the option, not the old fixed 2 s
     assert response.text.startswith("# HELP hidden_state_proxy_requests_total")
-    assert "boom" not in response.text
-    assert "hidden_state_proxy_engines_without_ring 1" in response.text.splitlines()
+    assert "boom" not in response.text and "vllm:" not in response.text
+    lines = response.text.splitlines()
+    assert "hidden_state_proxy_engines_without_ring 1" in lines
+    assert "hidden_state_proxy_upstream_metrics_up 0" in lines

@@ -6,7 +6,7 @@ import pickle
 
 from tests.proxy.fakes import settings_for
 from vllm_hidden_state_proxy.proxy.http_protocol import LimitedHttpToolsProtocol
-from vllm_hidden_state_proxy.proxy.server import GRACEFUL_SHUTDOWN_SECONDS, server_config
+from vllm_hidden_state_proxy.proxy.server import server_config
 
 
 def test_the_server_uses_the_fast_stack_and_the_settings() -> None:
@@ -16,7 +16,11 @@ def test_the_server_uses_the_fast_stack_and_the_settings() -> None:
     assert config.access_log is False
     assert config.proxy_headers is False
     assert (config.server_header, config.date_header) == (False, False)  # vLLM's pass through
-    assert config.timeout_graceful_shutdown == GRACEFUL_SHUTDOWN_SECONDS <= 10
+    # The default drain fits in Kubernetes' default 30 s grace period.
+    assert config.timeout_graceful_shutdown == 25.0 < 30
+    assert (
+        server_config(settings_for("/unused", drain_timeout=3.5)).timeout_graceful_shutdown == 3.5
+    )
 
 
 def test_the_front_server_limits_come_from_the_settings_and_travel_to_workers() -> None:

@@ -28,6 +28,7 @@ from vllm_hidden_state_proxy.proxy.settings import (
     check_template,
     command_line,
     from_arguments,
+    is_loopback,
     options,
     options_table,
     secret_environment,
@@ -88,6 +89,8 @@ def test_the_constructor_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -
         ({"vector_timeout": -1.0}, "vector_timeout"),
         ({"request_timeout": 0.0}, "request_timeout"),
         ({"health_timeout": 0.0}, "health_timeout"),
+        ({"metrics_upstream_timeout": 0.0}, "metrics_upstream_timeout"),
+        ({"drain_timeout": -1.0}, "drain_timeout"),
         ({"connect_timeout": -1.0}, "connect_timeout"),
         ({"embedding_template": "no placeholder"}, "{text}"),
         ({"embedding_pooling": "max"}, "embedding_pooling"),
@@ -273,8 +276,11 @@ option_settings = st.builds(
     send_timeout=st.floats(1e-3, 1e6, allow_nan=False),
     api_key=st.none() | texts.filter(bool),
     protect_metrics=st.booleans(),
+    allow_unauthenticated=st.booleans(),
     upstream_api_key=st.none() | texts.filter(bool),
     log_level=st.sampled_from(LOG_LEVELS),
+    drain_timeout=st.floats(0, 1e6, allow_nan=False),
+    metrics_upstream_timeout=st.floats(1e-3, 1e6, allow_nan=False),
 )
 
 
@@ -319,6 +325,9 @@ def test_every_option_has_a_flag_and_help_and_the_rest_none() -> None:
         "upstream_api_key",
         "workers",
         "log_level",
+        "drain_timeout",
+        "metrics_upstream_timeout",
+        "allow_unauthenticated",
     }
     all_fields = {f.name for f in dataclasses.fields(ProxySettings)}
     assert all_fields - with_options == {
@@ -352,3 +361,46 @@ def test_check_template() -> None:
     assert check_template("a {text} b") == "a {text} b"
     with pytest.raises(ValueError, match=r"must contain \{text\}"):
         check_template("no placeholder")
+
+
+# ---------------------------------------------------------------------------------------------
+# the host and its key (issue #39)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_default_host_follows_the_api_key() -> None:
+    assert ProxySettings(upstream_url="http://v").host == "127.0.0.1"
+    assert ProxySettings(upstream_url="http://v", api_key="k").host == "0.0.0.0"
+    assert ProxySettings(upstream_url="http://v", host="10.0.0.1").host == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("box.example", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_exposure_problem() -> None:
+    def problem(**values: Any) -> str | None:
+        return ProxySettings(upstream_url="http://v", **values).exposure_problem
+
+    assert problem() is None  # loopback
+    assert problem(host="0.0.0.0", api_key="k") is None
+    assert problem(host="0.0.0.0", allow_unauthenticated=True) is None
+    message = problem(host="0.0.0.0", port=8123)
+    assert message is not None
+    for named in ("--host 0.0.0.0", "port 8123", API_KEY_ENV, "VLLM_API_KEY", "--api-key"):
+        assert named in message
+    assert "--allow-unauthenticated" in message

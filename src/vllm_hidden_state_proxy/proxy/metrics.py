@@ -244,7 +244,13 @@ class ProxyMetrics:
     #: vLLM unreachable, or its answer broke off.
     upstream_errors = _RowCell(_UPSTREAM_ERRORS)
 
-    def render(self, *, live_rings: Sequence[RingHeader], engines_without_ring: int) -> bytes:
+    def render(
+        self,
+        *,
+        live_rings: Sequence[RingHeader],
+        engines_without_ring: int,
+        upstream_metrics_up: bool,
+    ) -> bytes:
         totals = self.table.totals()
         requests = f"{PREFIX}requests_total"
         flagged = f"{PREFIX}flagged_requests_total"
@@ -254,6 +260,7 @@ class ProxyMetrics:
         ring_info = f"{PREFIX}ring_info"
         without = f"{PREFIX}engines_without_ring"
         wait = f"{PREFIX}vector_wait_seconds"
+        upstream_up = f"{PREFIX}upstream_metrics_up"
         lines = [
             f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
             "/v1/embeddings).",
@@ -293,6 +300,10 @@ class ProxyMetrics:
             "proxy's log and /health).",
             f"# TYPE {without} gauge",
             f"{without} {engines_without_ring}",
+            f"# HELP {upstream_up} 1 if this scrape holds vLLM's own metrics, 0 if fetching them "
+            "failed or timed out (--metrics-upstream-timeout).",
+            f"# TYPE {upstream_up} gauge",
+            f"{upstream_up} {int(upstream_metrics_up)}",
             f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
             f"# TYPE {wait} histogram",
         ]

@@ -14,17 +14,16 @@ from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.ring import EngineFailure
 
 
-async def _get_upstream(state: ProxyState, path: str, accept: str) -> httpx.Response:
-    """GET ``path`` from vLLM with an overall deadline of ``health_timeout``.
+async def _get_upstream(
+    state: ProxyState, path: str, accept: str, timeout: float
+) -> httpx.Response:
+    """GET ``path`` from vLLM with an overall deadline of ``timeout`` seconds.
 
     Raises ``TimeoutError`` or ``httpx.HTTPError``.
     """
-    settings = state.settings
-    with anyio.fail_after(settings.health_timeout):
+    with anyio.fail_after(timeout):
         return await state.ops_client.get(
-            settings.upstream_base + path,
-            headers={"accept": accept},
-            timeout=settings.health_timeout,
+            state.settings.upstream_base + path, headers={"accept": accept}, timeout=timeout
         )
 
 
@@ -66,7 +65,7 @@ class HealthApp:
         settings = self.state.settings
         detailed = has_api_key(scope, settings.api_key)
         try:
-            response = await _get_upstream(self.state, "/health", "*/*")
+            response = await _get_upstream(self.state, "/health", "*/*", settings.health_timeout)
         except TimeoutError:
             problem = detail = f"its /health did not answer within {settings.health_timeout:g} s"
         except httpx.HTTPError as exc:
@@ -96,7 +95,9 @@ class HealthApp:
 class MetricsApp:
     """vLLM's ``/metrics`` text followed by the proxy's own metrics.
 
-    If vLLM's metrics cannot be fetched, the proxy's own are still returned.
+    If vLLM's metrics cannot be fetched (within ``--metrics-upstream-timeout``, with a 200),
+    the proxy's own are still returned, with ``hidden_state_proxy_upstream_metrics_up`` 0: a
+    scrape that lacks vLLM's series says so instead of looking like vLLM has none.
     """
 
     def __init__(self, state: ProxyState) -> None:
@@ -108,13 +109,17 @@ class MetricsApp:
             upstream += b"\n"
         rings = self.state.rings
         own = self.state.metrics.render(
-            live_rings=rings.live_headers(), engines_without_ring=len(rings.failed_engines())
+            live_rings=rings.live_headers(),
+            engines_without_ring=len(rings.failed_engines()),
+            upstream_metrics_up=upstream is not None,
         )
-        await send_response(send, 200, upstream + own, CONTENT_TYPE)
+        await send_response(send, 200, (upstream or b"") + own, CONTENT_TYPE)
 
-    async def _upstream_metrics(self) -> bytes:
+    async def _upstream_metrics(self) -> bytes | None:
+        """vLLM's metrics text, or None if they could not be fetched."""
+        timeout = self.state.settings.metrics_upstream_timeout
         try:
-            response = await _get_upstream(self.state, "/metrics", "text/plain")
+            response = await _get_upstream(self.state, "/metrics", "text/plain", timeout)
         except (TimeoutError, httpx.HTTPError):
-            return b""
-        return response.content if response.status_code == 200 else b""
+            return None
+        return response.content if response.status_code == 200 else None

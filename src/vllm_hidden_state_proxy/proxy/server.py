@@ -23,9 +23,6 @@ from vllm_hidden_state_proxy.proxy.http_protocol import protocol_factory
 from vllm_hidden_state_proxy.proxy.metrics import MetricsTable, ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
-#: Seconds to let in-flight requests finish on shutdown before cutting them.
-GRACEFUL_SHUTDOWN_SECONDS = 5
-
 
 def _options(settings: ProxySettings) -> dict[str, Any]:
     return {
@@ -40,7 +37,8 @@ def _options(settings: ProxySettings) -> dict[str, Any]:
         "access_log": False,
         "proxy_headers": False,  # the proxy never looks at the client address
         "log_level": settings.log_level,
-        "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_SECONDS,
+        # After SIGTERM: no new connections, requests in flight get this long (--drain-timeout).
+        "timeout_graceful_shutdown": settings.drain_timeout,
         # vLLM's own Date/Server headers pass through; uvicorn must not add second copies.
         "server_header": False,
         "date_header": False,

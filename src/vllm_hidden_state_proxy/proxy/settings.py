@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,16 +31,22 @@ from vllm_hidden_state_proxy.protocol import (
     API_KEY_ENV,
     DEFAULT_RING_DIR,
     DEFAULT_TEMPLATE,
+    DRAIN_TIMEOUT_ENV,
     EMBEDDING_TEMPLATE_ENV,
+    METRICS_UPSTREAM_TIMEOUT_ENV,
     PLACEHOLDER,
     PROMPT_POOLINGS,
     RING_DIR_ENV,
     UPSTREAM_API_KEY_ENV,
+    VLLM_API_KEY_ENV,
 )
 
 KIB = 1024
 MIB = 1024 * KIB
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LOOPBACK = "127.0.0.1"
+#: vLLM's default ``--host`` (it binds every interface).
+ALL_INTERFACES = "0.0.0.0"
 
 
 def check_template(template: str) -> str:
@@ -47,6 +54,16 @@ def check_template(template: str) -> str:
     if PLACEHOLDER not in template:
         raise ValueError(f"the embedding template must contain {PLACEHOLDER}: {template!r}")
     return template
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve anywhere
 
 
 def _own_user_and_root() -> tuple[int, ...]:
@@ -79,7 +96,15 @@ class ProxySettings:
         "request) or httpx's own",
         choices=("aiohttp", "httpx"),
     )
-    host: str = option("127.0.0.1", "--host", "address the proxy binds")
+    # None (the default) becomes ALL_INTERFACES with an API key, LOOPBACK without one
+    # (__post_init__): vLLM's habit where it is safe.
+    host: str = option(
+        None,
+        "--host",
+        "address the proxy binds; one beyond loopback needs an API key or "
+        "--allow-unauthenticated (serve refuses to start without either; proxy warns)",
+        shown_default=f"{ALL_INTERFACES} (all interfaces) with an API key, else {LOOPBACK}",
+    )
     port: int = option(8000, "--port", "port the proxy listens on", parse=int)
     ring_dir: str = option(
         DEFAULT_RING_DIR,
@@ -241,11 +266,19 @@ class ProxySettings:
         "prefer the variable: arguments show in process listings",
         metavar="KEY",
         env=API_KEY_ENV,
+        fallback_env=(VLLM_API_KEY_ENV,),
         secret=True,
         shown_default="none",
     )
     protect_metrics: bool = option(
         False, "--protect-metrics", "with an API key, /metrics needs it too", parse=bool
+    )
+    allow_unauthenticated: bool = option(
+        False,
+        "--allow-unauthenticated",
+        "listen beyond loopback (--host) without an API key: anyone who reaches the port may "
+        "use the model",
+        parse=bool,
     )
     upstream_api_key: str | None = option(
         None,
@@ -265,6 +298,24 @@ class ProxySettings:
         parse=int,
     )
     log_level: str = option("info", "--log-level", "proxy log level", choices=LOG_LEVELS)
+    drain_timeout: float = option(
+        25.0,
+        "--drain-timeout",
+        "on SIGTERM or Ctrl-C, stop accepting and let requests in flight finish for this long, "
+        "then cut them (within Kubernetes' default 30 s grace period, less a preStop pause)",
+        metavar="SECONDS",
+        parse=float,
+        env=DRAIN_TIMEOUT_ENV,
+    )
+    metrics_upstream_timeout: float = option(
+        2.0,
+        "--metrics-upstream-timeout",
+        "how long GET /metrics waits for vLLM's own /metrics; after it, only the proxy's series "
+        "are returned and hidden_state_proxy_upstream_metrics_up is 0",
+        metavar="SECONDS",
+        parse=float,
+        env=METRICS_UPSTREAM_TIMEOUT_ENV,
+    )
     # -- not on the command line ---------------------------------------------------------------
     #: Size of the pooled connection set towards vLLM.
     max_connections: int = 1000
@@ -276,6 +327,8 @@ class ProxySettings:
     health_timeout: float = 2.0
 
     def __post_init__(self) -> None:
+        if not self.host:
+            object.__setattr__(self, "host", ALL_INTERFACES if self.api_key else LOOPBACK)
         if not self.ring_owner_uids:
             object.__setattr__(self, "ring_owner_uids", _own_user_and_root())
         if not self.upstream_url.startswith(("http://", "https://")):
@@ -313,8 +366,11 @@ class ProxySettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.connect_timeout <= 0 or self.health_timeout <= 0:
-            raise ValueError("connect_timeout and health_timeout must be > 0")
+        for name in ("connect_timeout", "health_timeout", "metrics_upstream_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0 or None")
 
@@ -336,6 +392,19 @@ class ProxySettings:
             "write": self.request_timeout,
             "pool": None,  # wait for a free connection; clients time out on their own
         }
+
+    @property
+    def exposure_problem(self) -> str | None:
+        """Why listening on ``host`` is unsafe: beyond loopback with no API key (unless
+        ``allow_unauthenticated``); None if it is not."""
+        if self.api_key or self.allow_unauthenticated or is_loopback(self.host):
+            return None
+        return (
+            f"--host {self.host} listens beyond this machine, but the proxy has no API key: "
+            f"anyone who reaches port {self.port} could use the model. Set one with "
+            f"{API_KEY_ENV} or {VLLM_API_KEY_ENV} (or --api-key), listen on --host {LOOPBACK} "
+            "only, or pass --allow-unauthenticated"
+        )
 
     @property
     def upstream_base(self) -> str:
