@@ -50,7 +50,7 @@ def table(output: Path) -> pa.Table:
 
 
 def errors(output: Path) -> list[dict[str, Any]]:
-    lines = (output / "errors.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (output / "_errors.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -116,7 +116,7 @@ def test_a_corpus_becomes_one_row_per_input_with_the_answer_vectors(tmp_path: Pa
         for layer in (0, 1, 2):
             np.testing.assert_array_equal(row[f"layer_{layer}"], expected_vector(text, layer))
         assert (row["position"], row["num_prompt_tokens"], row["choice"]) == (3, 4, 0)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["layers"] == [0, 1, 2] and manifest["hidden_size"] == HIDDEN_SIZE
     assert manifest["counts"] == {"rows": 50, "ids": 50}
     assert manifest["capture"]["object"] == "hidden_state_capture"
@@ -175,7 +175,7 @@ def test_resume_skips_what_the_dataset_holds_and_refuses_other_settings(tmp_path
     ids = table(out).column("id").to_pylist()
     assert sorted(ids) == sorted(str(r["id"]) for r in records)  # none lost, none twice
     assert not (out / ".part-00009.parquet.tmp").exists()
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert len(manifest["runs"]) == 2 and manifest["counts"]["ids"] == 30
 
 

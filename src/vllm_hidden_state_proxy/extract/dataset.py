@@ -6,9 +6,12 @@
       part-00000.parquet    one row per input and choice (id, choice, positions, a column per
       part-00001.parquet    layer); every run writes new parts, each first as .part-*.tmp and
       ...                   renamed when closed, so a part file is always whole
-      manifest.json         model, hidden size, layers, pooling, dtype, the capture description,
+      _manifest.json        model, hidden size, layers, pooling, dtype, the capture description,
                             counts, each run's command line
-      errors.jsonl          this run's inputs that failed: {"line", "id", "reason", "status"}
+      _errors.jsonl         this run's inputs that failed: {"line", "id", "status", "reason"}
+
+(Names that start with ``_`` or ``.`` are what pyarrow's datasets skip: ``pq.read_table(DIR)``
+reads the parts alone.)
 
 A layer column is ``layer_K`` (``K`` the absolute index: ``-1`` is ``num_hidden_layers``): a
 fixed-size list of ``hidden_size`` floats (a vector), or for matrices a list of them (one per
@@ -27,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-MANIFEST = "manifest.json"
-ERRORS = "errors.jsonl"
+MANIFEST = "_manifest.json"
+ERRORS = "_errors.jsonl"
 _PART_GLOB = "part-*.parquet"
 
 
