@@ -47,6 +47,15 @@ def expected_vector(text: str, layer: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
 
 
+def matrix_rows(text: str, kv: dict[str, Any]) -> int | None:
+    """A matrix's row count: one per span, or a prompt's word count (``all_prompt``)."""
+    if "last_hidden_state_spans" in kv:
+        return len(kv["last_hidden_state_spans"])
+    if kv["last_hidden_state_pooling"] == "all_prompt":
+        return len(text.split())
+    return None
+
+
 def _text(body: dict[str, Any]) -> str:
     if "messages" in body:
         return str(body["messages"][-1]["content"])
@@ -90,12 +99,16 @@ class FakeProxy:
         kv = body["kv_transfer_params"]
         dtype = kv.get("last_hidden_state_dtype", "float32")
         numpy_dtype = "<f2" if dtype == "float16" else "<f4"
-        by_layer = {
-            str(k): base64.b64encode(
-                expected_vector(text, k).astype(numpy_dtype).tobytes()
-            ).decode()
-            for k in kv["last_hidden_state_layers"]
-        }
+        rows = matrix_rows(text, kv)
+        by_layer: dict[str, Any] = {}
+        for k in kv["last_hidden_state_layers"]:
+            if rows is None:
+                values = expected_vector(text, k)
+            else:
+                values = np.stack([expected_vector(f"{text}#{r}", k) for r in range(rows)])
+            data = base64.b64encode(values.astype(numpy_dtype).tobytes()).decode()
+            matrix = {"shape": [rows, HIDDEN_SIZE], "dtype": dtype, "data": data}
+            by_layer[str(k)] = data if rows is None else matrix
         info = {"position": 3, "num_prompt_tokens": 4, "hidden_size": HIDDEN_SIZE,
                 "dtype": dtype, "pooling": kv["last_hidden_state_pooling"]}  # fmt: skip
         answer = {"kv_transfer_params": {"last_hidden_states_by_layer": by_layer,

@@ -207,3 +207,31 @@ def test_an_uncaptured_layer_stops_before_anything_is_sent(tmp_path: Path) -> No
     fake = FakeProxy()
     status, stderr = run(inputs, options(tmp_path / "out", layers=(5,)), fake)
     assert status == 2 and "does not capture layer(s) [5]" in stderr and not fake.sent
+
+
+def test_matrices_are_lists_of_vectors_one_per_position_or_span(tmp_path: Path) -> None:
+    records = [{"id": "a", "prompt": "one two three"}, {"id": "b", "prompt": "four"}]
+    inputs = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    assert run(inputs, options(out, pooling="all_prompt", layers=(1,)), FakeProxy())[0] == 0
+    data = pq.read_table(out)  # the parts alone: _manifest.json and _errors.jsonl are skipped
+    field = data.schema.field("layer_1").type
+    assert field == pa.list_(pa.list_(pa.float32(), HIDDEN_SIZE))
+    column = data.column("layer_1").combine_chunks()
+    rows = column.values.values.to_numpy().reshape(-1, HIDDEN_SIZE)
+    offsets = column.offsets.to_numpy()
+    for i, id_ in enumerate(data.column("id").to_pylist()):
+        text = {"a": "one two three", "b": "four"}[id_]
+        want = [expected_vector(f"{text}#{r}", 1) for r in range(len(text.split()))]
+        np.testing.assert_array_equal(rows[offsets[i] : offsets[i + 1]], np.stack(want))
+
+    spans = [{"id": "s", "prompt": "five six", "spans": [[0, 1], [0, 2], [1, 2]]}]
+    inputs = write_jsonl(tmp_path / "spans.jsonl", [*spans, {"id": "t", "prompt": "no spans"}])
+    fake = FakeProxy()
+    status, _ = run(inputs, options(tmp_path / "spans", spans=True), fake)
+    assert status == 1  # "t" has no spans
+    assert fake.sent[0]["kv_transfer_params"]["last_hidden_state_spans"] == spans[0]["spans"]
+    assert fake.sent[0]["kv_transfer_params"]["last_hidden_state_pooling"] == "mean"
+    row = pq.read_table(tmp_path / "spans").to_pylist()[0]
+    assert len(row["layer_2"]) == 3
+    assert errors(tmp_path / "spans")[0]["id"] == "t"
