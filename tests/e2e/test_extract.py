@@ -119,3 +119,47 @@ def test_extract_a_corpus_interrupted_and_resumed_equals_transformers(
         f"({resumed / seconds:.1f} inputs/s, process start included; "
         f"{manifest['runs'][1]['inputs_per_second']} inputs/s as the manifest counts)"
     )
+
+
+def test_extract_matrices_and_spans_equal_transformers_rows(
+    stack: RunningStack, reference: Reference, tmp_path: Path
+) -> None:
+    records = [
+        {"id": f"m{i}", "prompt": f"Every position of prompt {i}: " + "more " * i}
+        for i in range(12)
+    ]
+    inputs = tmp_path / "matrices.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    output = tmp_path / "all_prompt"
+    done = subprocess.run(
+        command(stack, inputs, output, "--pooling", "all_prompt"), env=env, stderr=subprocess.PIPE
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    final = reference.num_hidden_layers
+    for row in pq.read_table(output).to_pylist():
+        ids_of = token_ids(reference, next(r for r in records if r["id"] == row["id"]))
+        for layer in (0, 1, final):
+            expected = reference.layer_rows(ids_of, layer)
+            assert len(row[f"layer_{layer}"]) == len(expected) == row["num_prompt_tokens"]
+            for actual, want in zip(row[f"layer_{layer}"], expected, strict=True):
+                assert_matches(actual, want, f"layer {layer}, all_prompt (extract)")
+
+    spans = [[0, 1], [1, 4], [0, 5]]
+    with_spans = [{**record, "spans": spans} for record in records]
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in with_spans), encoding="utf-8")
+    output = tmp_path / "spans"
+    done = subprocess.run(
+        command(stack, inputs, output, "--spans"), env=env, stderr=subprocess.PIPE
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    for row in pq.read_table(output).to_pylist():
+        ids_of = token_ids(reference, next(r for r in records if r["id"] == row["id"]))
+        for layer in (0, 1, final):
+            every = reference.layer_rows(ids_of, layer)
+            for actual, (start, end) in zip(row[f"layer_{layer}"], spans, strict=True):
+                want = [
+                    sum(r[j] for r in every[start:end]) / (end - start)
+                    for j in range(len(every[0]))
+                ]
+                assert_matches(actual, want, f"layer {layer}, spans (extract)")
