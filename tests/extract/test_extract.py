@@ -235,3 +235,40 @@ def test_matrices_are_lists_of_vectors_one_per_position_or_span(tmp_path: Path) 
     row = pq.read_table(tmp_path / "spans").to_pylist()[0]
     assert len(row["layer_2"]) == 3
     assert errors(tmp_path / "spans")[0]["id"] == "t"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_rate_and_eta_on_a_terminal_only(tmp_path: Path) -> None:
+    inputs = write_jsonl(tmp_path / "in.jsonl", corpus(10))
+    terminal = _Terminal()
+    opts = options(tmp_path / "tty")
+    status = run_extract(
+        inputs, opts, command_line=["x"], transport=FakeProxy().transport(), stderr=terminal
+    )
+    assert status == 0
+    assert "\rextract: 10/10 inputs, 10 written, 0 failed" in terminal.getvalue()
+    assert "ETA" in terminal.getvalue() or "/s" in terminal.getvalue()
+    status, stderr = run(inputs, options(tmp_path / "pipe"), FakeProxy())
+    assert status == 0 and "\r" not in stderr
+
+
+def test_the_command_line_needs_a_url_and_reads_the_key_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_hidden_state_proxy.cli import build_parser, main
+    from vllm_hidden_state_proxy.extract.runner import options_from_arguments
+
+    with pytest.raises(SystemExit):
+        main(["extract", "in.jsonl", "--output", str(tmp_path)])
+    assert "--url" in capsys.readouterr().err
+    monkeypatch.setenv("HIDDEN_STATE_PROXY_API_KEY", "secret")
+    args = build_parser().parse_args(
+        ["extract", "in.jsonl", "--url", "a", "--url", "b", "--output", "o", "--layers", "0,-1"]
+    )
+    parsed = options_from_arguments(args)
+    assert parsed.urls == ("a", "b") and parsed.layers == (0, -1) and parsed.api_key == "secret"
+    assert parsed.resume is False and parsed.pooling == "last"
