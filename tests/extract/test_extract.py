@@ -209,12 +209,22 @@ def test_an_uncaptured_layer_stops_before_anything_is_sent(tmp_path: Path) -> No
     assert status == 2 and "does not capture layer(s) [5]" in stderr and not fake.sent
 
 
-def test_matrices_are_lists_of_vectors_one_per_position_or_span(tmp_path: Path) -> None:
+def test_matrices_are_lists_of_vectors_one_per_position_or_span(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_hidden_state_proxy.extract import dataset
+
+    monkeypatch.setattr(dataset, "ROW_GROUP_BYTES", 3 * HIDDEN_SIZE * 4)  # "a"'s matrix
     records = [{"id": "a", "prompt": "one two three"}, {"id": "b", "prompt": "four"}]
     inputs = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
-    assert run(inputs, options(out, pooling="all_prompt", layers=(1,)), FakeProxy())[0] == 0
+    assert (
+        run(inputs, options(out, pooling="all_prompt", layers=(1,), concurrency=1), FakeProxy())[0]
+        == 0
+    )
     data = pq.read_table(out)  # the parts alone: _manifest.json and _errors.jsonl are skipped
+    # "a" filled a row group by its bytes alone; "b" was written at the end
+    assert pq.ParquetFile(next(out.glob("part-*.parquet"))).metadata.num_row_groups == 2
     field = data.schema.field("layer_1").type
     assert field == pa.list_(pa.list_(pa.float32(), HIDDEN_SIZE))
     column = data.column("layer_1").combine_chunks()

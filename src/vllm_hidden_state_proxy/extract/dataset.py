@@ -33,6 +33,9 @@ import numpy as np
 MANIFEST = "_manifest.json"
 ERRORS = "_errors.jsonl"
 _PART_GLOB = "part-*.parquet"
+#: A row group is written early once its arrays hold this many bytes (matrices of long prompts:
+#: a few rows can hold hundreds of MiB).
+ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
 def part_files(directory: Path) -> list[Path]:
@@ -73,8 +76,9 @@ def column_name(layer: int) -> str:
 
 
 class DatasetWriter:
-    """Rows in, Parquet parts out: a row group each ``row_group_rows`` rows, a new part each
-    ``rows_per_file`` rows; :meth:`close` writes what is buffered and renames the part."""
+    """Rows in, Parquet parts out: a row group each ``row_group_rows`` rows (or
+    :data:`ROW_GROUP_BYTES`), a new part each ``rows_per_file`` rows; :meth:`close` writes what
+    is buffered and renames the part."""
 
     def __init__(
         self,
@@ -115,6 +119,7 @@ class DatasetWriter:
             (int(p.stem.split("-")[1]) for p in part_files(directory)), default=-1
         )
         self._rows: list[dict[str, Any]] = []
+        self._buffered_bytes = 0
         self._writer: Any = None
         self._temporary: Path | None = None
         self._part_rows = 0
@@ -124,7 +129,8 @@ class DatasetWriter:
     def add(self, row: dict[str, Any]) -> None:
         """One row: ``id``, ``choice``, the positions, and ``layer_K``: an array each."""
         self._rows.append(row)
-        if len(self._rows) >= self.row_group_rows:
+        self._buffered_bytes += sum(row[column_name(k)].nbytes for k in self.layers)
+        if len(self._rows) >= self.row_group_rows or self._buffered_bytes >= ROW_GROUP_BYTES:
             self._flush()
 
     def _layer_array(self, arrays: list[np.ndarray]) -> Any:
@@ -139,6 +145,7 @@ class DatasetWriter:
         return pa.ListArray.from_arrays(pa.array(offsets), vectors)
 
     def _flush(self) -> None:
+        self._buffered_bytes = 0
         while self._rows:
             if self._writer is None:
                 self._open()
