@@ -47,8 +47,7 @@ def test_the_docs_carry_the_table(path: Path, name: str) -> None:
     section = marked_section(path.read_text(encoding="utf-8"), name)
     assert section is not None, f"docs/{path.name} has no section {name}"
     assert section == TABLES[path][name](), (
-        f"docs/{path.name}'s {name} differs from the code's: run "
-        "`python -m tests.test_docs_tables`"
+        f"docs/{path.name}'s {name} differs from the code's: run `python -m tests.test_docs_tables`"
     )
 
 
