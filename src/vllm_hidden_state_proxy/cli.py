@@ -1,8 +1,9 @@
-"""Command line: ``hidden-state-proxy serve|proxy|check|build-tiny-model|bench``.
+"""Command line: ``hidden-state-proxy serve|proxy|check|extract|build-tiny-model|bench``.
 
 Each command's options come from a table: the proxy's settings (``proxy/settings.py``),
 ``serve``'s own (``serve_options.py``, on top of the proxy's), ``check``'s
-(:class:`CheckOptions`) and the benchmark's (``bench/options.py``).
+(:class:`CheckOptions`), ``extract``'s (``extract/options.py``) and the benchmark's
+(``bench/options.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from vllm_hidden_state_proxy import __version__, option_table, serve_options
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
+from vllm_hidden_state_proxy.extract import options as extract_options
 from vllm_hidden_state_proxy.option_table import option
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV, VLLM_API_KEY_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
@@ -150,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     option_table.add_arguments(check, CheckOptions, required=("url",))
 
+    extract = commands.add_parser(
+        "extract",
+        allow_abbrev=False,
+        help="a corpus (JSONL or Parquet) in, a Parquet dataset of hidden states out",
+        description="Send every input of INPUT (an `id` and `messages` or `prompt` per line or "
+        "row) to the proxies with bounded concurrency and write one Parquet row per input and "
+        "choice, a manifest and an errors file to --output (docs/extract.md). Exits 0 when "
+        "every input was written, 1 when some failed (_errors.jsonl says why), 130 on Ctrl-C "
+        "(the dataset stays whole: --resume finishes it). Needs pyarrow (the extract extra).",
+    )
+    extract_options.add_arguments(extract)
+
     tiny = commands.add_parser(
         "build-tiny-model",
         help="build the tiny offline test model and print its directory",
@@ -208,6 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # An empty --api-key falls back to the variable, as no --api-key does.
         key_option = dict(option_table.options(CheckOptions))["api_key"]
         return run_check(args.url, args.api_key or key_option.read(), args.model, args.timeout)
+    if args.command == "extract":
+        from vllm_hidden_state_proxy.extract.runner import options_from_arguments, run_extract
+
+        try:
+            options = options_from_arguments(args)
+        except ValueError as problem:
+            parser.error(str(problem))
+        return run_extract(args.input, options, command_line=sys.argv)
     if args.command == "build-tiny-model":
         from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 

@@ -1,0 +1,10 @@
+"""``hidden-state-proxy extract``: a corpus in (JSONL or Parquet), a dataset of hidden states
+out (Parquet parts, a manifest, an errors file), through one or more proxies (docs/extract.md).
+
+- ``options.py``: the options table;
+- ``inputs.py``: reading the corpus, streamed, each input checked and its id once;
+- ``runner.py``: the requests (bounded concurrency, retries, Ctrl-C) and the summary;
+- ``dataset.py``: the Parquet parts, written as answers arrive, and the manifest.
+
+pyarrow is the ``extract`` extra's: it is imported only when a run starts.
+"""

@@ -1,0 +1,195 @@
+"""The dataset on disk: Parquet part files written as results arrive, a manifest, an errors file.
+
+::
+
+    DIR/
+      part-00000.parquet    one row per input and choice (id, choice, positions, a column per
+      part-00001.parquet    layer); every run writes new parts, each first as .part-*.tmp and
+      ...                   renamed when closed, so a part file is always whole
+      _manifest.json        model, hidden size, layers, pooling, dtype, the capture description,
+                            counts, each run's command line
+      _errors.jsonl         this run's inputs that failed: {"line", "id", "status", "reason"}
+
+(Names that start with ``_`` or ``.`` are what pyarrow's datasets skip: ``pq.read_table(DIR)``
+reads the parts alone.)
+
+A layer column is ``layer_K`` (``K`` the absolute index: ``-1`` is ``num_hidden_layers``): a
+fixed-size list of ``hidden_size`` floats (a vector), or for matrices a list of them (one per
+position or span). Matrices stay in Parquet, not in NumPy or safetensors shards: a matrix's row
+count differs per input, which a list column holds with its id beside it in one file that
+pyarrow, pandas and ``datasets`` read, where shards would need an index of offsets kept in step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "_manifest.json"
+ERRORS = "_errors.jsonl"
+_PART_GLOB = "part-*.parquet"
+#: A row group is written early once its arrays hold this many bytes (matrices of long prompts:
+#: a few rows can hold hundreds of MiB).
+ROW_GROUP_BYTES = 64 * 1024 * 1024
+
+
+def part_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(_PART_GLOB))
+
+
+def existing_ids(directory: Path) -> set[str]:
+    """The ids the dataset's whole part files hold (what ``--resume`` skips)."""
+    import pyarrow.parquet as pq
+
+    ids: set[str] = set()
+    for part in part_files(directory):
+        ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+    return ids
+
+
+def count_rows(directory: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(part).metadata.num_rows for part in part_files(directory))
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    path = directory / MANIFEST
+    if not path.exists():
+        return None
+    return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
+    temporary = directory / f".{MANIFEST}.tmp"
+    temporary.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, directory / MANIFEST)
+
+
+def column_name(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+class DatasetWriter:
+    """Rows in, Parquet parts out: a row group each ``row_group_rows`` rows (or
+    :data:`ROW_GROUP_BYTES`), a new part each ``rows_per_file`` rows; :meth:`close` writes what
+    is buffered and renames the part."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        layers: Sequence[int],
+        hidden_size: int,
+        matrix: bool,
+        dtype: str,
+        rows_per_file: int,
+        row_group_rows: int,
+    ) -> None:
+        import pyarrow as pa
+
+        self._pa = pa
+        self.directory = directory
+        self.layers = list(layers)
+        self.hidden_size = hidden_size
+        self.matrix = matrix
+        self.dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
+        self.rows_per_file = rows_per_file
+        self.row_group_rows = row_group_rows
+        value = pa.float16() if dtype == "float16" else pa.float32()
+        vector = pa.list_(value, hidden_size)
+        fields = [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("choice", pa.int32(), nullable=False),
+            pa.field("position", pa.int32()),
+            pa.field("num_prompt_tokens", pa.int32()),
+            pa.field("num_output_tokens", pa.int32()),
+        ]
+        fields += [
+            pa.field(column_name(k), pa.list_(vector) if matrix else vector, nullable=False)
+            for k in self.layers
+        ]
+        self.schema = pa.schema(fields)
+        self._next_part = 1 + max(
+            (int(p.stem.split("-")[1]) for p in part_files(directory)), default=-1
+        )
+        self._rows: list[dict[str, Any]] = []
+        self._buffered_bytes = 0
+        self._writer: Any = None
+        self._temporary: Path | None = None
+        self._part_rows = 0
+        self.rows_written = 0
+        self.parts_written: list[str] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        """One row: ``id``, ``choice``, the positions, and ``layer_K``: an array each."""
+        self._rows.append(row)
+        self._buffered_bytes += sum(row[column_name(k)].nbytes for k in self.layers)
+        if len(self._rows) >= self.row_group_rows or self._buffered_bytes >= ROW_GROUP_BYTES:
+            self._flush()
+
+    def _layer_array(self, arrays: list[np.ndarray]) -> Any:
+        pa = self._pa
+        if not self.matrix:
+            flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(self.dtype, copy=False)
+            return pa.FixedSizeListArray.from_arrays(pa.array(flat), self.hidden_size)
+        rows = np.concatenate([a.reshape(-1, self.hidden_size) for a in arrays])
+        flat = rows.reshape(-1).astype(self.dtype, copy=False)
+        vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat), self.hidden_size)
+        offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), vectors)
+
+    def _flush(self) -> None:
+        self._buffered_bytes = 0
+        while self._rows:
+            if self._writer is None:
+                self._open()
+            room = self.rows_per_file - self._part_rows
+            rows, self._rows = self._rows[:room], self._rows[room:]
+            pa = self._pa
+            columns = [
+                pa.array([r[f.name] for r in rows], f.type)
+                for f in self.schema
+                if not f.name.startswith("layer_")
+            ]
+            columns += [self._layer_array([r[column_name(k)] for r in rows]) for k in self.layers]
+            self._writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
+            self._part_rows += len(rows)
+            self.rows_written += len(rows)
+            if self._part_rows >= self.rows_per_file:
+                self._close_part()
+
+    def _open(self) -> None:
+        import pyarrow.parquet as pq
+
+        name = f"part-{self._next_part:05d}.parquet"
+        self._next_part += 1
+        self._temporary = self.directory / f".{name}.tmp"
+        self._writer = pq.ParquetWriter(self._temporary, self.schema)
+        self._part_rows = 0
+
+    def _close_part(self) -> None:
+        if self._writer is None or self._temporary is None:
+            return
+        self._writer.close()
+        final = self.directory / self._temporary.name[1:].removesuffix(".tmp")
+        os.replace(self._temporary, final)
+        self.parts_written.append(final.name)
+        self._writer = self._temporary = None
+
+    def close(self) -> None:
+        self._flush()
+        self._close_part()
+
+
+def remove_unfinished(directory: Path) -> list[Path]:
+    """Remove the temporary parts a killed run left (never renamed: not part of the dataset)."""
+    left = sorted(directory.glob(".part-*.tmp"))
+    for path in left:
+        path.unlink()
+    return left

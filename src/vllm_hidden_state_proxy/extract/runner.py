@@ -1,0 +1,575 @@
+"""The run: inputs in, flagged requests out to the proxies with bounded concurrency, answers
+decoded by the client module and written as they arrive.
+
+Each input is sent once (retried after 429, 503, 504 or a connection error, with backoff) and
+ends in exactly one place: the dataset (one row per choice), the errors file (with its reason),
+or, after Ctrl-C, nowhere yet: the summary counts it as not done and ``--resume`` sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from vllm_hidden_state_proxy.client import (
+    CAPTURE_PATH,
+    Capture,
+    HiddenStateDecodeError,
+    HiddenStateServerError,
+    hidden_state_fields,
+    read_capture,
+    read_hidden_states,
+)
+from vllm_hidden_state_proxy.extract.dataset import (
+    ERRORS,
+    DatasetWriter,
+    column_name,
+    count_rows,
+    existing_ids,
+    part_files,
+    read_manifest,
+    remove_unfinished,
+    write_manifest,
+)
+from vllm_hidden_state_proxy.extract.inputs import (
+    Input,
+    InputProblem,
+    input_format,
+    read_inputs,
+)
+from vllm_hidden_state_proxy.extract.options import AUTO_CONCURRENCY_PER_URL, ExtractOptions
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
+
+#: Answers worth another try: the server is busy or a vector came late, not the input's fault.
+RETRIED_STATUSES = frozenset({429, 503, 504})
+BACKOFF_FIRST = 0.5
+BACKOFF_MOST = 30.0
+#: What the dataset must share with a run that resumes it.
+_RESUME_KEYS = ("model", "hidden_size", "layers", "pooling", "spans", "dtype", "max_tokens", "n")
+EXIT_FAILED = 1
+EXIT_SETUP = 2
+EXIT_INTERRUPTED = 130
+
+
+class ExtractSetupError(Exception):
+    """Nothing was sent: the options, the servers or the output directory do not fit."""
+
+
+@dataclass
+class _Proxy:
+    url: str
+    capture: Capture
+    document: dict[str, Any]
+    limit: int
+    in_flight: int = 0
+
+
+@dataclass
+class _Counts:
+    written: int = 0
+    rows: int = 0
+    skipped: int = 0
+    failed: int = 0
+    retries: int = 0
+    seen: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class _Failure(Exception):
+    def __init__(self, reason: str, status: int | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+def proxy_limit(capture: Capture, *, matrix: bool, n: int) -> int:
+    """The most requests one proxy may have in flight: no more finished choices than its
+    smallest ring has slots, and for matrices no more largest records than its arena holds."""
+    slots = min((engine.slots for engine in capture.engines), default=1)
+    limit = max(1, slots // n)
+    if matrix:
+        arena = capture.limits.get("arena_bytes", 0)
+        record = max(1, capture.limits.get("max_record_bytes", 1))
+        limit = min(limit, max(1, arena // record // n))
+    return limit
+
+
+def _count_inputs(path: Path, fmt: str) -> int | None:
+    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines."""
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        count = 0
+        with path.open("rb") as source:
+            for line in source:
+                count += bool(line.strip())
+        return count
+    except OSError:
+        return None
+
+
+class _Progress:
+    """One line on stderr, redrawn: done, total, rate, ETA."""
+
+    def __init__(self, stream: IO[str], total: int | None, enabled: bool) -> None:
+        self.stream, self.total, self.enabled = stream, total, enabled
+        self.started = time.monotonic()
+        self._drawn = 0.0
+
+    def update(self, counts: _Counts, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self._drawn < 0.25):
+            return
+        self._drawn = now
+        elapsed = max(now - self.started, 1e-9)
+        sent = counts.written + counts.failed
+        rate = sent / elapsed
+        text = f"\rextract: {counts.seen}" + (f"/{self.total}" if self.total else "")
+        text += f" inputs, {counts.written} written, {counts.failed} failed, {rate:.1f}/s"
+        if self.total and rate > 0:
+            text += f", ETA {_duration((self.total - counts.seen) / rate)}"
+        self.stream.write(text + "\x1b[K")
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Extraction:
+    """One run of ``extract`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        input_path: Path,
+        options: ExtractOptions,
+        *,
+        command_line: Sequence[str],
+        transport: httpx.AsyncBaseTransport | None = None,
+        stderr: IO[str] | None = None,
+    ) -> None:
+        self.input_path = input_path
+        self.options = options
+        self.command_line = list(command_line)
+        self.transport = transport
+        self.stderr = stderr or sys.stderr
+        self.directory = Path(options.output)
+        self.counts = _Counts()
+        self.interrupted = False
+        self._turn = 0
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    async def _read_proxies(self, client: httpx.AsyncClient) -> list[_Proxy]:
+        options = self.options
+        matrix = options.pooling in MATRIX_POOLINGS or options.spans
+        proxies = []
+        for url in options.urls or ():
+            try:
+                response = await client.get(url.rstrip("/") + CAPTURE_PATH)
+                capture = read_capture(response)
+            except (httpx.HTTPError, HiddenStateServerError, HiddenStateDecodeError) as exc:
+                raise ExtractSetupError(f"{url}: cannot read {CAPTURE_PATH}: {exc}") from None
+            limit = proxy_limit(capture, matrix=matrix, n=options.n)
+            proxies.append(_Proxy(url.rstrip("/"), capture, response.json(), limit))
+        first = proxies[0].capture
+        for proxy in proxies[1:]:
+            theirs = proxy.capture
+            if (theirs.hidden_size, theirs.num_hidden_layers, theirs.model) != (
+                first.hidden_size,
+                first.num_hidden_layers,
+                first.model,
+            ):
+                raise ExtractSetupError(
+                    f"{proxy.url} serves {theirs.model} (hidden size {theirs.hidden_size}), "
+                    f"{proxies[0].url} {first.model} ({first.hidden_size}): one model only"
+                )
+        return proxies
+
+    def _plan(self, proxies: list[_Proxy]) -> dict[str, Any]:
+        options = self.options
+        capture = proxies[0].capture
+        top = capture.num_hidden_layers
+        wanted = options.layers or capture.layers
+        layers = list(dict.fromkeys(k + top + 1 if k < 0 else k for k in wanted))
+        for proxy in proxies:
+            missing = [k for k in layers if not proxy.capture.captures(k)]
+            if missing:
+                raise ExtractSetupError(
+                    f"{proxy.url} does not capture layer(s) {missing} (it captures "
+                    f"{list(proxy.capture.layers)}: serve --hidden-state-layers)"
+                )
+        pooling = options.pooling
+        if options.spans:
+            if pooling not in ("last", "mean"):
+                raise ExtractSetupError("--spans are mean-pooled: leave --pooling out")
+            pooling = "mean"
+        if pooling not in capture.poolings:
+            raise ExtractSetupError(
+                f"the server does not offer pooling {pooling!r} (it offers {capture.poolings})"
+            )
+        return {
+            "model": options.model or capture.model,
+            "hidden_size": capture.hidden_size,
+            "num_hidden_layers": top,
+            "layers": layers,
+            "columns": {column_name(k): k for k in layers},
+            "pooling": pooling,
+            "spans": options.spans,
+            "matrix": options.pooling in MATRIX_POOLINGS or options.spans,
+            "dtype": options.dtype,
+            "max_tokens": options.max_tokens,
+            "n": options.n,
+        }
+
+    def _prepare_directory(self, plan: dict[str, Any]) -> tuple[set[str], dict[str, Any] | None]:
+        directory = self.directory
+        manifest = read_manifest(directory)
+        if not self.options.resume:
+            if manifest is not None or part_files(directory):
+                raise ExtractSetupError(
+                    f"{directory} already holds a dataset: --resume to add to it, or another "
+                    "--output"
+                )
+            directory.mkdir(parents=True, exist_ok=True)
+            return set(), None
+        directory.mkdir(parents=True, exist_ok=True)
+        if manifest is not None:
+            differing = [k for k in _RESUME_KEYS if manifest.get(k) != plan[k]]
+            if differing:
+                raise ExtractSetupError(
+                    f"--resume: {directory}'s dataset was made with other "
+                    + ", ".join(f"{k} ({manifest.get(k)!r}, now {plan[k]!r})" for k in differing)
+                )
+        for left in remove_unfinished(directory):
+            self._say(f"removed {left.name}, a part an earlier run did not finish")
+        return existing_ids(directory), manifest
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        self.stderr.write(f"extract: {message}\n")
+        self.stderr.flush()
+
+    def _pick(self, proxies: list[_Proxy]) -> _Proxy:
+        """The proxy with the fewest in flight; ties in turn."""
+        self._turn += 1
+        start = self._turn % len(proxies)
+        ordered = proxies[start:] + proxies[:start]
+        return min(ordered, key=lambda p: p.in_flight / p.limit)
+
+    def _body(self, item: Input, plan: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        extra = dict(self.options.extra_body or {})
+        fields = hidden_state_fields(
+            layers=plan["layers"],
+            pooling=plan["pooling"],
+            spans=item.spans,
+            dtype=plan["dtype"],
+            info=True,
+            kv_transfer_params=extra.pop("kv_transfer_params", None),
+        )
+        body: dict[str, Any] = {"model": plan["model"], "n": plan["n"], **extra, **fields}
+        if item.messages is not None:
+            body.update(messages=item.messages, max_completion_tokens=plan["max_tokens"])
+            return "/v1/chat/completions", body
+        body.update(prompt=item.prompt, max_tokens=plan["max_tokens"])
+        return "/v1/completions", body
+
+    async def _send(
+        self, client: httpx.AsyncClient, proxies: list[_Proxy], item: Input, plan: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        try:
+            path, body = self._body(item, plan)
+        except ValueError as exc:  # the client module's checks (spans)
+            raise _Failure(str(exc), 400) from None
+        attempt = 0
+        while True:
+            proxy = self._pick(proxies)
+            proxy.in_flight += 1
+            wait: float | None = None
+            try:
+                response = await client.post(proxy.url + path, json=body)
+            except httpx.TransportError as exc:
+                status, reason = None, f"{proxy.url}: {type(exc).__name__}: {exc}"
+            else:
+                status = response.status_code
+                if status == 200:
+                    try:
+                        answer = read_hidden_states(response, dtype=plan["dtype"])
+                    except (HiddenStateDecodeError, HiddenStateServerError) as exc:
+                        raise _Failure(f"the answer: {exc}", status) from None
+                    return self._rows(item, answer.entries, plan)
+                try:
+                    reason = str(response.json()["error"]["message"])
+                except (ValueError, KeyError, TypeError):
+                    reason = response.text[:500]
+                wait = _retry_after(response)
+            finally:
+                proxy.in_flight -= 1
+            if status is not None and status not in RETRIED_STATUSES:
+                raise _Failure(reason, status)
+            if attempt >= self.options.retries:
+                raise _Failure(f"{reason} (after {attempt} retries)", status)
+            backoff = min(BACKOFF_MOST, BACKOFF_FIRST * 2**attempt) * random.uniform(0.5, 1.0)
+            attempt += 1
+            self.counts.retries += 1
+            await asyncio.sleep(backoff if wait is None else min(wait, BACKOFF_MOST))
+
+    def _rows(
+        self, item: Input, entries: Sequence[Any], plan: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        rows = []
+        for choice, entry in enumerate(entries):
+            info = entry.info or {}
+            row: dict[str, Any] = {
+                "id": item.id,
+                "choice": choice,
+                "position": info.get("position"),
+                "num_prompt_tokens": info.get("num_prompt_tokens"),
+                "num_output_tokens": info.get("num_output_tokens"),
+            }
+            for layer in plan["layers"]:
+                array = entry.layer(layer)
+                expected = 2 if plan["matrix"] else 1
+                if array.ndim != expected or array.shape[-1] != plan["hidden_size"]:
+                    raise _Failure(f"layer {layer} has shape {array.shape}", 200)
+                row[column_name(layer)] = array
+            rows.append(row)
+        return rows
+
+    def _fail(
+        self, errors: IO[str], line: int, id_: str | None, reason: str, status: int | None
+    ) -> None:
+        self.counts.failed += 1
+        errors.write(
+            json.dumps({"line": line, "id": id_, "status": status, "reason": reason}) + "\n"
+        )
+        errors.flush()
+
+    async def run(self) -> int:
+        options = self.options
+        fmt = input_format(self.input_path, options.input_format)
+        if not self.input_path.exists():
+            raise ExtractSetupError(f"{self.input_path} does not exist")
+        headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        async with httpx.AsyncClient(
+            transport=self.transport,
+            timeout=options.timeout,
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            trust_env=False,
+        ) as client:
+            proxies = await self._read_proxies(client)
+            plan = self._plan(proxies)
+            done, manifest = self._prepare_directory(plan)
+            most = sum(proxy.limit for proxy in proxies)
+            concurrency = options.concurrency or AUTO_CONCURRENCY_PER_URL * len(proxies)
+            if concurrency > most:
+                if options.concurrency:
+                    self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
+                concurrency = most
+            writer = DatasetWriter(
+                self.directory,
+                layers=plan["layers"],
+                hidden_size=plan["hidden_size"],
+                matrix=plan["matrix"],
+                dtype=plan["dtype"],
+                rows_per_file=options.rows_per_file,
+                row_group_rows=options.row_group_rows,
+            )
+            show = options.progress or self.stderr.isatty()
+            progress = _Progress(
+                self.stderr, _count_inputs(self.input_path, fmt) if show else None, show
+            )
+            inputs = read_inputs(self.input_path, fmt, spans=options.spans)
+            started = time.monotonic()
+            with (self.directory / ERRORS).open("w", encoding="utf-8") as errors:
+                try:
+                    await self._drive(
+                        client, proxies, plan, inputs, done, writer, errors, progress, concurrency
+                    )
+                finally:
+                    writer.close()
+                    progress.update(self.counts, force=True)
+                    progress.end()
+            seconds = time.monotonic() - started
+        self._finish(plan, proxies, manifest, writer, seconds, concurrency)
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_FAILED if self.counts.failed else 0
+
+    async def _drive(
+        self,
+        client: httpx.AsyncClient,
+        proxies: list[_Proxy],
+        plan: dict[str, Any],
+        inputs: Iterator[Input | InputProblem],
+        done: set[str],
+        writer: DatasetWriter,
+        errors: IO[str],
+        progress: _Progress,
+        concurrency: int,
+    ) -> None:
+        counts = self.counts
+        stop = asyncio.Event()
+
+        async def work() -> None:
+            for item in inputs:  # one iterator shared by every worker: each input once
+                counts.seen += 1
+                if isinstance(item, InputProblem):
+                    self._fail(errors, item.line, item.id, item.reason, None)
+                    continue
+                if item.id in done:
+                    counts.skipped += 1
+                    continue
+                try:
+                    rows = await self._send(client, proxies, item, plan)
+                except _Failure as failure:
+                    self._fail(errors, item.line, item.id, failure.reason, failure.status)
+                else:
+                    for row in rows:
+                        writer.add(row)
+                    counts.written += 1
+                    counts.rows += len(rows)
+                progress.update(counts)
+                if stop.is_set():
+                    return
+
+        loop = asyncio.get_running_loop()
+        workers = [asyncio.ensure_future(work()) for _ in range(concurrency)]
+        everything = asyncio.gather(*workers)
+
+        def interrupt() -> None:
+            self.interrupted = True
+            stop.set()
+            everything.cancel()  # in-flight inputs are not written: --resume sends them
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, interrupt)
+            loop.add_signal_handler(signal.SIGTERM, interrupt)
+        try:
+            await everything
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+                loop.remove_signal_handler(signal.SIGTERM)
+
+    def _finish(
+        self,
+        plan: dict[str, Any],
+        proxies: list[_Proxy],
+        manifest: dict[str, Any] | None,
+        writer: DatasetWriter,
+        seconds: float,
+        concurrency: int,
+    ) -> None:
+        counts = self.counts
+        rate = counts.written / seconds if seconds > 0 else 0.0
+        run = {
+            "command_line": self.command_line,
+            "input": str(self.input_path),
+            "urls": [proxy.url for proxy in proxies],
+            "concurrency": concurrency,
+            "seconds": round(seconds, 3),
+            "inputs_written": counts.written,
+            "rows_written": writer.rows_written,
+            "skipped_already_written": counts.skipped,
+            "failed": counts.failed,
+            "retries": counts.retries,
+            "interrupted": self.interrupted,
+            "inputs_per_second": round(rate, 3),
+            "parts": writer.parts_written,
+        }
+        ids = existing_ids(self.directory)
+        document = {
+            **plan,
+            "capture": proxies[0].document,
+            "counts": {"rows": count_rows(self.directory), "ids": len(ids)},
+            "parts": [p.name for p in part_files(self.directory)],
+            "errors": ERRORS,
+            "runs": [*(manifest or {}).get("runs", []), run],
+        }
+        write_manifest(self.directory, document)
+        summary = (
+            f"{counts.written} inputs written ({writer.rows_written} rows) in {seconds:.1f} s "
+            f"({rate:.1f} inputs/s); {counts.skipped} skipped (already in the dataset); "
+            f"{counts.failed} failed"
+            + (f" (see {self.directory / ERRORS})" if counts.failed else "")
+            + f"; {counts.retries} retries; the dataset holds {len(ids)} ids"
+        )
+        if self.interrupted:
+            summary += "; interrupted: run again with --resume to finish"
+        self._say(summary)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def run_extract(
+    input_path: str | Path,
+    options: ExtractOptions,
+    *,
+    command_line: Sequence[str] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``extract`` (the exit status: 0 when every input was written, 1 when some failed,
+    130 when interrupted, 2 when nothing could start)."""
+    extraction = Extraction(
+        Path(input_path),
+        options,
+        command_line=sys.argv if command_line is None else command_line,
+        transport=transport,
+        stderr=stderr,
+    )
+    try:
+        return asyncio.run(extraction.run())
+    except ExtractSetupError as problem:
+        extraction._say(str(problem))
+        return EXIT_SETUP
+
+
+def options_from_arguments(args: Any) -> ExtractOptions:
+    """The parsed command line as :class:`ExtractOptions`; ``ValueError`` for what argparse
+    cannot check (a required repeatable ``--url``)."""
+    from dataclasses import fields
+
+    from vllm_hidden_state_proxy.option_table import options
+
+    specs = dict(options(ExtractOptions))
+    values = {f.name: getattr(args, f.name) for f in fields(ExtractOptions)}
+    if not values["urls"]:
+        raise ValueError("the following arguments are required: --url")
+    if values["api_key"] is None or values["api_key"] == "":
+        values["api_key"] = specs["api_key"].read()
+    values["urls"] = tuple(values["urls"])
+    for name in ("spans", "resume", "progress"):
+        values[name] = bool(values[name])
+    return ExtractOptions(**values)

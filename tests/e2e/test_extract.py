@@ -1,0 +1,165 @@
+"""``hidden-state-proxy extract`` on real vLLM (issue #38): a corpus of chats, texts and token
+ids, one input too long for the model, interrupted with SIGINT mid-run and finished with
+``--resume``: every input ends in the dataset or the errors file, once, and every vector equals
+Transformers'."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from tests.e2e.reference import COUNTED, Reference, assert_matches
+from tests.e2e.server import MAX_MODEL_LEN, SHARED_LAYERS, RunningStack
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+INPUTS = 300
+TOO_LONG = "too-long"
+
+
+def corpus(reference: Reference) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for i in range(INPUTS):
+        words = " ".join(["word"] * (i % 7)) + f" number {i}"
+        if i % 3 == 0:
+            records.append({"id": f"chat-{i}", "messages": [{"role": "user", "content": words}]})
+        elif i % 3 == 1:
+            records.append({"id": i, "prompt": f"A text about {words}."})
+        else:
+            ids = reference.tokenizer(f"Token ids of {words}.")["input_ids"]
+            records.append({"id": f"ids-{i}", "prompt": list(ids)})
+    records.insert(INPUTS // 2, {"id": TOO_LONG, "prompt": "many " * (MAX_MODEL_LEN + 10)})
+    return records
+
+
+def token_ids(reference: Reference, record: dict[str, Any]) -> list[int]:
+    if "messages" in record:
+        return reference.chat_token_ids(record["messages"], enable_thinking=False)
+    prompt = record["prompt"]
+    return list(prompt) if isinstance(prompt, list) else reference.tokenizer(prompt)["input_ids"]
+
+
+def command(stack: RunningStack, inputs: Path, output: Path, *more: str) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm_hidden_state_proxy.cli", "extract", str(inputs),
+        "--url", stack.proxy_url, "--url", stack.proxy_url, "--output", str(output),
+        "--layers", ",".join(SHARED_LAYERS), "--extra-body", json.dumps(NO_THINKING),
+        "--row-group-rows", "8", "--rows-per-file", "16", *more,
+    ]  # fmt: skip
+
+
+def wait_for_parts(output: Path, process: subprocess.Popen[bytes], count: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(output.glob("part-*.parquet"))) < count:
+        assert process.poll() is None, "extract ended before it could be interrupted"
+        assert time.monotonic() < deadline, "no part file written in 60 s"
+        time.sleep(0.02)
+
+
+def test_extract_a_corpus_interrupted_and_resumed_equals_transformers(
+    stack: RunningStack, reference: Reference, tmp_path: Path
+) -> None:
+    records = corpus(reference)
+    inputs = tmp_path / "corpus.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    output = tmp_path / "dataset"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    first = subprocess.Popen(
+        command(stack, inputs, output, "--concurrency", "8"), env=env, stderr=subprocess.PIPE
+    )
+    wait_for_parts(output, first, 2)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 130, stderr.decode()
+    assert b"interrupted: run again with --resume" in stderr
+    held = set(pq.read_table(output, columns=["id"]).column("id").to_pylist())
+    assert 16 <= len(held) < INPUTS, len(held)
+
+    started = time.monotonic()
+    second = subprocess.run(
+        command(stack, inputs, output, "--resume"), env=env, stderr=subprocess.PIPE, timeout=300
+    )
+    seconds = time.monotonic() - started
+    assert second.returncode == 1, second.stderr.decode()  # the input too long failed
+    assert f"{len(held)} skipped".encode() in second.stderr
+
+    errors = [json.loads(line) for line in (output / "_errors.jsonl").read_text().splitlines()]
+    assert [(e["id"], e["status"]) for e in errors] == [(TOO_LONG, 400)], errors
+    table = pq.read_table(sorted(output.glob("part-*.parquet")))
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == INPUTS  # none lost, none twice
+    assert set(ids) == {str(r["id"]) for r in records} - {TOO_LONG}
+    assert not list(output.glob(".*.tmp"))
+    manifest = json.loads((output / "_manifest.json").read_text())
+    final = reference.num_hidden_layers
+    assert manifest["layers"] == [0, 1, final] and manifest["counts"]["rows"] == INPUTS
+    assert [run["interrupted"] for run in manifest["runs"]] == [True, False]
+
+    by_id = {row["id"]: row for row in table.to_pylist()}
+    for record in records:
+        if record["id"] == TOO_LONG:
+            continue
+        row = by_id[str(record["id"])]
+        ids_of = token_ids(reference, record)
+        assert row["num_prompt_tokens"] == len(ids_of) and row["position"] == len(ids_of) - 1
+        for layer in (0, 1, final):
+            expected = reference.layer_vector(ids_of, layer, "last")
+            assert_matches(row[f"layer_{layer}"], expected, f"layer {layer}, last (extract)")
+    resumed = INPUTS - len(held)
+    COUNTED.append(
+        f"extract: {resumed} inputs in {seconds:.1f} s with --resume "
+        f"({resumed / seconds:.1f} inputs/s, process start included; "
+        f"{manifest['runs'][1]['inputs_per_second']} inputs/s as the manifest counts)"
+    )
+
+
+def test_extract_matrices_and_spans_equal_transformers_rows(
+    stack: RunningStack, reference: Reference, tmp_path: Path
+) -> None:
+    records = [
+        {"id": f"m{i}", "prompt": f"Every position of prompt {i}: " + "more " * i}
+        for i in range(12)
+    ]
+    inputs = tmp_path / "matrices.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    output = tmp_path / "all_prompt"
+    done = subprocess.run(
+        command(stack, inputs, output, "--pooling", "all_prompt"), env=env, stderr=subprocess.PIPE
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    final = reference.num_hidden_layers
+    for row in pq.read_table(output).to_pylist():
+        ids_of = token_ids(reference, next(r for r in records if r["id"] == row["id"]))
+        for layer in (0, 1, final):
+            expected = reference.layer_rows(ids_of, layer)
+            assert len(row[f"layer_{layer}"]) == len(expected) == row["num_prompt_tokens"]
+            for actual, want in zip(row[f"layer_{layer}"], expected, strict=True):
+                assert_matches(actual, want, f"layer {layer}, all_prompt (extract)")
+
+    spans = [[0, 1], [1, 4], [0, 5]]
+    with_spans = [{**record, "spans": spans} for record in records]
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in with_spans), encoding="utf-8")
+    output = tmp_path / "spans"
+    done = subprocess.run(
+        command(stack, inputs, output, "--spans"), env=env, stderr=subprocess.PIPE
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    for row in pq.read_table(output).to_pylist():
+        ids_of = token_ids(reference, next(r for r in records if r["id"] == row["id"]))
+        for layer in (0, 1, final):
+            every = reference.layer_rows(ids_of, layer)
+            for actual, (start, end) in zip(row[f"layer_{layer}"], spans, strict=True):
+                want = [
+                    sum(r[j] for r in every[start:end]) / (end - start)
+                    for j in range(len(every[0]))
+                ]
+                assert_matches(actual, want, f"layer {layer}, spans (extract)")
