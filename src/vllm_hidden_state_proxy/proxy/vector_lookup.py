@@ -63,6 +63,7 @@ from vllm_hidden_state_proxy.ring import (
     Record,
     RingShape,
 )
+from vllm_hidden_state_proxy.ring.layout import arena_block_size
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
 
 T = TypeVar("T")
@@ -302,7 +303,7 @@ def check_matrix_room(
         return
     limit = min(shape.max_record for shape in shapes)
     size = matrix_bytes(rows, len(wanted.distinct_layers), shapes[0].hidden_size)
-    if size > limit:
+    if arena_block_size(size) > limit:  # the hook's max record counts the block's header
         param = "max_completion_tokens" if is_int(limits[0]) else "max_tokens"
         raise ProxyError(
             413,
