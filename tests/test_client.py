@@ -25,7 +25,7 @@ from vllm_hidden_state_proxy.client import (
     hidden_state_fields,
     read_hidden_states,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import encode_matrix, encode_vector
+from vllm_hidden_state_proxy.proxy.answer_join import dump_json, encode_matrix, encode_vector
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 
@@ -42,13 +42,9 @@ def wire(array: np.ndarray[Any, Any], fmt: str = "base64", dtype: str = "float32
     raw = array.astype("<f4").tobytes()
     if array.ndim == 2:
         encoded: Any = encode_matrix(raw, array.shape[0], array.shape[1], fmt, dtype)
-        if not isinstance(encoded["data"], str):
-            encoded["data"] = encoded["data"].tolist()
     else:
         encoded = encode_vector(raw, fmt, dtype)
-        if not isinstance(encoded, str):
-            encoded = encoded.tolist()
-    return json.loads(json.dumps(encoded))
+    return json.loads(dump_json(encoded))
 
 
 def rounded(array: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:

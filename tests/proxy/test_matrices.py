@@ -36,6 +36,7 @@ from vllm_hidden_state_proxy.protocol import (
 )
 from vllm_hidden_state_proxy.proxy.answer_join import as_dtype
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
+from vllm_hidden_state_proxy.ring.layout import arena_block_size
 
 pytestmark = pytest.mark.anyio
 
@@ -279,7 +280,8 @@ async def test_an_answer_matrix_past_the_max_record_is_refused_before_sending(
 ) -> None:
     with create_writer(ring_dir, arena_size=1 << 16, max_record=4096) as writer:
         vllm = vllm_publishing(writer)
-        rows = 4096 // (4 * HIDDEN_SIZE) + 1
+        # The first row count whose block (header included) is past the max record.
+        rows = next(n for n in range(1, 4096) if arena_block_size(4 * HIDDEN_SIZE * n) > 4096)
         async with proxy_client(settings_for(ring_dir), vllm) as proxy:
             response = await proxy.client.post(CHAT, json=flagged("all_answer", **{field: rows}))
             fits = await proxy.client.post(CHAT, json=flagged("all_answer", **{field: rows - 1}))

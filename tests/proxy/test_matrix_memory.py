@@ -99,7 +99,9 @@ def flagged(prompt: Any, **kv: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def big_writer(ring_dir: str) -> Iterator[RingWriter]:
-    with create_writer(ring_dir, arena_size=96 * MIB, max_record=32 * MIB, slot_count=64) as w:
+    with create_writer(
+        ring_dir, arena_size=97 * MIB, max_record=32 * MIB + 4096, slot_count=64
+    ) as w:
         yield w
 
 
@@ -387,7 +389,9 @@ async def test_a_large_matrix_taken_early_survives_its_block_being_written_over(
             key, MODEL, 0, rows, "all_prompt", (FINAL,), HIDDEN_SIZE, rows_for(key, rows), rows
         )
 
-    with create_writer(ring_dir, arena_size=3 * MIB, max_record=MIB, slot_count=64) as writer:
+    with create_writer(
+        ring_dir, arena_size=3 * MIB + 4096, max_record=MIB + 4096, slot_count=64
+    ) as writer:
 
         async def body() -> AsyncIterator[bytes]:
             yield b'{"id": "c", "object": "text_completion", '

@@ -26,6 +26,7 @@ from vllm_hidden_state_proxy.protocol import (
     request_key_from_wire,
 )
 from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.ring.layout import arena_block_size
 from vllm_hidden_state_proxy.worker_hook.settings import RING_SLOTS
 
 #: The tiny model's hidden size: the instant arms measure the hop's fixed cost (the cost that
@@ -91,7 +92,8 @@ def ring_publisher(
         model=MODEL,
         slot_count=RING_SLOTS.default,
         arena_size=8 * (rows * 4 * hidden_size + 4096) if matrix_bytes else 0,
-        max_record=rows * 4 * hidden_size if matrix_bytes else None,
+        # The max record counts the arena block's header.
+        max_record=arena_block_size(rows * 4 * hidden_size) if matrix_bytes else None,
     )
     vector = struct.pack(f"<{hidden_size}f", *(i / hidden_size for i in range(hidden_size)))
     matrix = b""
