@@ -92,13 +92,13 @@ def chatml_tokenizer(chat_template: str) -> Any:
     return tokenizer
 
 
-def finish_model_dir(target: Path, marker_name: str, revision: str) -> None:
-    """After ``save_pretrained``: make the dtype vLLM reads float32 (transformers versions
+def finish_model_dir(target: Path, marker_name: str, revision: str, dtype: str = "float32") -> None:
+    """After ``save_pretrained``: make the dtype vLLM reads ``dtype`` (transformers versions
     differ in the key), drop the generation config (no sampling defaults), mark it built."""
     config_path = target / "config.json"
     data: dict[str, Any] = json.loads(config_path.read_text())
-    data["torch_dtype"] = "float32"
-    data["dtype"] = "float32"
+    data["torch_dtype"] = dtype
+    data["dtype"] = dtype
     config_path.write_text(json.dumps(data, indent=2))
     generation_config = target / "generation_config.json"
     if generation_config.exists():

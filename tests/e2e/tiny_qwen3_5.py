@@ -21,11 +21,14 @@ a shared prefix of at least that many tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from vllm_hidden_state_proxy.tiny_model import CHAT_TEMPLATE, chatml_tokenizer, is_built
+from vllm_hidden_state_proxy.tiny_model import (
+    CHAT_TEMPLATE,
+    chatml_tokenizer,
+    finish_model_dir,
+    is_built,
+)
 
 #: Bump when anything below changes, so cached copies are rebuilt.
 TINY_QWEN3_5_REVISION = "1"
@@ -68,11 +71,5 @@ def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
     torch.manual_seed(1234)
     model = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(target, safe_serialization=True)
-    config_path = target / "config.json"
-    data: dict[str, Any] = json.loads(config_path.read_text())
-    data["dtype"] = "bfloat16"  # what vLLM serves (transformers versions differ in the key)
-    data["torch_dtype"] = "bfloat16"
-    config_path.write_text(json.dumps(data, indent=2))
-    (target / "generation_config.json").unlink(missing_ok=True)
-    (target / _MARKER).write_text(json.dumps({"revision": TINY_QWEN3_5_REVISION}))
+    finish_model_dir(target, _MARKER, TINY_QWEN3_5_REVISION, dtype="bfloat16")
     return target
