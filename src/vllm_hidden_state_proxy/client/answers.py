@@ -19,7 +19,6 @@ from vllm_hidden_state_proxy.client.types import (
     HiddenStateDecodeError,
     HiddenStateServerError,
 )
-from vllm_hidden_state_proxy.client.types import is_int as _is_int
 from vllm_hidden_state_proxy.protocol import (
     BY_LAYER,
     DTYPES,
@@ -30,6 +29,7 @@ from vllm_hidden_state_proxy.protocol import (
     VECTOR,
     VECTORS,
 )
+from vllm_hidden_state_proxy.request_fields import is_int as _is_int
 
 _ITEM_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_hidden_state_proxy.client.answers import as_document, error_message
 from vllm_hidden_state_proxy.client.types import HiddenStateDecodeError, HiddenStateServerError
-from vllm_hidden_state_proxy.client.types import is_int as _is_int
+from vllm_hidden_state_proxy.request_fields import is_int as _is_int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The request's fields: :func:`hidden_state_fields`, checked as the proxy checks them."""
+"""The request's fields: :func:`hidden_state_fields`, checked by the proxy's own rules
+(:mod:`vllm_hidden_state_proxy.request_fields`)."""
 
 from __future__ import annotations
 
@@ -6,27 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_hidden_state_proxy.client.types import Dtype, Format, HiddenStateRequestError, Pooling
-from vllm_hidden_state_proxy.client.types import is_int as _is_int
-from vllm_hidden_state_proxy.protocol import (
-    DTYPE,
-    DTYPES,
-    FLAG,
-    FORMAT,
-    FORMATS,
-    INFO,
-    KV,
-    LAYERS,
-    MAX_LAYERS,
-    MAX_SPAN_POSITION,
-    MAX_SPANS,
-    POOLING,
-    REQUESTED_POOLINGS,
-    SPANS,
-)
-
-
-def _field(name: str) -> str:
-    return f"{KV}.{name}"
+from vllm_hidden_state_proxy.protocol import DTYPE, FLAG, FORMAT, INFO, KV, LAYERS, POOLING, SPANS
+from vllm_hidden_state_proxy.request_fields import RequestFieldError, vector_request
 
 
 def hidden_state_fields(
@@ -54,92 +36,25 @@ def hidden_state_fields(
     """
     kv: dict[str, Any] = dict(kv_transfer_params or {})
     kv[FLAG] = True
+    asked: dict[str, Any] = {FORMAT: format, DTYPE: dtype, INFO: info}
+    if pooling is not None:
+        asked[POOLING] = pooling
     if spans is not None:
-        checked_spans = _checked_spans(spans)
-        kv[SPANS] = checked_spans
-    if pooling is None:
-        pooling = "mean" if spans is not None else "last"
-    if pooling not in REQUESTED_POOLINGS:
-        raise HiddenStateRequestError(
-            f"'{_field(POOLING)}' must be one of {', '.join(REQUESTED_POOLINGS)}, not {pooling!r}.",
-            _field(POOLING),
-        )
-    if spans is not None and pooling != "mean":
-        raise HiddenStateRequestError(
-            f"'{_field(SPANS)}' are mean-pooled: they need '{_field(POOLING)}': 'mean', not "
-            f"{pooling!r}.",
-            _field(SPANS),
-        )
-    kv[POOLING] = pooling
-    if format not in FORMATS:
-        raise HiddenStateRequestError(
-            f"'{_field(FORMAT)}' must be one of {', '.join(FORMATS)}, not {format!r}.",
-            _field(FORMAT),
-        )
-    kv[FORMAT] = format
-    if dtype not in DTYPES:
-        raise HiddenStateRequestError(
-            f"'{_field(DTYPE)}' must be one of {', '.join(DTYPES)}, not {dtype!r}.", _field(DTYPE)
-        )
-    if dtype != "float32" and format != "base64":
-        raise HiddenStateRequestError(
-            f"'{_field(DTYPE)}': {dtype!r} needs '{_field(FORMAT)}': 'base64' (JSON lists are "
-            "float32).",
-            _field(DTYPE),
-        )
-    if dtype != "float32":
-        kv[DTYPE] = dtype
-    if not isinstance(info, bool):
-        raise HiddenStateRequestError(f"'{_field(INFO)}' must be a boolean.", _field(INFO))
-    if info:
-        kv[INFO] = True
+        asked[SPANS] = spans
     if layers is not None:
-        kv[LAYERS] = _checked_layers(layers)
+        asked[LAYERS] = layers
+    try:
+        _, request = vector_request({FLAG: True, **asked})
+    except RequestFieldError as exc:
+        raise HiddenStateRequestError(exc.message, exc.param) from None
+    kv[POOLING] = request.pooling
+    kv[FORMAT] = request.format
+    if request.spans is not None:
+        kv[SPANS] = [list(span) for span in request.spans]
+    if request.dtype != "float32":
+        kv[DTYPE] = request.dtype
+    if request.info:
+        kv[INFO] = True
+    if request.layers is not None:
+        kv[LAYERS] = list(request.layers)  # each once, in the order given: the answer's keys
     return {KV: kv}
-
-
-def _checked_layers(layers: Sequence[int]) -> list[int]:
-    param = _field(LAYERS)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise HiddenStateRequestError(f"'{param}' must be a list of layer indices.", param)
-    if len(layers) > MAX_LAYERS:
-        raise HiddenStateRequestError(
-            f"'{param}' has {len(layers)} entries; at most {MAX_LAYERS} are allowed (the most "
-            "layers a server can capture).",
-            param,
-        )
-    if not layers or not all(_is_int(k) for k in layers):
-        raise HiddenStateRequestError(
-            f"'{param}' must be a non-empty list of layer indices (integers; negative ones "
-            "count from the end, -1 is the final layer after the final norm).",
-            param,
-        )
-    return list(dict.fromkeys(layers))  # each once, in the order given: the answer's keys
-
-
-def _checked_spans(spans: Sequence[Sequence[int]]) -> list[list[int]]:
-    param = _field(SPANS)
-    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence) or not spans:
-        raise HiddenStateRequestError(
-            f"'{param}' must be a non-empty list of [start, end] pairs.", param
-        )
-    if len(spans) > MAX_SPANS:
-        raise HiddenStateRequestError(
-            f"'{param}' has {len(spans)} spans; at most {MAX_SPANS} are allowed.", param
-        )
-    checked = []
-    for span in spans:
-        pair = list(span) if isinstance(span, Sequence) and not isinstance(span, str) else None
-        if (
-            pair is None
-            or len(pair) != 2
-            or not all(_is_int(p) for p in pair)
-            or not 0 <= pair[0] < pair[1] <= MAX_SPAN_POSITION
-        ):
-            raise HiddenStateRequestError(
-                f"'{param}' entries must be [start, end] token positions of the prompt with "
-                f"0 <= start < end (end exclusive), not {span!r}.",
-                param,
-            )
-        checked.append(pair)
-    return checked

@@ -7,6 +7,8 @@ from typing import Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from vllm_hidden_state_proxy.request_fields import RequestFieldError
+
 #: A vector ``(hidden_size,)`` or a matrix ``(rows, hidden_size)``, always float32.
 Array: TypeAlias = npt.NDArray[np.float32]
 Pooling: TypeAlias = Literal["last", "mean", "last_answer", "all_prompt", "all_answer"]
@@ -14,12 +16,8 @@ Format: TypeAlias = Literal["float", "base64"]
 Dtype: TypeAlias = Literal["float32", "float16", "bfloat16"]
 
 
-class HiddenStateRequestError(ValueError):
+class HiddenStateRequestError(RequestFieldError):
     """The request's fields would be refused by the proxy (400); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class HiddenStateDecodeError(ValueError):
@@ -33,8 +31,3 @@ class HiddenStateServerError(RuntimeError):
         super().__init__(message if status is None else f"{status}: {message}")
         self.message = message
         self.status = status
-
-
-def is_int(value: object) -> bool:
-    """A JSON integer (``True`` is an ``int`` to Python, not to the server)."""
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import PLACEHOLDER, PROMPT_POOLINGS
+from vllm_hidden_state_proxy.protocol import FORMATS, PLACEHOLDER, PROMPT_POOLINGS
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
-from vllm_hidden_state_proxy.proxy.inspection import check_format, check_pooling
+from vllm_hidden_state_proxy.proxy.inspection import check_choice
 from vllm_hidden_state_proxy.proxy.types import VectorRequest, is_int, is_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
@@ -147,7 +147,7 @@ def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRe
         )
     pooling = document.get("pooling")
     pooling = (
-        defaults.pooling if pooling is None else check_pooling(pooling, "pooling", PROMPT_POOLINGS)
+        defaults.pooling if pooling is None else check_choice(pooling, "pooling", PROMPT_POOLINGS)
     )
     return VectorRequest(layers=(layer,), pooling=pooling)
 
@@ -155,7 +155,9 @@ def _vectors(document: dict[str, Any], defaults: EmbeddingsDefaults) -> VectorRe
 def plan_embeddings(document: dict[str, Any], defaults: EmbeddingsDefaults) -> EmbeddingsPlan:
     """Validate ``document`` (an embeddings request) and plan its vLLM requests."""
     template, max_inputs = defaults.template, defaults.max_inputs
-    encoding_format = check_format(document.get("encoding_format") or "float", "encoding_format")
+    encoding_format = check_choice(
+        document.get("encoding_format") or "float", "encoding_format", FORMATS
+    )
     vectors = _vectors(document, defaults)
     layer_given = document.get("layer") is not None
     normalize = _optional_bool(document, "normalize", True)

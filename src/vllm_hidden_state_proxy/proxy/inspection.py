@@ -30,12 +30,8 @@ from typing import Any
 
 import orjson
 
-from vllm_hidden_state_proxy.protocol import (
-    MATRIX_POOLINGS,
-    MAX_SPANS,
-    REQUESTED_POOLINGS,
-    XARGS_PREFIX,
-)
+from vllm_hidden_state_proxy import request_fields
+from vllm_hidden_state_proxy.protocol import XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.planned_fields import (
     CHAT_FIELDS,
@@ -50,23 +46,8 @@ from vllm_hidden_state_proxy.proxy.reserved_entries import (
     reserved_entry_error,
     unreadable_refusal,
 )
-from vllm_hidden_state_proxy.proxy.types import (
-    DTYPE,
-    DTYPES,
-    FLAG,
-    FORMAT,
-    FORMATS,
-    INFO,
-    KV,
-    LAYERS,
-    OWN_FIELDS,
-    POOLING,
-    SPANS,
-    XARGS,
-    VectorRequest,
-    is_int,
-)
-from vllm_hidden_state_proxy.ring import MAX_LAYERS
+from vllm_hidden_state_proxy.proxy.types import FLAG, KV, OWN_FIELDS, XARGS, VectorRequest
+from vllm_hidden_state_proxy.request_fields import RequestFieldError
 
 #: Deepest nesting of a body the proxy re-encodes. Beyond orjson's 254 levels ``json.dumps``
 #: takes over, which recurses on the Python stack and fails near 1000 levels (orjson reads up to
@@ -204,98 +185,20 @@ def _check_flagged_options(document: dict[str, Any]) -> None:
         )
 
 
-def check_format(value: Any, param: str) -> str:
-    if not isinstance(value, str) or value not in FORMATS:
-        raise bad_request(f"'{param}' must be one of {', '.join(FORMATS)}, not {value!r}.", param)
-    return value
-
-
-def check_pooling(value: Any, param: str, allowed: Sequence[str] = REQUESTED_POOLINGS) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise bad_request(f"'{param}' must be one of {', '.join(allowed)}, not {value!r}.", param)
-    return value
+def check_choice(value: Any, param: str, allowed: Sequence[str]) -> str:
+    """``value`` if one of ``allowed``, else a 400 naming ``param``."""
+    try:
+        return request_fields.check_choice(value, param, allowed)
+    except RequestFieldError as exc:
+        raise bad_request(exc.message, exc.param) from None
 
 
 def _vector_request(kv: dict[str, Any]) -> tuple[bool, VectorRequest]:
-    """The flag and what it asks for, type-checked (each error names its field)."""
-    flag = kv.get(FLAG, False)
-    if not isinstance(flag, bool):
-        raise bad_request(f"'{KV}.{FLAG}' must be a boolean.", f"{KV}.{FLAG}")
-    spans = _spans(kv.get(SPANS))
-    pooling = check_pooling(kv.get(POOLING, "last" if spans is None else "mean"), f"{KV}.{POOLING}")
-    if spans is not None and pooling != "mean":
-        raise bad_request(
-            f"'{KV}.{SPANS}' are mean-pooled: they need '{KV}.{POOLING}': 'mean', not {pooling!r}.",
-            f"{KV}.{SPANS}",
-        )
-    # Matrices are base64 unless the client asks for lists: they can be megabytes.
-    default_format = "base64" if pooling in MATRIX_POOLINGS or spans is not None else "float"
-    fmt = check_format(kv.get(FORMAT, default_format), f"{KV}.{FORMAT}")
-    dtype = kv.get(DTYPE, "float32")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise bad_request(
-            f"'{KV}.{DTYPE}' must be one of {', '.join(DTYPES)}, not {dtype!r}.", f"{KV}.{DTYPE}"
-        )
-    if dtype != "float32" and fmt != "base64":
-        raise bad_request(
-            f"'{KV}.{DTYPE}': {dtype!r} needs '{KV}.{FORMAT}': 'base64' (JSON lists are float32).",
-            f"{KV}.{DTYPE}",
-        )
-    info = kv.get(INFO, False)
-    if not isinstance(info, bool):
-        raise bad_request(f"'{KV}.{INFO}' must be a boolean.", f"{KV}.{INFO}")
-    layers = kv.get(LAYERS)
-    if isinstance(layers, list) and len(layers) > MAX_LAYERS:  # before any work per entry
-        raise bad_request(
-            f"'{KV}.{LAYERS}' has {len(layers)} entries; at most {MAX_LAYERS} are allowed (the "
-            "most layers a server can capture).",
-            f"{KV}.{LAYERS}",
-        )
-    if layers is not None and (
-        not isinstance(layers, list) or not layers or not all(is_int(k) for k in layers)
-    ):
-        raise bad_request(
-            f"'{KV}.{LAYERS}' must be a non-empty list of layer indices (integers; negative "
-            "ones count from the end, -1 is the final layer after the final norm).",
-            f"{KV}.{LAYERS}",
-        )
-    # Each label once, in the order first given: they are the answer's keys.
-    requested = None if layers is None else tuple(dict.fromkeys(layers))
-    return flag, VectorRequest(fmt, info, requested, pooling, dtype, spans)
-
-
-#: The largest token position a span may name (vLLM's contexts are far shorter).
-MAX_SPAN_POSITION = 1 << 31
-
-
-def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
-    """``last_hidden_state_spans``, checked: 1 to ``MAX_SPANS`` pairs ``[start, end]`` of token
-    positions, ``0 <= start < end``; ``None`` when absent. (That ``end`` is within the prompt
-    is the hook's to check: only vLLM has tokenized it.)"""
-    if value is None:
-        return None
-    param = f"{KV}.{SPANS}"
-    if isinstance(value, list) and len(value) > MAX_SPANS:
-        raise bad_request(
-            f"'{param}' has {len(value)} spans; at most {MAX_SPANS} are allowed.", param
-        )
-    if not isinstance(value, list) or not value:
-        raise bad_request(f"'{param}' must be a non-empty list of [start, end] pairs.", param)
-    spans = []
-    for span in value:
-        if (
-            not isinstance(span, list)
-            or len(span) != 2
-            or not all(is_int(p) for p in span)
-            or not 0 <= span[0] < span[1] <= MAX_SPAN_POSITION
-        ):
-            raise bad_request(
-                f"'{param}' entries must be [start, end] token positions of the prompt with "
-                f"0 <= start < end (end exclusive), not {span!r}.",
-                param,
-            )
-        spans.append((span[0], span[1]))
-    return tuple(spans)
+    """The flag and what it asks for, checked by the rules the client module applies too."""
+    try:
+        return request_fields.vector_request(kv)
+    except RequestFieldError as exc:
+        raise bad_request(exc.message, exc.param) from None
 
 
 def inspect_body(body: bytes, fields: PlannedFields = CHAT_FIELDS) -> Decision:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol
 
 from vllm_hidden_state_proxy.protocol import (
     BY_LAYER,
@@ -43,11 +43,11 @@ from vllm_hidden_state_proxy.protocol import (
     OWN_FIELDS,
     POOLING,
     SPANS,
-    SPANS_POOLING,
     VECTOR,
     VECTORS,
     XARGS,
 )
+from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,
     Found,
@@ -76,12 +76,9 @@ __all__ = [
     "VECTOR",
     "VECTORS",
     "XARGS",
+    "VectorRequest",
+    "is_int",
 ]
-
-
-def is_int(value: Any) -> TypeGuard[int]:
-    """A JSON integer (``True`` is an ``int`` to Python, not to the client)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_token_ids(value: Any) -> bool:
@@ -90,28 +87,7 @@ def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
-# -- what a flagged request asks for ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VectorRequest:
-    """What a flagged request asks for, as the client wrote it."""
-
-    format: str = "float"
-    info: bool = False
-    #: ``last_hidden_state_layers`` as given (negative indices count from the end); ``None``
-    #: when absent: the final layer, in the singular field only.
-    layers: tuple[int, ...] | None = None
-    pooling: str = "last"
-    #: Of base64 values (``"float"`` lists are always float32).
-    dtype: str = "float32"
-    #: ``last_hidden_state_spans``: ``(start, end)`` token positions, each mean-pooled.
-    spans: tuple[tuple[int, int], ...] | None = None
-
-    @property
-    def record_pooling(self) -> str:
-        """The pooling of the record the hook publishes for it (the pooling entry's)."""
-        return SPANS_POOLING if self.spans is not None else self.pooling
+# -- what a flagged request asks for (VectorRequest: request_fields.py, shared with the client) --
 
 
 @dataclass(frozen=True)
