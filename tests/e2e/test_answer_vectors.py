@@ -13,11 +13,11 @@ prompt is prefilled in several chunks (``gen.set_offset`` of a CPU generator, in
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING, beside_ordinary_traffic
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, SHARED_LAYERS, RunningStack
 from tests.e2e.stack_probe import prefix_cache_hits
@@ -25,7 +25,6 @@ from tests.e2e.stack_probe import prefix_cache_hits
 #: Run on V1 and again on V2 (HSP_E2E_RUNNER=v2): what V2 changes (tests/e2e/server.py).
 pytestmark = pytest.mark.both_runners
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 LONG_TEXT = " ".join(
     f"Answer sentence {i} is about a river, a bridge and the number {i * 7}." for i in range(18)
@@ -265,22 +264,8 @@ def test_concurrent_answers_beside_ordinary_traffic_are_never_misattributed(
         sampling: dict[str, Any] = {"n": 2, "temperature": 1.0} if i % 2 else {}
         return chat(client, model_name, f"Concurrent answer {i}: {'word ' * (i * 9)}", **sampling)
 
-    def ordinary(i: int) -> str | None:
-        response = client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": f"Ordinary {i}"}],
-            max_completion_tokens=4,
-            extra_body=NO_THINKING,
-        )
-        content: str | None = response.choices[0].message.content
-        return content
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        answers = [pool.submit(flagged, i) for i in range(8)]
-        others = [pool.submit(ordinary, i) for i in range(8)]
-        assert all(isinstance(other.result(), str) for other in others)
-        for answer in answers:
-            check_json(answer.result(), reference)
+    for answer in beside_ordinary_traffic(client, model_name, flagged, 8):
+        check_json(answer, reference)
 
 
 def test_a_client_that_asks_for_no_token_ids_gets_vllms_answer_unchanged(

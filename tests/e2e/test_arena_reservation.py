@@ -19,9 +19,10 @@ from typing import Any
 import openai
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import RunningStack, run_serve
-from tests.e2e.test_matrices import NO_THINKING, decode
+from tests.e2e.test_matrices import decode
 from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, MAX_RECORD_MIB_ENV
 from vllm_hidden_state_proxy.tiny_model import HIDDEN_SIZE
 

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, RunningStack
 from tests.e2e.stack_probe import prefix_cache_hits
@@ -16,7 +17,6 @@ from tests.e2e.stack_probe import prefix_cache_hits
 pytestmark = pytest.mark.both_runners
 
 FLAG = {"kv_transfer_params": {"return_last_hidden_state": True}}
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 LONG_TEXT = " ".join(
     f"Sentence number {i} talks about rivers, mountains and the colour {c}."

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import SHARED_LAYERS, RunningStack
 from vllm_hidden_state_proxy.client import (
@@ -28,7 +29,6 @@ from vllm_hidden_state_proxy.client import (
     read_hidden_states,
 )
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import RUNNERS, SERVED_MODEL_NAME, RunningStack, require_runner, run_serve
 from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.own_server
 #: Data parallelism on two cores: one core per engine, a small KV cache each.
 DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 DP2 = ["--data-parallel-size", "2"]
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 FLAG = {"return_last_hidden_state": True}
 
 

@@ -36,6 +36,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import RunningStack
 from tests.e2e.stack_probe import (
@@ -60,7 +61,6 @@ from vllm_hidden_state_proxy.processes import free_port
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 FLAG = {"return_last_hidden_state": True}
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 #: Tokens per choice of a long generation (the context is 1024 tokens).
 LONG = 900
 #: Choices and logprobs that make a long generation last 7-13 s (alone: 900 tokens take about

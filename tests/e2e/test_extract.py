@@ -16,10 +16,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, SHARED_LAYERS, RunningStack
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 INPUTS = 300
 TOO_LONG = "too-long"
 

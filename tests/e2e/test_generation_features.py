@@ -16,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import RunningStack
 
 FLAG = {"return_last_hidden_state": True}
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 MESSAGES = [{"role": "user", "content": "Describe a quiet harbour at dawn."}]
 
 

@@ -18,6 +18,7 @@ import pytest
 from langchain_core.messages import HumanMessage
 from pydantic import SecretStr
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import SHARED_LAYERS, RunningStack
 from vllm_hidden_state_proxy.client import hidden_state_fields
@@ -27,7 +28,6 @@ from vllm_hidden_state_proxy.langchain import (
     hidden_states_of,
 )
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 
 

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, SHARED_LAYERS, RunningStack
 from tests.e2e.stack_probe import prefix_cache_hits
@@ -23,7 +24,6 @@ from tests.e2e.stack_probe import prefix_cache_hits
 #: Run on V1 and again on V2 (HSP_E2E_RUNNER=v2): what V2 changes (tests/e2e/server.py).
 pytestmark = pytest.mark.both_runners
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 LONG_TEXT = " ".join(
     f"Layer sentence {i} describes a harbour, a lighthouse and the colour {c}."

@@ -13,7 +13,6 @@ No request sets a ``seed`` (see test_answer_vectors.py).
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ import numpy.typing as npt
 import openai
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING, beside_ordinary_traffic
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_NUM_BATCHED_TOKENS, MAX_RECORD_MIB, SHARED_LAYERS, RunningStack
 from tests.e2e.stack_probe import prefix_cache_hits
@@ -29,7 +29,6 @@ from vllm_hidden_state_proxy.protocol import MAX_RECORD_MIB_ENV
 #: Run on V1 and again on V2 (HSP_E2E_RUNNER=v2): what V2 changes (tests/e2e/server.py).
 pytestmark = pytest.mark.both_runners
 
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
 LONG_TEXT = " ".join(
     f"Matrix sentence {i} names a harbour, a lantern and the number {i * 3}." for i in range(9)
@@ -296,33 +295,16 @@ def test_concurrent_matrices_beside_ordinary_traffic_are_never_misattributed(
         content = f"Concurrent matrix {i}: {'harbour ' * (i * 11)}"
         return pooling, request(client, model_name, content, pooling, n=1 + i % 3 // 2)
 
-    def ordinary(i: int) -> str | None:
-        response = client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": f"Ordinary {i}"}],
-            max_completion_tokens=4,
-            extra_body=NO_THINKING,
-        )
-        content: str | None = response.choices[0].message.content
-        return content
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        answers = [pool.submit(flagged, i) for i in range(10)]
-        others = [pool.submit(ordinary, i) for i in range(8)]
-        assert all(isinstance(other.result(), str) for other in others)
-        for future in answers:
-            pooling, answer = future.result()
-            params = answer["kv_transfer_params"]
-            if pooling == "all_prompt":
-                check_prompt(reference, answer["prompt_token_ids"], params)
-                continue
-            infos = params.get("last_hidden_state_infos") or [params["last_hidden_state_info"]]
-            layers = params["last_hidden_states_by_layer"]
-            by_choice = layers if isinstance(layers, list) else [layers]
-            for choice, by_layer, info in zip(answer["choices"], by_choice, infos, strict=True):
-                check_answer(
-                    reference, answer["prompt_token_ids"], choice["token_ids"], by_layer, info
-                )
+    for pooling, answer in beside_ordinary_traffic(client, model_name, flagged, 10):
+        params = answer["kv_transfer_params"]
+        if pooling == "all_prompt":
+            check_prompt(reference, answer["prompt_token_ids"], params)
+            continue
+        infos = params.get("last_hidden_state_infos") or [params["last_hidden_state_info"]]
+        layers = params["last_hidden_states_by_layer"]
+        by_choice = layers if isinstance(layers, list) else [layers]
+        for choice, by_layer, info in zip(answer["choices"], by_choice, infos, strict=True):
+            check_answer(reference, answer["prompt_token_ids"], choice["token_ids"], by_layer, info)
 
 
 def test_a_prompt_matrix_over_the_max_record_is_a_413_and_the_server_goes_on(

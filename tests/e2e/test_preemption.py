@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import (
     RUNNERS,
@@ -44,7 +45,6 @@ SMALL_CACHE = [
 ]
 ANSWER_TOKENS = 180
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module", params=RUNNERS)

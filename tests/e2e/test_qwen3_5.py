@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import MEASURED, Reference, compare
 from tests.e2e.server import (
     MAX_NUM_BATCHED_TOKENS,
@@ -42,7 +43,6 @@ MIN_COSINE = 0.998
 DISTINCT = 3 * MAX_RELATIVE_L2
 #: vLLM's block for this model with prefix caching (a whole linear-attention state a block).
 HYBRID_BLOCK_TOKENS = 384
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 LONG_TEXT = " ".join(
     f"Line {i} names a river, a bridge, a colour and the number {i * 13}." for i in range(22)
 )

@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import MIN_COSINE, Reference, assert_matches
 from tests.e2e.server import RunningStack
 from tests.e2e.stack_probe import MIB, metric, proxy_process, rss
@@ -44,7 +45,6 @@ WARM_UP = max(100, REQUESTS // 5)
 MAX_RSS_GROWTH = 4 * MIB
 #: Flagged prompts checked against Transformers (all are checked against their twin).
 REFERENCE_SAMPLE = 200
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 #: Share of each kind in the mix.
 MIX = {

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.chat_requests import NO_THINKING
 from tests.e2e.reference import COUNTED, Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, SERVED_MODEL_NAME, STARTUP_TIMEOUT
 from tests.e2e.stack_probe import proxy_gauge_in, served_per_engine
@@ -73,7 +74,6 @@ DP_RPC_PORT = 13345
 #: Inside each node's own /dev/shm (a private tmpfs), so the name can be the same on both.
 NODE_RING_DIR = "/dev/shm/hidden-states"
 NODE_SHM_SIZE = "1g"
-NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 FLAG = {"return_last_hidden_state": True}
 #: Requests a node's engine still serves after the other node's engine is killed.
 AFTER_KILL = 8
