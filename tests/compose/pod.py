@@ -14,7 +14,9 @@ No cluster can run here, so this module plays the node's part for a single pod s
   directory. A ``persistentVolumeClaim`` is a host directory given by the caller, bind-mounted
   read-only (as a ReadOnlyMany volume would be: the host's files stay as they are);
 - **containers** with the spec's image, ``command`` as the entry point and ``args`` after it,
-  ``env`` (literal values; ``valueFrom`` is refused) after the Service's link variables, its
+  ``env`` (literal values, and ``valueFrom.secretKeyRef`` from the Secrets the caller gives, as
+  kubelet resolves them; any other ``valueFrom``, and ``envFrom``, is refused) after the
+  Service's link variables, its
   ``volumeMounts``, ``resources.limits`` (memory, cpu) as cgroup limits, and ``securityContext``:
   ``runAsUser``/``runAsGroup`` as ``--user``, the pod's ``fsGroup`` as a supplementary group,
   ``readOnlyRootFilesystem`` as ``--read-only``, ``capabilities.drop``,
@@ -208,6 +210,8 @@ class Pod:
     spec: Mapping[str, Any]
     #: claimName -> host directory holding the claim's files.
     claims: Mapping[str, Path] = field(default_factory=dict)
+    #: Secret name -> key -> value (decoded), for ``valueFrom.secretKeyRef``.
+    secrets: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: The Service: its name, port and target (a named container port or a number).
     service_name: str = ""
     service_port: int = 0
@@ -437,15 +441,31 @@ for path, medium in {paths!r}.items():
             argv += ["--mount", volume_mount]
         for name, value in self._service_links().items():
             argv += ["--env", f"{name}={value}"]
+        if container.get("envFrom"):
+            raise ValueError(f"{container['name']}: envFrom is not simulated")
         for variable in container.get("env", []):
-            if "value" not in variable:
-                raise ValueError(f"{container['name']}: env {variable['name']} is not a literal")
-            argv += ["--env", f"{variable['name']}={variable['value']}"]
+            argv += ["--env", f"{variable['name']}={self._env_value(container, variable)}"]
         command = [str(x) for x in container.get("command", [])]
         if command:
             argv += ["--entrypoint", command[0]]
         argv.append(container["image"])
         return argv + command[1:] + [str(x) for x in container.get("args", [])]
+
+    def _env_value(self, container: Mapping[str, Any], variable: Mapping[str, Any]) -> str:
+        """A literal, or a Secret's key; kubelet refuses to create the container
+        (CreateContainerConfigError) when the Secret or its key is missing."""
+        if "value" in variable:
+            return str(variable["value"])
+        ref = (variable.get("valueFrom") or {}).get("secretKeyRef")
+        if ref is None:
+            raise ValueError(f"{container['name']}: env {variable['name']}: only secretKeyRef")
+        try:
+            return self.secrets[ref["name"]][ref["key"]]
+        except KeyError:
+            raise HostError(
+                f"{container['name']}: env {variable['name']}: no key {ref['key']!r} in "
+                f"Secret {ref['name']!r} (CreateContainerConfigError)"
+            ) from None
 
     def _service_links(self) -> dict[str, str]:
         """The variables kubelet sets for a Service (enableServiceLinks, the default); its

@@ -3,20 +3,26 @@ rendered Deployment's pod run in Docker as kubelet would run it (``tests/compose
 what is simulated and what is not), with the images the compose test builds and the values in
 ``helm-pod-values.yaml`` over ``ci/cpu-values.yaml``.
 
-Checked: the pod turns Ready by its own probes; vectors through the Service's port, with the
-official OpenAI client, equal Transformers'; the ``helm test`` pod's command passes against the
-Service; the containers run with the users, groups and read-only root of the spec; only the
-proxy is reachable from outside the pod; the ring has the permissions docs/deploy.md promises;
-and a killed engine turns the pod unready until ``restartPolicy: Always`` has brought vLLM back.
-Starts its own vLLM (in a container), so it runs in the ``own_server`` session.
+Checked: the pod turns Ready by its own probes; the proxy requires the API key the chart
+generates into a Secret (401 without it through the Service's port, a vector with it); vectors
+through the Service's port, with the official OpenAI client and that key, equal Transformers';
+the ``helm test`` pod's command (which checks the 401 too) passes against the Service; both
+containers' preStop commands exist in their images; the containers run with the users, groups
+and read-only root of the spec; only the proxy is reachable from outside the pod; the ring has
+the permissions docs/deploy.md promises; and a killed engine turns the pod unready until
+``restartPolicy: Always`` has brought vLLM back. Starts its own vLLM (in a container), so it
+runs in the ``own_server`` session.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,8 +67,9 @@ def _values() -> dict[str, Any]:
 class HelmPod:
     """The running pod, its rendered objects and the model it serves."""
 
-    def __init__(self, pod: Pod, manifests: dict[str, list[dict[str, Any]]]) -> None:
+    def __init__(self, pod: Pod, manifests: dict[str, list[dict[str, Any]]], api_key: str) -> None:
         self.pod = pod
+        self.api_key = api_key
         objects = [doc for docs in manifests.values() for doc in docs]
         self.test_pod = next(
             doc
@@ -73,7 +80,7 @@ class HelmPod:
 
     def client(self) -> OpenAI:
         return OpenAI(
-            base_url=self.pod.service_url + "/v1", api_key="unused", max_retries=0, timeout=120
+            base_url=self.pod.service_url + "/v1", api_key=self.api_key, max_retries=0, timeout=120
         )
 
     def flagged_vector(self, text: str) -> list[float]:
@@ -104,6 +111,17 @@ def _only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def _secrets(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The rendered Secrets, decoded, as the API server would hold them."""
+    return {
+        doc["metadata"]["name"]: {
+            key: base64.b64decode(value).decode() for key, value in doc.get("data", {}).items()
+        }
+        for doc in objects
+        if doc["kind"] == "Secret"
+    }
+
+
 @pytest.fixture(scope="module")
 def helm_pod(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmPod]:
     reason = docker_host.ensure_engine()
@@ -127,10 +145,14 @@ def helm_pod(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     deployment = _only(objects, "Deployment")
     service = _only(objects, "Service")
     (port,) = service["spec"]["ports"]
+    secrets = _secrets(objects)
+    # The key the chart generated (the default: the Service is guarded).
+    api_key = secrets[f"{RELEASE}-vllm-hidden-state-api-key"]["api-key"]
     pod = Pod(
         name=f"hsp-helm-pod-{os.getpid()}",
         spec=deployment["spec"]["template"]["spec"],
         claims={values["modelCache"]["existingClaim"]: tiny_model_dir.parent},
+        secrets=secrets,
         service_name=service["metadata"]["name"],
         service_port=int(port["port"]),
         service_target=port["targetPort"],
@@ -143,7 +165,7 @@ def helm_pod(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         with pod.running():
             ready = _wait_for(pod.ready, READY_TIMEOUT, "pod Ready", pod)
             POD_PHASES.append(("pod started -> Ready (startup probe, then readiness)", ready))
-            yield HelmPod(pod, manifests)
+            yield HelmPod(pod, manifests, api_key)
         POD_PHASES.append(("the pod run, start to removal", time.monotonic() - start))
         POD_EVENTS.extend(f"{e.seconds:6.1f} s {e.text}" for e in pod.events)
 
@@ -180,6 +202,48 @@ def test_layers_set_by_the_chart_match_transformers(
         assert_matches(vector, reference.layer_vector(ids, int(label), "last"))
 
 
+def _post_chat(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": _values()["servedModelName"],
+        "messages": [{"role": "user", "content": "Is the key required?"}],
+        "max_completion_tokens": 1,
+        **FLAG,
+    }
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_the_service_requires_the_generated_key(helm_pod: HelmPod, reference: Reference) -> None:
+    """proxy.apiKey is on by default: through the Service's port, no key or a wrong one is a 401
+    (the proxy's OpenAI-shaped error), the Secret's key gets a vector."""
+    url = helm_pod.pod.service_url
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        status, reply = _post_chat(url, headers)
+        assert status == 401, (headers, reply)
+        assert "error" in reply and "last_hidden_state" not in json.dumps(reply)
+    status, reply = _post_chat(url, {"Authorization": f"Bearer {helm_pod.api_key}"})
+    assert status == 200, reply
+    assert len(reply["kv_transfer_params"]["last_hidden_state"]) == reference.hidden_size
+
+
+def test_pre_stop_commands_exist_in_the_images(helm_pod: HelmPod) -> None:
+    """Both containers' preStop (`sleep N`) runs in its image (python-slim and vLLM's): the same
+    command with 0 seconds. (The simulated node does not run preStop hooks on removal.)"""
+    for name in ("vllm", "proxy"):
+        spec = next(c for c in helm_pod.pod.spec["containers"] if c["name"] == name)
+        command = spec["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep" and int(command[1]) > 0, command
+        helm_pod.pod.exec(name, [command[0], "0"])
+
+
 def test_helm_test_pod_passes(helm_pod: HelmPod, reference: Reference) -> None:
     """`helm test`: the chart's test pod, its command and env as rendered, against the Service's
     name and port."""
@@ -188,7 +252,7 @@ def test_helm_test_pod_passes(helm_pod: HelmPod, reference: Reference) -> None:
     code, output = run_to_completion(helm_pod.pod, helm_pod.test_pod, timeout=300)
     POD_PHASES.append(("helm test pod", time.monotonic() - start))
     assert code == 0, output
-    assert output.startswith(f"OK: {reference.hidden_size} floats"), output
+    assert output.startswith(f"OK: {reference.hidden_size} floats, 401 without the key"), output
 
 
 def _status(pid: int) -> dict[str, str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,8 +34,8 @@ from tests.deploy.deploy_helpers import (
 )
 
 KUBE_VERSION = "1.30"
-#: Custom resources kubernetes-validate has no schema for; checked by hand below.
-CRD_KINDS = {"ServiceMonitor"}
+#: Custom resources kubernetes-validate has no schema for; their shape is checked by hand below.
+CRD_KINDS = {"ServiceMonitor", "HTTPRoute"}
 SETS = list(VALUES_FILES)
 
 
@@ -51,7 +53,7 @@ def render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 
 def test_ci_values_files_exist() -> None:
-    assert {"default", "cpu", "gpu", "tp2"} <= set(VALUES_FILES)
+    assert {"default", "cpu", "gpu", "tp2", "all-fields"} <= set(VALUES_FILES)
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -245,14 +247,18 @@ def test_embedding_template_and_vector_timeout_only_when_set(rendered: dict[str,
     )
 
 
+def secrets(manifests: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """name -> Secret, of the rendered objects."""
+    return {d["metadata"]["name"]: d for d in objects_of(manifests) if d["kind"] == "Secret"}
+
+
 def test_hf_token_secret(rendered: dict[str, Any]) -> None:
     assert "HF_TOKEN" not in env_of(container(rendered["default"], "vllm"))
-    assert "Secret" not in {d["kind"] for d in objects_of(rendered["default"])}
-    created = only(objects_of(rendered["gpu"]), "Secret")
+    assert set(secrets(rendered["default"])) == {"rel-vllm-hidden-state-api-key"}
     ref = env_of(container(rendered["gpu"], "vllm"))["HF_TOKEN"]["secretKeyRef"]
-    assert ref["name"] == created["metadata"]["name"]
+    created = secrets(rendered["gpu"])[ref["name"]]
     assert base64.b64decode(created["data"][ref["key"]]).decode() == "hf_example_not_a_real_token"
-    assert "Secret" not in {d["kind"] for d in objects_of(rendered["tp2"])}
+    assert set(secrets(rendered["tp2"])) == {"rel-vllm-hidden-state-api-key"}
     existing = env_of(container(rendered["tp2"], "vllm"))["HF_TOKEN"]["secretKeyRef"]
     assert existing == {"name": "hf-token", "key": "token"}
 
@@ -321,6 +327,41 @@ BAD_VALUES = [
     pytest.param({"modelCache": {"type": "hostPath"}}, "type", id="not-in-enum"),
     pytest.param({"ringDir": "ring"}, "ringDir", id="relative-ring-dir"),
     pytest.param({"embeddingTemplate": "query:"}, "embeddingTemplate", id="template-no-text"),
+    # chart 0.2.0's fields
+    pytest.param({"vllm": {"resources": "big"}}, "resources", id="string-for-resources"),
+    pytest.param(
+        {"vllm": {"livenessProbe": {"periodSecond": 5}}}, "periodSecond", id="misspelt-probe-field"
+    ),
+    pytest.param(
+        {"proxy": {"readinessProbe": {"initialDelaySeconds": "5"}}},
+        "initialDelaySeconds",
+        id="string-for-probe-delay",
+    ),
+    pytest.param({"proxy": {"apiKey": {"enabled": "no"}}}, "enabled", id="string-for-key-switch"),
+    pytest.param({"proxy": {"apiKey": {"secret": "k"}}}, "secret", id="misspelt-api-key-field"),
+    pytest.param({"proxy": {"drainTimeout": -1}}, "drainTimeout", id="negative-drain"),
+    pytest.param({"preStopSleepSeconds": 2.5}, "preStopSleepSeconds", id="float-pre-stop"),
+    pytest.param(
+        {"ingress": {"hosts": [{"host": "a", "paths": [{"path": "/", "pathType": "Any"}]}]}},
+        "pathType",
+        id="ingress-path-type",
+    ),
+    pytest.param({"httpRoute": {"enabeld": True}}, "enabeld", id="misspelt-route-key"),
+    pytest.param({"serviceMonitor": {"honorLabels": "true"}}, "honorLabels", id="string-honor"),
+    pytest.param({"extraVolumes": {"name": "x"}}, "extraVolumes", id="map-for-volume-list"),
+    pytest.param({"vllm": {"envFrom": [{"secret": {}}]}}, "secret", id="envfrom-unknown-source"),
+    pytest.param({"topologySpreadConstraints": [{"maxSkew": 1}]}, "topologyKey", id="spread"),
+    # the keys chart 0.2.0 moved: refused, naming their new place
+    pytest.param(
+        {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "moved to vllm.resources",
+        id="moved-resources",
+    ),
+    pytest.param(
+        {"securityContext": {"runAsUser": 10001}},
+        "moved to proxy.securityContext",
+        id="moved-security-context",
+    ),
 ]
 
 
@@ -347,6 +388,32 @@ TEMPLATE_CHECKS = [
     ),
     pytest.param({"autoscaling": {"enabled": True}}, "autoscaling", id="hpa-without-metric"),
     pytest.param({"modelCache": {"type": "existingClaim"}}, "existingClaim", id="claim-missing"),
+    pytest.param(
+        {"terminationGracePeriodSeconds": 30},
+        "terminationGracePeriodSeconds 30 must exceed preStopSleepSeconds 5 + "
+        "proxy.drainTimeout 25 = 30",
+        id="grace-not-above-prestop-and-drain",
+    ),
+    pytest.param(
+        {"preStopSleepSeconds": 0, "proxy": {"drainTimeout": 70}},
+        "must exceed preStopSleepSeconds 0 + proxy.drainTimeout 70 = 70",
+        id="drain-above-grace",
+    ),
+    pytest.param(
+        {"vllm": {"livenessProbe": {"tcpSocket": {"port": 8001}, "exec": {"command": ["true"]}}}},
+        "vllm.livenessProbe has 2 handlers",
+        id="probe-with-two-handlers",
+    ),
+    pytest.param(
+        {"proxy": {"env": [{"name": "HIDDEN_STATE_PROXY_API_KEY", "value": "k"}]}},
+        "proxy.apiKey.existingSecret",
+        id="key-in-env-and-secret",
+    ),
+    pytest.param(
+        {"proxy": {"apiKey": {"enabled": False}, "protectMetrics": True}},
+        "proxy.protectMetrics needs proxy.apiKey.enabled",
+        id="protect-metrics-without-key",
+    ),
 ]
 
 
@@ -373,8 +440,9 @@ def test_schema_is_draft7_and_accepts_defaults() -> None:
             chart.validate_schema(ci_values(name))
 
 
-#: Kubernetes-native objects whose optional fields need no chart default.
-NATIVE = {"global", "resources"}
+#: Kubernetes-native objects whose optional fields need no chart default, and the keys moved in
+#: chart 0.2.0 (declared only so that the schema names their new place).
+NATIVE = {"global", "resources", "securityContext"}
 
 
 def _schema_drift(schema: dict[str, Any], values: Any, path: str) -> list[str]:
@@ -421,7 +489,7 @@ def test_every_value_is_commented() -> None:
         has_doc = any(c.startswith("# --") for c in comments)
         following = next((x.strip() for x in lines[i + 1 :] if x.strip()), "")
         is_leaf = rest != "" or following.startswith("- ")
-        if has_doc and not is_leaf:
+        if has_doc:  # documents its whole value, a list of maps included
             documented_indent = indent
         elif is_leaf and not has_doc:
             missing.append(key)
@@ -450,6 +518,269 @@ def test_chart_files() -> None:
     assert "port-forward service/rel-vllm-hidden-state" in notes
     assert '"return_last_hidden_state": true' in notes
     assert "helm test rel" in notes
+    # The generated key, and how to read it.
+    assert (
+        "kubectl --namespace ns get secret rel-vllm-hidden-state-api-key "
+        "-o jsonpath='{.data.api-key}' | base64 -d" in notes
+    )
+    assert '-H "Authorization: Bearer $API_KEY"' in notes
+
+
+# ---------------------------------------------------------------------------------------------
+# chart 0.2.0: ci/all-fields-values.yaml, the API key, shutdown, probes, routes
+
+
+def test_every_field_of_all_fields_lands_where_it_belongs(rendered: dict[str, Any]) -> None:
+    values = ci_values("all-fields")
+    manifests = rendered["all-fields"]
+    spec = pod_spec(manifests)
+    vllm, proxy = container(manifests, "vllm"), container(manifests, "proxy")
+    for name, c in (("vllm", vllm), ("proxy", proxy)):
+        assert c["resources"] == values[name]["resources"], name
+        # Helm merges a map with the chart's default (the proxy's keeps its seccompProfile).
+        assert values[name]["securityContext"].items() <= c["securityContext"].items(), name
+        assert c["envFrom"] == values[name]["envFrom"], name
+        for mount in values[name]["extraVolumeMounts"]:
+            assert mount in c["volumeMounts"], name
+    assert spec["securityContext"] == values["podSecurityContext"]
+    volumes = [v for v in spec["volumes"] if v["name"] in {"chat-templates", "ca-bundle"}]
+    assert volumes == values["extraVolumes"]
+    for key in ("runtimeClassName", "priorityClassName", "topologySpreadConstraints"):
+        assert spec[key] == values[key], key
+    for key in ("nodeSelector", "tolerations", "affinity", "terminationGracePeriodSeconds"):
+        assert spec[key] == values[key], key
+    # probes: the values' fields as given, the chart's handler where they name none
+    assert vllm["startupProbe"]["initialDelaySeconds"] == 30
+    (python, flag, check) = vllm["readinessProbe"]["exec"]["command"]
+    assert (python, flag) == ("python3", "-c") and "'http://127.0.0.1:8001/health'" in check
+    assert "timeout=5)" in check  # the probe's own timeoutSeconds
+    # Helm merges a probe with the chart's default: the given fields win, the rest stay.
+    assert values["proxy"]["livenessProbe"].items() <= proxy["livenessProbe"].items()
+    assert "httpGet" not in proxy["livenessProbe"]
+    assert (
+        proxy["startupProbe"] == {"tcpSocket": {"port": "http"}} | values["proxy"]["startupProbe"]
+    )
+    assert proxy["readinessProbe"]["initialDelaySeconds"] == 2
+    # the proxy's options
+    argv = argv_of(proxy)
+    assert flag_value(argv, "--drain-timeout") == "40"
+    assert flag_value(argv, "--metrics-upstream-timeout") == "5"
+    assert "--protect-metrics" in argv and "--allow-unauthenticated" not in argv
+
+
+def test_defaults_have_no_new_optional_objects(rendered: dict[str, Any]) -> None:
+    """Ingress, HTTPRoute, ServiceMonitor, extra volumes and the scheduling fields are off by
+    default; the probes are those of chart 0.1.0."""
+    kinds = {d["kind"] for d in objects_of(rendered["default"])}
+    assert not kinds & {"Ingress", "HTTPRoute", "ServiceMonitor"}
+    spec = pod_spec(rendered["default"])
+    assert not {"runtimeClassName", "priorityClassName", "topologySpreadConstraints"} & set(spec)
+    assert {v["name"] for v in spec["volumes"]} == {"ring", "dshm", "proxy-tmp", "model-cache"}
+    vllm, proxy = container(rendered["default"], "vllm"), container(rendered["default"], "proxy")
+    assert "readinessProbe" not in vllm and "startupProbe" not in proxy
+    assert "envFrom" not in vllm and "envFrom" not in proxy
+    timing = {k: v for k, v in vllm["startupProbe"].items() if k != "exec"}
+    assert timing == {"periodSeconds": 10, "failureThreshold": 360, "timeoutSeconds": 5}
+    assert "timeout=5)" in vllm["startupProbe"]["exec"]["command"][2]
+    assert "timeout=10)" in vllm["livenessProbe"]["exec"]["command"][2]
+    assert proxy["livenessProbe"] == {
+        "tcpSocket": {"port": "http"},
+        "periodSeconds": 10,
+        "failureThreshold": 3,
+        "timeoutSeconds": 3,
+    }
+
+
+def test_a_probe_can_change_its_type_or_be_removed() -> None:
+    manifests = render(
+        {
+            "vllm": {"livenessProbe": None, "startupProbe": {"tcpSocket": {"port": 8001}}},
+            "proxy": {"readinessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 7}},
+        }
+    )
+    vllm, proxy = container(manifests, "vllm"), container(manifests, "proxy")
+    assert "livenessProbe" not in vllm
+    assert (
+        vllm["startupProbe"]["tcpSocket"] == {"port": 8001} and "exec" not in vllm["startupProbe"]
+    )
+    assert proxy["readinessProbe"] == {
+        "exec": {"command": ["true"]},
+        "periodSeconds": 7,
+        "failureThreshold": 3,
+        "timeoutSeconds": 3,
+    }
+
+
+def test_api_key_secret_is_generated_by_default(rendered: dict[str, Any]) -> None:
+    manifests = rendered["default"]
+    created = secrets(manifests)["rel-vllm-hidden-state-api-key"]
+    key = base64.b64decode(created["data"]["api-key"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", key)
+    ref = {"secretKeyRef": {"name": "rel-vllm-hidden-state-api-key", "key": "api-key"}}
+    assert env_of(container(manifests, "proxy"))["HIDDEN_STATE_PROXY_API_KEY"] == ref
+    assert "HIDDEN_STATE_PROXY_API_KEY" not in env_of(container(manifests, "vllm"))
+    argv = argv_of(container(manifests, "proxy"))
+    assert "--allow-unauthenticated" not in argv and "--protect-metrics" not in argv
+    assert not any(key in arg for arg in argv)  # never on the command line
+    (test_pod,) = [d for d in objects_of(manifests) if d["kind"] == "Pod"]
+    assert env_of(test_pod["spec"]["containers"][0])["API_KEY"] == ref
+    # Offline (no cluster for `lookup`), each render draws a new key.
+    again = secrets(render({}))["rel-vllm-hidden-state-api-key"]["data"]["api-key"]
+    assert again != created["data"]["api-key"]
+
+
+#: The one `lookup` of the chart: the generated key's Secret as the cluster holds it.
+LOOKUP = 'lookup "v1" "Secret" .Release.Namespace (include "vllm-hidden-state.apiKeySecretName" .)'
+
+
+def test_api_key_is_kept_across_upgrades(tmp_path: Path) -> None:
+    """`lookup` finds the release's Secret on an upgrade: its key is reused, not redrawn. Offline
+    it finds nothing, so the chart is copied with the lookup answering a Secret of the cluster."""
+    chart = shutil.copytree(CHART_DIR, tmp_path / "chart")
+    helpers = chart / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    assert text.count(LOOKUP) == 1
+    kept = base64.b64encode(b"the-key-the-cluster-has").decode()
+    helpers.write_text(text.replace(LOOKUP, f'dict "data" (dict "api-key" "{kept}")'))
+    with helm_python.Chart.load(str(chart)) as loaded:
+        rendered = loaded.render({}, name="rel", namespace="ns", is_upgrade=True)
+    (secret,) = [
+        doc
+        for doc in yaml.safe_load_all(rendered["vllm-hidden-state/templates/api-key-secret.yaml"])
+        if doc
+    ]
+    assert secret["data"]["api-key"] == kept
+
+
+def test_api_key_from_an_existing_secret(rendered: dict[str, Any]) -> None:
+    manifests = rendered["all-fields"]
+    assert "llm-api-key" not in secrets(manifests)
+    assert not any(name.endswith("-api-key") for name in secrets(manifests))
+    ref = {"secretKeyRef": {"name": "llm-api-key", "key": "token"}}
+    assert env_of(container(manifests, "proxy"))["HIDDEN_STATE_PROXY_API_KEY"] == ref
+    (test_pod,) = [d for d in objects_of(manifests) if d["kind"] == "Pod"]
+    assert env_of(test_pod["spec"]["containers"][0])["API_KEY"] == ref
+
+
+def test_api_key_switched_off() -> None:
+    manifests = render(
+        {"proxy": {"apiKey": {"enabled": False}}, "serviceMonitor": {"enabled": True}}
+    )
+    assert secrets(manifests) == {}
+    proxy = container(manifests, "proxy")
+    assert "HIDDEN_STATE_PROXY_API_KEY" not in env_of(proxy)
+    assert "--allow-unauthenticated" in argv_of(proxy)  # said, so the proxy does not warn
+    (test_pod,) = [d for d in objects_of(manifests) if d["kind"] == "Pod"]
+    assert "API_KEY" not in env_of(test_pod["spec"]["containers"][0])
+    (endpoint,) = only(objects_of(manifests), "ServiceMonitor")["spec"]["endpoints"]
+    assert "authorization" not in endpoint
+    with helm_python.Chart.load(str(CHART_DIR)) as chart:
+        notes = chart.render({"proxy": {"apiKey": {"enabled": False}}}, name="rel")[
+            "vllm-hidden-state/templates/NOTES.txt"
+        ]
+    assert "anyone who reaches the Service may use the model" in notes
+    assert "Authorization" not in notes
+
+
+def test_service_monitor_authenticates_with_the_key(rendered: dict[str, Any]) -> None:
+    values = ci_values("all-fields")["serviceMonitor"]
+    for name, secret, key in (
+        ("gpu", "rel-vllm-hidden-state-api-key", "api-key"),
+        ("all-fields", "llm-api-key", "token"),
+    ):
+        monitor = only(objects_of(rendered[name]), "ServiceMonitor")
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["authorization"] == {
+            "type": "Bearer",
+            "credentials": {"name": secret, "key": key},
+        }
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"] == values["relabelings"]
+    assert endpoint["metricRelabelings"] == values["metricRelabelings"]
+    # The shape the Prometheus Operator's CRD asks for (no offline schema for it).
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(endpoint) <= {
+        "port",
+        "path",
+        "interval",
+        "scrapeTimeout",
+        "honorLabels",
+        "authorization",
+        "relabelings",
+        "metricRelabelings",
+    }
+    for relabeling in endpoint["relabelings"] + endpoint["metricRelabelings"]:
+        assert set(relabeling) <= {
+            "sourceLabels",
+            "separator",
+            "targetLabel",
+            "regex",
+            "modulus",
+            "replacement",
+            "action",
+        }
+
+
+def test_ingress_and_http_route_reach_the_service(rendered: dict[str, Any]) -> None:
+    objects = objects_of(rendered["all-fields"])
+    service = only(objects, "Service")
+    name, port = service["metadata"]["name"], service["spec"]["ports"][0]
+    ingress = only(objects, "Ingress")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [
+        {"hosts": ["llm.example.com"], "secretName": "llm-example-tls"}
+    ]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "llm.example.com"
+    assert [p["path"] for p in rule["http"]["paths"]] == ["/v1", "/health"]
+    for path in rule["http"]["paths"]:
+        assert path["backend"]["service"] == {"name": name, "port": {"name": port["name"]}}
+    route = only(objects, "HTTPRoute")
+    # The shape of gateway.networking.k8s.io/v1 HTTPRoute (a CRD: no offline schema).
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert set(route["spec"]) == {"parentRefs", "hostnames", "rules"}
+    assert route["spec"]["parentRefs"] == [
+        {"name": "public-gateway", "namespace": "gateways", "sectionName": "https"}
+    ]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    (http_rule,) = route["spec"]["rules"]
+    assert set(http_rule) <= {"matches", "filters", "backendRefs", "timeouts"}
+    assert http_rule["backendRefs"] == [{"name": name, "port": port["port"]}]
+    assert http_rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert http_rule["timeouts"] == {"request": "600s"}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_shutdown_is_aligned_with_the_grace_period(rendered: dict[str, Any], name: str) -> None:
+    """preStop: the proxy sleeps while endpoints drop the pod, then drains for --drain-timeout;
+    vLLM sleeps through both, so requests being finished still reach it; the grace period
+    covers all of it."""
+    spec = pod_spec(rendered[name])
+    vllm, proxy = container(rendered[name], "vllm"), container(rendered[name], "proxy")
+    proxy_sleep = proxy["lifecycle"]["preStop"]["exec"]["command"]
+    vllm_sleep = vllm["lifecycle"]["preStop"]["exec"]["command"]
+    assert proxy_sleep[0] == vllm_sleep[0] == "sleep"  # in both images (coreutils)
+    drain = float(flag_value(argv_of(proxy), "--drain-timeout") or "nan")
+    assert int(vllm_sleep[1]) >= int(proxy_sleep[1]) + drain
+    assert spec["terminationGracePeriodSeconds"] > int(vllm_sleep[1])
+
+
+def test_chart_drain_default_is_the_proxys() -> None:
+    """One default: the chart passes its drainTimeout always (it needs the number for its
+    check), so it must be the proxy's own."""
+    from vllm_hidden_state_proxy.proxy.settings import ProxySettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ProxySettings)}
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    assert values["proxy"]["drainTimeout"] == defaults["drain_timeout"]
+    assert "the proxy's default (2)" in (CHART_DIR / "values.yaml").read_text()
+    assert defaults["metrics_upstream_timeout"] == 2
+
+
+def test_no_pre_stop_when_switched_off() -> None:
+    manifests = render({"preStopSleepSeconds": 0})
+    assert "lifecycle" not in container(manifests, "vllm")
+    assert "lifecycle" not in container(manifests, "proxy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,12 +790,16 @@ def test_chart_files() -> None:
 class _FakeProxy(BaseHTTPRequestHandler):
     reply: ClassVar[Any] = None
     seen: ClassVar[list[dict[str, Any]]] = []
+    #: The key the fake requires, as the proxy with --api-key does (401 otherwise); None: open.
+    key: ClassVar[str | None] = None
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append({"path": self.path, "body": body})
-        data = json.dumps(type(self).reply).encode()
-        self.send_response(200)
+        authorization = self.headers.get("Authorization")
+        type(self).seen.append({"path": self.path, "body": body, "authorization": authorization})
+        refused = type(self).key is not None and authorization != f"Bearer {type(self).key}"
+        data = json.dumps({"error": {"code": 401}} if refused else type(self).reply).encode()
+        self.send_response(401 if refused else 200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -482,6 +817,7 @@ def fake_proxy() -> Any:
     )
     thread.start()
     _FakeProxy.seen = []
+    _FakeProxy.key = None
     yield server
     server.shutdown()
     server.server_close()
@@ -531,3 +867,31 @@ def test_helm_test_script(fake_proxy: HTTPServer, reply: dict[str, Any], ok: boo
     assert request["path"] == "/v1/chat/completions"
     assert request["body"]["kv_transfer_params"] == {"return_last_hidden_state": True}
     assert request["body"]["model"] == "Qwen/Qwen3-0.6B"
+
+
+@pytest.mark.parametrize(
+    ("guard", "ok"),
+    [
+        pytest.param("k3y", True, id="guarded"),
+        pytest.param(None, False, id="open-service"),
+        pytest.param("other", False, id="wrong-key"),
+    ],
+)
+def test_helm_test_script_checks_the_key(
+    fake_proxy: HTTPServer, guard: str | None, ok: bool
+) -> None:
+    """With API_KEY (the rendered pod's secretKeyRef), the check wants 401 without the key first,
+    then a vector with it."""
+    _FakeProxy.reply = {"kv_transfer_params": {"last_hidden_state": [0.5] * 8}}
+    _FakeProxy.key = guard
+    argv, env = chart_commands(values={"tests": {"hiddenSize": 8}})["test"]
+    env["PROXY_URL"] = f"http://127.0.0.1:{fake_proxy.server_address[1]}"
+    env["API_KEY"] = "k3y"
+    result = subprocess.run(
+        [sys.executable, *argv[1:]], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode == 0) is ok, result.stdout + result.stderr
+    sent = [request["authorization"] for request in _FakeProxy.seen]
+    assert sent == ([None] if guard is None else [None, "Bearer k3y"])
+    if ok:
+        assert result.stdout.startswith("OK: 8 floats, 401 without the key")

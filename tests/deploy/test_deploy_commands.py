@@ -145,7 +145,10 @@ def test_chart_commands_cpu_values() -> None:
         "/run/vllm-hidden-states",
         "--vector-timeout",
         "30",
+        "--drain-timeout",
+        "25",
     ]
+    assert "HIDDEN_STATE_PROXY_API_KEY" not in proxy_env  # a secretKeyRef: not a literal
     assert proxy_env["HIDDEN_STATE_PROXY_RING_DIR"] == vllm_env["HIDDEN_STATE_PROXY_RING_DIR"]
     test_argv, test_env = commands["test"]
     assert test_argv[:2] == ["python3", "-c"]

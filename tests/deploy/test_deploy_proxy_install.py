@@ -55,10 +55,21 @@ def proxy_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _deployment_proxy_flags() -> set[str]:
     argvs = [compose_commands({}, service=s)["proxy"][0] for s in ("proxy", "proxy-cpu")]
     argvs += [chart_commands(path)["proxy"][0] for path in VALUES_FILES.values()]
+    argvs.append(chart_commands(values={"proxy": {"apiKey": {"enabled": False}}})["proxy"][0])
     for argv in argvs:
         assert argv[:2] == ["hidden-state-proxy", "proxy"]
     flags = {arg.split("=", 1)[0] for argv in argvs for arg in argv[2:] if arg.startswith("--")}
-    assert {"--upstream", "--host", "--port", "--ring-dir", "--vector-timeout"} <= flags
+    assert {
+        "--upstream",
+        "--host",
+        "--port",
+        "--ring-dir",
+        "--vector-timeout",
+        "--drain-timeout",
+        "--metrics-upstream-timeout",
+        "--protect-metrics",
+        "--allow-unauthenticated",
+    } <= flags
     return flags
 
 

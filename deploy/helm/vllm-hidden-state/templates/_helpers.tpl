@@ -91,6 +91,54 @@ Secret holding the Hugging Face token; empty when there is none.
 {{- end }}
 
 {{/*
+Secret holding the proxy's API key; empty when proxy.apiKey is off.
+*/}}
+{{- define "vllm-hidden-state.apiKeySecretName" -}}
+{{- if .Values.proxy.apiKey.enabled }}
+{{- if .Values.proxy.apiKey.existingSecret }}
+{{- .Values.proxy.apiKey.existingSecret }}
+{{- else }}
+{{- printf "%s-api-key" (include "vllm-hidden-state.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The generated API key, base64: the one the release's Secret already holds (so an upgrade keeps
+it; `lookup` finds nothing offline, e.g. under `helm template`), else a new random one.
+*/}}
+{{- define "vllm-hidden-state.apiKeyData" -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "vllm-hidden-state.apiKeySecretName" .) }}
+{{- $kept := dig "data" .Values.proxy.apiKey.secretKey "" ($existing | default dict) }}
+{{- if $kept }}
+{{- $kept }}
+{{- else }}
+{{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}
+
+{{/*
+A probe from values: as given, with the chart's handler when it names none.
+Call with (dict "probe" <values probe> "handler" <default handler>).
+*/}}
+{{- define "vllm-hidden-state.probe" -}}
+{{- $probe := deepCopy .probe }}
+{{- if not (or (hasKey $probe "exec") (hasKey $probe "httpGet") (hasKey $probe "tcpSocket") (hasKey $probe "grpc")) }}
+{{- $probe = merge $probe .handler }}
+{{- end }}
+{{- toYaml $probe }}
+{{- end }}
+
+{{/*
+The chart's handler for vLLM's probes: /health over loopback, from inside the container,
+within the probe's timeoutSeconds (Kubernetes' default 1 when unset).
+*/}}
+{{- define "vllm-hidden-state.vllmHealthHandler" -}}
+{{- $code := printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=%d)" (int .root.Values.vllm.port) (int (.probe.timeoutSeconds | default 1)) }}
+{{- dict "exec" (dict "command" (list "python3" "-c" $code)) | toYaml }}
+{{- end }}
+
+{{/*
 Checks that the schema cannot express. Rendered (empty) by the Deployment.
 */}}
 {{- define "vllm-hidden-state.validate" -}}
@@ -100,9 +148,33 @@ Checks that the schema cannot express. Rendered (empty) by the Deployment.
 {{- if eq (int .Values.vllm.port) (int .Values.proxy.port) }}
 {{- fail "vllm.port and proxy.port must differ: both containers share the pod's network namespace" }}
 {{- end }}
-{{- $gpus := dig "limits" "nvidia.com/gpu" "" .Values.resources }}
+{{- $gpus := dig "limits" "nvidia.com/gpu" "" (.Values.vllm.resources | default dict) }}
 {{- if and (ne (toString $gpus) "") (gt (int .Values.tensorParallelSize) (int $gpus)) }}
-{{- fail (printf "tensorParallelSize %d needs at least %d GPUs, but resources.limits[\"nvidia.com/gpu\"] is %v" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) $gpus) }}
+{{- fail (printf "tensorParallelSize %d needs at least %d GPUs, but vllm.resources.limits[\"nvidia.com/gpu\"] is %v" (int .Values.tensorParallelSize) (int .Values.tensorParallelSize) $gpus) }}
+{{- end }}
+{{- $stopping := add (int .Values.preStopSleepSeconds) (ceil .Values.proxy.drainTimeout) }}
+{{- if le (int .Values.terminationGracePeriodSeconds) (int $stopping) }}
+{{- fail (printf "terminationGracePeriodSeconds %d must exceed preStopSleepSeconds %d + proxy.drainTimeout %v = %d: kubelet would kill the pod while the proxy still drains requests (and vLLM, whose preStop sleeps that long, before it could shut down)" (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds) .Values.proxy.drainTimeout (int $stopping)) }}
+{{- end }}
+{{- range $name, $probe := dict "vllm.startupProbe" .Values.vllm.startupProbe "vllm.livenessProbe" .Values.vllm.livenessProbe "vllm.readinessProbe" .Values.vllm.readinessProbe "proxy.startupProbe" .Values.proxy.startupProbe "proxy.livenessProbe" .Values.proxy.livenessProbe "proxy.readinessProbe" .Values.proxy.readinessProbe }}
+{{- $handlers := 0 }}
+{{- range $handler := list "exec" "httpGet" "tcpSocket" "grpc" }}
+{{- if hasKey ($probe | default dict) $handler }}
+{{- $handlers = add1 $handlers }}
+{{- end }}
+{{- end }}
+{{- if gt $handlers 1 }}
+{{- fail (printf "%s has %d handlers (exec, httpGet, tcpSocket, grpc): a probe takes one. Helm merges your probe with the chart's default, so set the ones you do not want to null" $name $handlers) }}
+{{- end }}
+{{- end }}
+{{- if .Values.proxy.apiKey.enabled }}
+{{- range .Values.proxy.env }}
+{{- if has .name (list "HIDDEN_STATE_PROXY_API_KEY" "VLLM_API_KEY") }}
+{{- fail (printf "proxy.env sets %s while proxy.apiKey.enabled is true: the chart already gives the proxy its key; name your Secret in proxy.apiKey.existingSecret instead" .name) }}
+{{- end }}
+{{- end }}
+{{- else if .Values.proxy.protectMetrics }}
+{{- fail "proxy.protectMetrics needs proxy.apiKey.enabled: /metrics is protected by the API key" }}
 {{- end }}
 {{- range .Values.vllm.env }}
 {{- if and (eq .name "VLLM_PLUGINS") (hasKey . "value") (not (contains "hidden_state_hook" (toString .value))) }}
