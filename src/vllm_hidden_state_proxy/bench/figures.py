@@ -231,8 +231,8 @@ def matrix_panels(results: Results) -> list[Panel]:
 @dataclass(frozen=True)
 class BenchFigure:
     file: str
-    #: The table after which the report links the figure.
-    table: str
+    #: The tables it is drawn from: the report links it after the last of them the run has.
+    tables: tuple[str, ...]
     title: str
     panels: Callable[[Results], list[Panel]]
     #: The upstream the numbers come from, for the subtitle: the run's model, or a fixed one.
@@ -243,20 +243,20 @@ INSTANT = "instant upstream (a bare uvicorn app, no vLLM)"
 FIGURES = (
     BenchFigure(
         "bench-latency.png",
-        "throughput",
+        ("latency", "throughput"),
         "One-token chat latency: straight to vLLM and through the proxy",
         latency_panels,
     ),
     BenchFigure(
         "bench-cpu.png",
-        "instant",
+        ("instant",),
         "Proxy CPU per request against a bare uvicorn app (ratio above the bars)",
         cpu_panels,
         INSTANT,
     ),
     BenchFigure(
         "bench-matrix-cost.png",
-        "matrix_sizes",
+        ("matrix_sizes",),
         "Matrix size against cost: one client pulling all_prompt matrices (base64)",
         matrix_panels,
         INSTANT,
@@ -286,6 +286,7 @@ def write_figures(results: Results, output_dir: Path) -> list[Path]:
             panels,
             subtitle(results, figure.upstream),
         )
-        results.figures.setdefault(figure.table, []).append(FigureLink(figure.file, figure.title))
+        table = [name for name in figure.tables if name in results.tables][-1]
+        results.figures.setdefault(table, []).append(FigureLink(figure.file, figure.title))
         written.append(path)
     return written
