@@ -13,6 +13,7 @@ from vllm_hidden_state_proxy.bench.figures import (
     FIGURES,
     Bars,
     Lines,
+    redraw,
     save_figure,
     subtitle,
     write_figures,
@@ -109,6 +110,16 @@ def test_every_figure_is_a_png_linked_after_the_table_it_illustrates(tmp_path: P
     assert document["figures"]["instant"] == [
         {"file": "bench-cpu.png", "caption": FIGURES[1].title}
     ]
+
+
+def test_a_run_is_drawn_again_from_its_json(tmp_path: Path) -> None:
+    results = sample()
+    write_figures(results, tmp_path)
+    write_reports(results, tmp_path)
+    first = {path.name: path.read_bytes() for path in tmp_path.glob("*.png")}
+    for path in tmp_path.glob("*.png"):
+        path.unlink()
+    assert {path.name: path.read_bytes() for path in redraw(tmp_path)} == first
 
 
 def test_a_phase_left_out_has_no_figure_and_no_link(tmp_path: Path) -> None:

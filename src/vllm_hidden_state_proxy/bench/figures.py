@@ -15,11 +15,16 @@ The drawing itself is a small API of plain data (:class:`Bars`, :class:`Lines`,
 :func:`save_figure`) for any phase that wants a figure of its own. matplotlib (the ``bench``
 extra) is imported only when a figure is saved, with the Agg canvas and no pyplot: nothing
 else of the project imports it, the proxy least of all.
+
+``python -m vllm_hidden_state_proxy.bench.figures DIR`` draws the figures again from
+``DIR/bench.json`` (after a change to the drawing, without running the bench again).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +174,7 @@ def latency_panels(results: Results) -> list[Panel]:
                 ylabel="p50 latency per request (ms)",
                 title="by requests in flight",
                 logx=True,
+                logy=True,  # from ~10 ms alone to hundreds at 64 in flight
             )
         )
     return panels
@@ -290,3 +296,18 @@ def write_figures(results: Results, output_dir: Path) -> list[Path]:
         results.figures.setdefault(table, []).append(FigureLink(figure.file, figure.title))
         written.append(path)
     return written
+
+
+def redraw(output_dir: Path) -> list[Path]:
+    """The figures of the run whose ``bench.json`` is in ``output_dir``, drawn again."""
+    document = json.loads((output_dir / "bench.json").read_text())
+    results = Results(
+        meta=document["meta"],
+        tables={name: Table(**table) for name, table in document["tables"].items()},
+    )
+    return write_figures(results, output_dir)
+
+
+if __name__ == "__main__":
+    for written in redraw(Path(sys.argv[1])):
+        print(written)
