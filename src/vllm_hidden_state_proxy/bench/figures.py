@@ -112,7 +112,7 @@ def _draw_bars(ax: Axes, bars: Bars) -> None:
 
 
 def _draw_lines(ax: Axes, lines: Lines) -> None:
-    from matplotlib.ticker import NullLocator
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     for name, values in lines.series.items():
         ax.plot(list(lines.x), [_number(v) for v in values], marker="o", label=name)
@@ -120,6 +120,9 @@ def _draw_lines(ax: Axes, lines: Lines) -> None:
         ax.set_xscale("log", base=2)
     if lines.logy:
         ax.set_yscale("log")
+        # Plain numbers (not 6x10^2), the minor ticks labelled at 2 and 5 of each decade.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
     else:
         ax.set_ylim(bottom=0)  # a linear scale from zero: differences at their true size
     # Ticks at the measured points, written as numbers (not 2^k).
@@ -128,6 +131,11 @@ def _draw_lines(ax: Axes, lines: Lines) -> None:
     ax.set_xlabel(lines.xlabel)
     ax.set_ylabel(lines.ylabel)
     _finish(ax, lines.title, axis="both")
+
+
+def _two_and_five(value: float, _: object) -> str:
+    leading = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}" if round(leading) in (2, 5) else ""
 
 
 def _finish(ax: Axes, title: str, axis: str) -> None:
