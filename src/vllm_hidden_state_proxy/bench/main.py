@@ -35,7 +35,13 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
     layers_table,
     measure_visit,
 )
-from vllm_hidden_state_proxy.bench.matrices import SIZES_TITLE, run_matrix_arm, run_size_sweep
+from vllm_hidden_state_proxy.bench.matrices import (
+    MAX_PULLS,
+    MIN_PULLS,
+    SIZES_TITLE,
+    run_matrix_arm,
+    run_size_sweep,
+)
 from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
@@ -267,7 +273,7 @@ def measure_matrices(options: BenchOptions, results: Results, progress: Progress
         progress=progress,
     )
     results.tables["matrix_sizes"] = run_size_sweep(
-        options.output_dir, options.matrix_sizes, progress
+        options.output_dir, options.matrix_sizes, progress, MIN_PULLS if smoke else MAX_PULLS
     )
 
 

@@ -312,9 +312,9 @@ def run_matrix_arm(
         )
 
 
-def sweep_pulls(matrix_mib: int) -> int:
-    """Pulls of the size sweep for matrices of ``matrix_mib`` MiB."""
-    return max(MIN_PULLS, min(MAX_PULLS, SWEEP_MIB // matrix_mib))
+def sweep_pulls(matrix_mib: int, most: int = MAX_PULLS) -> int:
+    """Pulls of the size sweep for matrices of ``matrix_mib`` MiB, at most ``most``."""
+    return max(MIN_PULLS, min(most, SWEEP_MIB // matrix_mib))
 
 
 async def measure_size(proxy: Server, upstream: Server, matrix_mib: int, pulls: int) -> Row:
@@ -340,14 +340,16 @@ async def measure_size(proxy: Server, upstream: Server, matrix_mib: int, pulls: 
     }
 
 
-def run_size_sweep(log_dir: Path, sizes: Sequence[int], progress: Progress) -> Table:
+def run_size_sweep(
+    log_dir: Path, sizes: Sequence[int], progress: Progress, most_pulls: int = MAX_PULLS
+) -> Table:
     """A fresh instant upstream and proxy for each size (the upstream publishes one size)."""
     rows: list[Row] = []
     task = progress.task(f"matrix sizes ({', '.join(map(str, sizes))} MiB)", len(sizes))
     for matrix_mib in sizes:
         proxies = [(f"matrices {matrix_mib} MiB", ())]
         with instant_stack(log_dir, progress, proxies, matrix_bytes=matrix_mib * MIB) as stack:
-            pulls = sweep_pulls(matrix_mib)
+            pulls = sweep_pulls(matrix_mib, most_pulls)
             rows.append(asyncio.run(measure_size(stack.proxies[0], stack.app, matrix_mib, pulls)))
         task.advance(1)
     task.done()
