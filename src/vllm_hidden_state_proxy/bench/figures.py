@@ -87,7 +87,8 @@ def save_figure(
             _draw_lines(ax, panel)
     figure.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # No Software entry: the same data give the same bytes whatever matplotlib's version.
+    # No Software entry (it names matplotlib's version) and no date: a file changes only
+    # when what it shows does (with one matplotlib).
     figure.savefig(path, dpi=dpi, metadata={"Software": None})
     return path
 
