@@ -134,7 +134,7 @@ serve: install
 	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
 
 # Starts its own vLLM server (holding the machine-wide vLLM lock); writes
-# bench-results/bench.{md,json}.
+# bench-results/bench.{md,json} and its figures (bench-*.png).
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hidden_state_proxy.bench.main import _local_pid, describe, run_bench
+from vllm_hidden_state_proxy.bench.main import _local_pid, _short_cpu, describe, run_bench
 from vllm_hidden_state_proxy.bench.options import from_args
 from vllm_hidden_state_proxy.cli import build_parser, main
 
@@ -32,6 +32,15 @@ def test_the_report_describes_the_run_but_never_the_key() -> None:
     meta = describe(options)
     assert {"date", "machine", "versions", "mode", "options"} <= set(meta)
     assert "(smoke)" in meta["mode"] and "s3cret" not in json.dumps(meta)
+    # The figures' subtitle: short.
+    assert meta["host"].endswith("no GPU") and "tiny offline model" in meta["model"]
+
+
+def test_the_figures_name_the_cpu_briefly() -> None:
+    assert (
+        _short_cpu("Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz") == "Intel Xeon Platinum 8375C"
+    )
+    assert _short_cpu("AMD EPYC 7B13 64-Core Processor") == "AMD EPYC 7B13 64-Core"
 
 
 def test_only_servers_on_this_machine_have_a_pid_to_read() -> None:

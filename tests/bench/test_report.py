@@ -103,7 +103,7 @@ def test_json_holds_the_tables_and_the_verdicts(tmp_path: Path) -> None:
     evaluate(results)
     json_path, markdown_path = write_reports(results, tmp_path / "out")
     document = json.loads(json_path.read_text())
-    assert set(document) == {"meta", "targets", "tables"}
+    assert set(document) == {"meta", "targets", "tables", "figures"}
     assert document["tables"]["latency"]["rows"][2]["p50 / passthrough"] == 1.01
     first = document["targets"][0]
     assert first["label"] == "flagged / direct, latency p50" and first["passed"] is False

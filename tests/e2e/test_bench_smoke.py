@@ -57,6 +57,11 @@ def report(
     text = (output / "bench.json").read_text()
     assert BENCH_KEY not in text and BENCH_KEY not in markdown
     document: dict[str, Any] = json.loads(text)
+    # The figures: each a PNG next to the report, linked from it.
+    links = [link["file"] for links in document["figures"].values() for link in links]
+    assert sorted(links) == ["bench-cpu.png", "bench-latency.png", "bench-matrix-cost.png"]
+    for name in links:
+        assert (output / name).read_bytes()[:4] == b"\x89PNG" and f"]({name})" in markdown
     return document
 
 
@@ -139,8 +144,12 @@ def test_the_hop_alone_ring_memory_and_every_target(report: dict[str, Any]) -> N
             assert target["value"] is not None and target["value"] > 0, target
 
 
-def test_the_matrix_arm(report: dict[str, Any]) -> None:
+def test_the_matrix_arm_and_the_size_sweep(report: dict[str, Any]) -> None:
     matrices = rows(report, "matrices")
     positive(matrices["MB/s of 4 MiB matrices, 1 client"], "value")
     positive(matrices["ordinary p99 ms, beside pulls"], "value")
     positive(matrices["proxy private MiB, peak under lists and silent clients"], "value")
+    sizes = report["tables"]["matrix_sizes"]["rows"]
+    assert [row["matrix MiB"] for row in sizes] == [1, 4]  # --smoke's
+    for row in sizes:
+        positive(row, "pull p50 ms", "MB/s of rows", "proxy CPU ms/matrix")

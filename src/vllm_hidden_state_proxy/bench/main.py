@@ -25,6 +25,7 @@ from vllm_hidden_state_proxy.bench.beside import ORDINARY_CONCURRENCY, measure_b
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
+from vllm_hidden_state_proxy.bench.figures import write_figures
 from vllm_hidden_state_proxy.bench.instant import measure_instant, measure_instant_throughput
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
 from vllm_hidden_state_proxy.bench.layers_cost import (
@@ -34,8 +35,14 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
     layers_table,
     measure_visit,
 )
+from vllm_hidden_state_proxy.bench.matrices import (
+    MAX_PULLS,
+    MIN_PULLS,
+    SIZES_TITLE,
+    run_matrix_arm,
+    run_size_sweep,
+)
 from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
-from vllm_hidden_state_proxy.bench.matrices import run_matrix_arm
 from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
@@ -87,6 +94,13 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
+def _short_cpu(model: str) -> str:
+    """``Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz`` -> ``Intel Xeon Platinum 8375C``."""
+    for mark in ("(R)", "(TM)", "(tm)", " CPU", " Processor"):
+        model = model.replace(mark, "")
+    return " ".join(model.split("@")[0].split())
+
+
 def _load() -> str:
     """The 1-minute load average: how busy the machine was besides the bench."""
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
@@ -112,6 +126,11 @@ def describe(options: BenchOptions) -> dict[str, Any]:
     )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # Short forms for the figures' titles.
+        "host": f"{os.cpu_count()} CPU cores ({_short_cpu(_cpu_model())}), no GPU",
+        "model": f"proxy {options.proxy_url}"
+        if options.proxy_url
+        else "vLLM (CPU build) on the tiny offline model",
         "machine": f"{_cpu_model()}, {os.cpu_count()} CPU cores, "
         f"no GPU used ({platform.system()} {platform.release()})",
         "versions": ", ".join(v for v in versions if v),
@@ -239,9 +258,10 @@ def measure_layers(
 
 
 def measure_matrices(options: BenchOptions, results: Results, progress: Progress) -> None:
-    """The matrix arm, in front of the instant upstream (issue #36)."""
+    """The matrix arm and the size sweep, in front of the instant upstream (issue #36)."""
     if not options.matrix_mib:
         results.tables["matrices"] = Table(MATRICES_TITLE, note="skipped: --no-matrices")
+        results.tables["matrix_sizes"] = Table(SIZES_TITLE, note="skipped: --no-matrices")
         return
     smoke = options.smoke
     results.tables["matrices"] = run_matrix_arm(
@@ -251,6 +271,9 @@ def measure_matrices(options: BenchOptions, results: Results, progress: Progress
         pulls_beside=1 if smoke else 3,
         rounds=1 if smoke else 3,
         progress=progress,
+    )
+    results.tables["matrix_sizes"] = run_size_sweep(
+        options.output_dir, options.matrix_sizes, progress, MIN_PULLS if smoke else MAX_PULLS
     )
 
 
@@ -272,6 +295,7 @@ def run(options: BenchOptions, progress: Progress) -> Results:
         measure_matrices(options, results, progress)
         if options.proxy_url is not None and options.vllm_url is not None:
             model = served_model(options.vllm_url, options.vllm_api_key)
+            results.meta["model"] = f"{model} behind {options.proxy_url}"
             stack = ChatStack(
                 options.proxy_url,
                 options.vllm_url,
@@ -315,6 +339,10 @@ def run_bench(args: argparse.Namespace) -> int:
         progress.say(f"failed: {problem}")
         return 1
     evaluate(results)
+    try:
+        write_figures(results, options.output_dir)
+    except ImportError as missing:  # matplotlib: the bench extra's, imported when drawing
+        progress.say(f"no figures: {missing} (pip install 'vllm-hidden-state-proxy[bench]')")
     json_path, markdown_path = write_reports(results, options.output_dir)
     sys.stdout.write(render_markdown(results))
     sys.stdout.flush()

@@ -16,6 +16,10 @@ MiB (base64 float32 in the answer: 4/3 of that on the wire) for every flagged co
   :data:`SILENT_CLIENTS` clients ask for a matrix each and never read, until the proxy cuts
   them (``--send-timeout``); against the idle RSS plus ``--vectors-budget``.
 
+The size sweep (table ``matrix_sizes``, the figure of matrix size against cost): for each
+size, a fresh instant upstream and proxy, one client pulling matrices of that size back to
+back; time per pull, and the proxy's and the upstream's CPU per matrix.
+
 Vectors here are not vLLM's: the arm measures the proxy's side (the ring copy, CRC, encoding,
 sending); the hook's side is the worker's (the ring microbenchmark and the e2e tests).
 """
@@ -26,6 +30,7 @@ import asyncio
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,10 @@ SILENT_CLIENTS = 20
 PROMPTS_PER_LIST = 8
 SEND_TIMEOUT = 5.0
 TITLE = "Matrices: one proxy process serving the largest matrices"
+SIZES_TITLE = "Matrix size against cost: one client pulling matrices back to back"
+#: The size sweep pulls about this many MiB per size, in at least MIN_PULLS pulls (CPU time
+#: comes in 10 ms ticks: a few hundred ms per size keep a tick noise) and at most MAX_PULLS.
+SWEEP_MIB, MIN_PULLS, MAX_PULLS = 512, 4, 64
 
 
 def matrix_body(prompt: Any = "a b c") -> bytes:
@@ -301,3 +310,54 @@ def run_matrix_arm(
         return asyncio.run(
             measure_matrix_arm(stack.proxies[0], matrix_mib, pulls, pulls_beside, rounds, progress)
         )
+
+
+def sweep_pulls(matrix_mib: int, most: int = MAX_PULLS) -> int:
+    """Pulls of the size sweep for matrices of ``matrix_mib`` MiB, at most ``most``."""
+    return max(MIN_PULLS, min(most, SWEEP_MIB // matrix_mib))
+
+
+async def measure_size(proxy: Server, upstream: Server, matrix_mib: int, pulls: int) -> Row:
+    """One client, ``pulls`` matrices of ``matrix_mib`` MiB back to back after one warm-up
+    pull: the time per pull and both servers' CPU per matrix (read around all the pulls)."""
+    matrix = matrix_mib * MIB
+    expected = matrix * 4 // 3
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=300) as client:
+        await _pull(client, expected)
+        proxy_before, upstream_before = proxy.cpu(), upstream.cpu()
+        times = [await _pull(client, expected) for _ in range(pulls)]
+        proxy_cpu, upstream_cpu = proxy.cpu() - proxy_before, upstream.cpu() - upstream_before
+    took = summarize(times, 1e3)
+    return {
+        "matrix MiB": matrix_mib,
+        "pulls": pulls,
+        "pull p50 ms": took.p50,
+        "pull p90 ms": took.p90,
+        "MB/s of rows": pulls * matrix / sum(times) / 1e6,
+        "proxy CPU ms/matrix": 1e3 * proxy_cpu / pulls,
+        "upstream CPU ms/matrix": 1e3 * upstream_cpu / pulls,
+        "proxy CPU ms/MiB": 1e3 * proxy_cpu / pulls / matrix_mib,
+    }
+
+
+def run_size_sweep(
+    log_dir: Path, sizes: Sequence[int], progress: Progress, most_pulls: int = MAX_PULLS
+) -> Table:
+    """A fresh instant upstream and proxy for each size (the upstream publishes one size)."""
+    rows: list[Row] = []
+    task = progress.task(f"matrix sizes ({', '.join(map(str, sizes))} MiB)", len(sizes))
+    for matrix_mib in sizes:
+        proxies = [(f"matrices {matrix_mib} MiB", ())]
+        with instant_stack(log_dir, progress, proxies, matrix_bytes=matrix_mib * MIB) as stack:
+            pulls = sweep_pulls(matrix_mib, most_pulls)
+            rows.append(asyncio.run(measure_size(stack.proxies[0], stack.app, matrix_mib, pulls)))
+        task.advance(1)
+    task.done()
+    return Table(
+        SIZES_TITLE,
+        rows,
+        "Base64 float32 all_prompt matrices from the instant upstream's fake hook (4/3 of the "
+        "size on the wire), one client, one proxy process with default options; CPU: user + "
+        "system time of each server's process tree around all pulls of a size (10 ms ticks). "
+        "The upstream's CPU is the fake hook's publication and its answer, not the proxy's.",
+    )

@@ -22,6 +22,8 @@ RING_OPS = 3000
 #: The matrix arm's matrices: the largest one request may take by default (the hook's
 #: HIDDEN_STATE_PROXY_MAX_RECORD_MIB); in smoke mode, small ones.
 MATRIX_MIB, SMOKE_MATRIX_MIB = 64, 4
+#: The matrix sizes of the size sweep (matrix size against cost), MiB.
+MATRIX_SIZES, SMOKE_MATRIX_SIZES = "1,4,16,64", "1,4"
 ROUNDS = 6
 #: Requests per arm of the CPU-time phase, at least (the proxy's share must be many ticks).
 MIN_CPU_REQUESTS = 50
@@ -66,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MIB",
         help=f"the matrix arm's matrix size (default {MATRIX_MIB}; smoke {SMOKE_MATRIX_MIB})",
     )
+    add(
+        "--matrix-sizes",
+        metavar="LIST",
+        help=f"the size sweep's matrix sizes in MiB (default {MATRIX_SIZES}; "
+        f"smoke {SMOKE_MATRIX_SIZES})",
+    )
     add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 
@@ -96,6 +104,8 @@ class BenchOptions:
     layers_requests: int
     #: The matrix arm's matrix size in MiB; 0: no matrix arm.
     matrix_mib: int = 0
+    #: The size sweep's matrix sizes in MiB; empty: no sweep (with no matrix arm).
+    matrix_sizes: tuple[int, ...] = ()
     #: Only the matrix arm (nothing that needs vLLM).
     matrices_only: bool = False
     #: Sent as ``Authorization: Bearer`` to the proxy only.
@@ -169,6 +179,9 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
     if args.matrices_only and args.no_matrices:
         raise OptionsError("--matrices-only and --no-matrices contradict each other")
     matrix_mib = args.matrix_mib or (SMOKE_MATRIX_MIB if smoke else MATRIX_MIB)
+    sizes = parse_levels(
+        args.matrix_sizes or (SMOKE_MATRIX_SIZES if smoke else MATRIX_SIZES), "--matrix-sizes"
+    )
     return BenchOptions(
         output_dir=args.output_dir,
         model_dir=args.model_dir,
@@ -187,6 +200,7 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         instant_requests=0 if args.no_instant else max(rounds, instant),
         layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
         matrix_mib=0 if args.no_matrices else matrix_mib,
+        matrix_sizes=() if args.no_matrices else sizes,
         matrices_only=bool(args.matrices_only),
         api_key=args.api_key,
         vllm_api_key=args.vllm_api_key,

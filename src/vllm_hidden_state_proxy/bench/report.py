@@ -1,5 +1,6 @@
 """What a run found: one table per phase (rows of named cells, the same in bench.md and in
-bench.json; ratios between arms are columns), and the targets, each a limit on one cell."""
+bench.json; ratios between arms are columns), the targets, each a limit on one cell, and the
+figures drawn from the tables (``figures.py``), each linked after the table it illustrates."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from vllm_hidden_state_proxy.bench.stats import Summary
 
@@ -155,11 +156,20 @@ class Verdict:
         return self.value <= limit if self.target.op == "<=" else self.value >= limit
 
 
+class FigureLink(NamedTuple):
+    """A figure written next to the report: its file name there, and what it shows."""
+
+    file: str
+    caption: str
+
+
 @dataclass
 class Results:
     meta: dict[str, Any]
     tables: dict[str, Table] = field(default_factory=dict)
     verdicts: list[Verdict] = field(default_factory=list)
+    #: Table name -> the figures drawn from it (and others), linked after that table.
+    figures: dict[str, list[FigureLink]] = field(default_factory=dict)
 
     def value(self, table: str, key: Cell, column: str) -> float | None:
         found = self.tables.get(table)
@@ -173,6 +183,9 @@ class Results:
                 for v in self.verdicts
             ],
             "tables": {name: asdict(table) for name, table in self.tables.items()},
+            "figures": {
+                name: [link._asdict() for link in links] for name, links in self.figures.items()
+            },
         }
 
 
@@ -241,6 +254,8 @@ def render_markdown(results: Results) -> str:
         lines += ["", f"## {table.title}"]
         lines += ["", *markdown_table(table.rows)] if table.rows else []
         lines += ["", table.note] if table.note else []
+        for link in results.figures.get(name, ()):
+            lines += ["", f"![{link.caption}]({link.file})"]
     return "\n".join(lines) + "\n"
 
 

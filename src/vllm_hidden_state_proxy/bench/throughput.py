@@ -71,6 +71,7 @@ async def measure_throughput(
                 "passthrough / direct": median_ratio(passthrough.rates, direct.rates),
                 "flagged / direct": median_ratio(flagged.rates, direct.rates),
                 "direct p50 ms": summarize(direct.latencies, 1e3).p50,
+                "passthrough p50 ms": summarize(passthrough.latencies, 1e3).p50,
                 "flagged p50 ms": summarize(flagged.latencies, 1e3).p50,
                 "requests per arm": direct.requests,
             }

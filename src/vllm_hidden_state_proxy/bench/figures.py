@@ -1,0 +1,322 @@
+"""PNG figures of a bench run, written next to ``bench.md`` and linked after the tables they
+illustrate (issue #39):
+
+- ``bench-latency.png``: one-token chat latency by arm, one request at a time (``latency``),
+  and p50 by arm against the requests in flight (``throughput``);
+- ``bench-cpu.png``: the proxy's CPU per request against the bare uvicorn app's, behind the
+  instant upstream (``instant``);
+- ``bench-matrix-cost.png``: matrix size against the time and CPU one matrix costs
+  (``matrix_sizes``).
+
+A figure whose tables a run left out (``--no-instant``, ``--no-matrices``...) is not drawn,
+and nothing links to it.
+
+The drawing itself is a small API of plain data (:class:`Bars`, :class:`Lines`,
+:func:`save_figure`) for any phase that wants a figure of its own. matplotlib (the ``bench``
+extra) is imported only when a figure is saved, with the Agg canvas and no pyplot: nothing
+else of the project imports it, the proxy least of all.
+
+``python -m vllm_hidden_state_proxy.bench.figures DIR`` draws the figures again from
+``DIR/bench.json`` (after a change to the drawing, without running the bench again).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm_hidden_state_proxy.bench.report import FigureLink, Results, Table
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+#: Inches and dots per inch of a saved figure: ~1000 x 450 pixels, tens of KB.
+SIZE = (10.0, 4.5)
+DPI = 100
+Value = float | int | None
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Grouped bars: one group per label of ``groups``, one bar per series in each (a missing
+    value leaves a gap); ``labels``: text above a series' bars (a ratio, say)."""
+
+    groups: Sequence[str]
+    series: Mapping[str, Sequence[Value]]
+    ylabel: str
+    title: str = ""
+    labels: Mapping[str, Sequence[str | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Lines:
+    """One line with markers per series over ``x`` (a missing value breaks the line)."""
+
+    x: Sequence[float]
+    series: Mapping[str, Sequence[Value]]
+    xlabel: str
+    ylabel: str
+    title: str = ""
+    logx: bool = False
+    logy: bool = False
+
+
+Panel = Bars | Lines
+
+
+def save_figure(
+    path: Path, title: str, panels: Sequence[Panel], subtitle: str = "", dpi: int = DPI
+) -> Path:
+    """``panels`` side by side under ``title`` (and a smaller ``subtitle``: the machine, the
+    model), saved as a PNG at ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=SIZE, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        if isinstance(panel, Bars):
+            _draw_bars(ax, panel)
+        else:
+            _draw_lines(ax, panel)
+    figure.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # No Software entry (it names matplotlib's version) and no date: a file changes only
+    # when what it shows does (with one matplotlib).
+    figure.savefig(path, dpi=dpi, metadata={"Software": None})
+    return path
+
+
+def _number(value: Value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _draw_bars(ax: Axes, bars: Bars) -> None:
+    count = max(1, len(bars.series))
+    width = 0.8 / count
+    for number, (name, values) in enumerate(bars.series.items()):
+        offsets = [g + (number - (count - 1) / 2) * width for g in range(len(bars.groups))]
+        drawn = ax.bar(offsets, [_number(v) for v in values], width, label=name)
+        texts = bars.labels.get(name)
+        if texts:
+            ax.bar_label(drawn, labels=[t or "" for t in texts], fontsize=8, padding=2)
+    ax.set_xticks(range(len(bars.groups)), list(bars.groups), rotation=20, ha="right")
+    ax.set_ylabel(bars.ylabel)
+    ax.margins(y=0.12)  # room for the labels above the bars
+    _finish(ax, bars.title, axis="y")
+
+
+def _draw_lines(ax: Axes, lines: Lines) -> None:
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    for name, values in lines.series.items():
+        ax.plot(list(lines.x), [_number(v) for v in values], marker="o", label=name)
+    if lines.logx:
+        ax.set_xscale("log", base=2)
+    if lines.logy:
+        ax.set_yscale("log")
+        # Plain numbers (not 6x10^2), the minor ticks labelled at 2 and 5 of each decade.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
+    else:
+        ax.set_ylim(bottom=0)  # a linear scale from zero: differences at their true size
+    # Ticks at the measured points, written as numbers (not 2^k).
+    ax.set_xticks(list(lines.x), [f"{x:g}" for x in lines.x])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(lines.xlabel)
+    ax.set_ylabel(lines.ylabel)
+    _finish(ax, lines.title, axis="both")
+
+
+def _two_and_five(value: float, _: object) -> str:
+    leading = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}" if round(leading) in (2, 5) else ""
+
+
+def _finish(ax: Axes, title: str, axis: str) -> None:
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.grid(True, axis=axis, alpha=0.3)  # type: ignore[arg-type]
+    ax.legend(fontsize=8)
+
+
+# The bench's own figures, from its tables.
+
+
+def _rows(results: Results, name: str) -> list[dict[str, Any]]:
+    table = results.tables.get(name, Table(name))
+    return [dict(row) for row in table.rows]
+
+
+def _column(rows: Sequence[Mapping[str, Any]], column: str) -> list[Value]:
+    values = [row.get(column) for row in rows]
+    return [v if isinstance(v, (int, float)) else None for v in values]
+
+
+def latency_panels(results: Results) -> list[Panel]:
+    panels: list[Panel] = []
+    one = _rows(results, "latency")
+    if one:
+        panels.append(
+            Bars(
+                groups=[str(row["arm"]) for row in one],
+                series={p: _column(one, f"{p} ms") for p in ("p50", "p90", "p99")},
+                ylabel="latency per request (ms)",
+                title="one request at a time",
+            )
+        )
+    levels = [row for row in _rows(results, "throughput") if row.get("concurrency")]
+    if levels:
+        panels.append(
+            Lines(
+                x=[float(row["concurrency"]) for row in levels],
+                series={
+                    a: _column(levels, f"{a} p50 ms") for a in ("direct", "passthrough", "flagged")
+                },
+                xlabel="requests in flight",
+                ylabel="p50 latency per request (ms)",
+                title="by requests in flight",
+                logx=True,
+                logy=True,  # from ~10 ms alone to hundreds at 64 in flight
+            )
+        )
+    return panels
+
+
+def cpu_panels(results: Results) -> list[Panel]:
+    rows = _rows(results, "instant")
+    app = {row["arm"]: row.get("app CPU ms/request") for row in rows}
+    via_proxy = [row for row in rows if row.get("proxy CPU ms/request") is not None]
+    if not via_proxy:
+        return []
+
+    def baseline(arm: str) -> Value:
+        value = app.get("stream_direct" if arm.startswith("stream") else "direct")
+        return value if isinstance(value, (int, float)) else None
+
+    ratios = _column(via_proxy, "proxy / app CPU")
+    return [
+        Bars(
+            groups=[str(row["arm"]) for row in via_proxy],
+            series={
+                "proxy": _column(via_proxy, "proxy CPU ms/request"),
+                "bare uvicorn app (its direct arm)": [baseline(str(r["arm"])) for r in via_proxy],
+            },
+            ylabel="CPU time per request (ms)",
+            labels={"proxy": [None if r is None else f"{r:.1f}×" for r in ratios]},
+        )
+    ]
+
+
+def matrix_panels(results: Results) -> list[Panel]:
+    rows = _rows(results, "matrix_sizes")
+    if not rows:
+        return []
+    sizes = [float(row["matrix MiB"]) for row in rows]
+    return [
+        Lines(
+            x=sizes,
+            series={
+                "pull, client-side (p50)": _column(rows, "pull p50 ms"),
+                "proxy CPU": _column(rows, "proxy CPU ms/matrix"),
+            },
+            xlabel="matrix size (MiB of float32)",
+            ylabel="ms per matrix",
+            title="time and CPU per matrix",
+            logx=True,
+            logy=True,
+        ),
+        Lines(
+            x=sizes,
+            series={"one client": _column(rows, "MB/s of rows")},
+            xlabel="matrix size (MiB of float32)",
+            ylabel="matrix rows served (MB/s)",
+            title="throughput",
+            logx=True,
+        ),
+    ]
+
+
+@dataclass(frozen=True)
+class BenchFigure:
+    file: str
+    #: The tables it is drawn from: the report links it after the last of them the run has.
+    tables: tuple[str, ...]
+    title: str
+    panels: Callable[[Results], list[Panel]]
+    #: The upstream the numbers come from, for the subtitle: the run's model, or a fixed one.
+    upstream: str | None = None
+
+
+INSTANT = "instant upstream (a bare uvicorn app, no vLLM)"
+FIGURES = (
+    BenchFigure(
+        "bench-latency.png",
+        ("latency", "throughput"),
+        "One-token chat latency: straight to vLLM and through the proxy",
+        latency_panels,
+    ),
+    BenchFigure(
+        "bench-cpu.png",
+        ("instant",),
+        "Proxy CPU per request against a bare uvicorn app (ratio above the bars)",
+        cpu_panels,
+        INSTANT,
+    ),
+    BenchFigure(
+        "bench-matrix-cost.png",
+        ("matrix_sizes",),
+        "Matrix size against cost: one client pulling all_prompt matrices (base64)",
+        matrix_panels,
+        INSTANT,
+    ),
+)
+
+
+def subtitle(results: Results, upstream: str | None) -> str:
+    meta = results.meta
+    parts = [meta.get("host"), upstream or meta.get("model"), str(meta.get("date", ""))[:10]]
+    return " · ".join(str(part) for part in parts if part)
+
+
+def write_figures(results: Results, output_dir: Path) -> list[Path]:
+    """Each figure whose tables the run has, into ``output_dir``; its link into ``results``.
+    A figure the run has no data for is removed there (a stale one from an earlier run into
+    the same directory would look like this run's)."""
+    written = []
+    for figure in FIGURES:
+        panels = figure.panels(results)
+        if not panels:
+            (output_dir / figure.file).unlink(missing_ok=True)
+            continue
+        path = save_figure(
+            output_dir / figure.file,
+            figure.title,
+            panels,
+            subtitle(results, figure.upstream),
+        )
+        table = [name for name in figure.tables if name in results.tables][-1]
+        results.figures.setdefault(table, []).append(FigureLink(figure.file, figure.title))
+        written.append(path)
+    return written
+
+
+def redraw(output_dir: Path) -> list[Path]:
+    """The figures of the run whose ``bench.json`` is in ``output_dir``, drawn again."""
+    document = json.loads((output_dir / "bench.json").read_text())
+    results = Results(
+        meta=document["meta"],
+        tables={name: Table(**table) for name, table in document["tables"].items()},
+    )
+    return write_figures(results, output_dir)
+
+
+if __name__ == "__main__":
+    for written in redraw(Path(sys.argv[1])):
+        print(written)
