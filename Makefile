@@ -138,10 +138,13 @@ serve: install
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
 
-# compose.yaml's CPU pair on the public base images (Docker Compose v2, Docker Engine 20.10+):
-# builds the proxy and CPU vLLM images, starts both and returns once both are healthy. Settings
-# (MODEL, PROXY_PORT, VLLM_EXTRA_ARGS, ...) come from the environment: docs/deploy.md.
+# compose.yaml's CPU pair built from this checkout on the public base images (Docker Compose v2,
+# Docker Engine 20.10+): builds the proxy and CPU vLLM images, starts both and returns once both
+# are healthy. Settings (MODEL, PROXY_PORT, VLLM_EXTRA_ARGS, ...) come from the environment:
+# docs/deploy.md. The host's Hugging Face cache is bind-mounted: it is made here, as this user,
+# because compose refuses a missing one (compose.yaml's header).
 compose-up:
+	mkdir -p "$${HF_CACHE:-$$HOME/.cache/huggingface}"
 	docker compose --profile cpu up --build --detach --wait
 	@echo "[compose-up] OpenAI API with vectors: http://localhost:$${PROXY_PORT:-8000}/v1"
 

@@ -5,6 +5,7 @@ What the test adds to the shipped file, through the environment (the documented 
 one override file:
 
 - the environment: the tiny model (``MODEL`` and ``VLLM_EXTRA_ARGS``), a free ``PROXY_PORT``,
+  an empty ``HF_CACHE`` of its own (never the user's ``~/.cache/huggingface``),
   test tags for the images (``PROXY_IMAGE``, ``VLLM_CPU_IMAGE``, so a user's own builds are left
   alone), and the build settings: ``PYTHON_BASE_IMAGE`` (the local Debian base), the host's
   package index and the local torch index (see ``docker_host``);
@@ -149,7 +150,7 @@ LAYERS = "1,-1"
 
 
 def compose_environment(
-    base_image: str, proxy_port: int, torch_index_url: str | None
+    base_image: str, proxy_port: int, torch_index_url: str | None, hf_cache: Path
 ) -> dict[str, str]:
     """The environment ``docker compose`` runs in: this one, with the settings the test gives."""
     pip = docker_host.host_pip()
@@ -173,6 +174,7 @@ def compose_environment(
             "VLLM_EXTRA_ARGS": shlex.join(VLLM_ARGS),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "PROXY_PORT": str(proxy_port),
+            "HF_CACHE": str(hf_cache),
             "HIDDEN_STATE_PROXY_LAYERS": LAYERS,
         }
     )
@@ -264,8 +266,10 @@ def build_project(model_dir: Path, work: Path, project: str) -> BuiltProject:
     compose = compose_command(
         project, write_override(work / "compose.test.yaml", model_dir), env_file
     )
+    hf_cache = work / "hf-cache"  # compose.yaml binds it: it must exist
+    hf_cache.mkdir(exist_ok=True)
     with _torch_index_if_local() as torch_index_url:
-        env = compose_environment(base_image, proxy_port, torch_index_url)
+        env = compose_environment(base_image, proxy_port, torch_index_url, hf_cache)
         with timed("docker compose build (proxy + CPU vLLM images)"):
             build_images(compose, env, work / "build.log")
     return BuiltProject(project=project, compose=compose, env=env, proxy_port=proxy_port)

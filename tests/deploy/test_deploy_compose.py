@@ -19,6 +19,7 @@ from tests.deploy.commands import (
     load_compose,
 )
 from tests.deploy.deploy_helpers import declared_args, flag_value
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
 PAIRS = [("vllm", "proxy"), ("vllm-cpu", "proxy-cpu")]
@@ -110,11 +111,27 @@ def test_build_arguments_from_the_environment(compose: dict[str, Any], name: str
 
 @pytest.mark.parametrize(("vllm", "proxy"), PAIRS)
 def test_only_the_proxy_port_is_published(compose: dict[str, Any], vllm: str, proxy: str) -> None:
+    """On the host's loopback by default: without a key the port is open to whoever reaches it."""
     services = compose["services"]
     assert "ports" not in services[vllm]
-    assert services[proxy]["ports"] == ["8000:8000"]
-    assert load_compose({"PROXY_PORT": "9000"})["services"][proxy]["ports"] == ["9000:8000"]
+    assert services[proxy]["ports"] == ["127.0.0.1:8000:8000"]
+    published = load_compose({"PROXY_PORT": "9000", "PROXY_BIND": "0.0.0.0"})
+    assert published["services"][proxy]["ports"] == ["0.0.0.0:9000:8000"]
     assert flag_value(compose_commands(service=proxy)["proxy"][0], "--port") == "8000"
+
+
+def test_the_header_shows_the_key_first() -> None:
+    """The key and the bind address are told before the list of settings, together."""
+    header = COMPOSE_FILE.read_text().split("\nname:")[0]
+    key = header.index("HIDDEN_STATE_PROXY_API_KEY=")
+    assert key < header.index("# Settings")
+    assert "PROXY_BIND=0.0.0.0" in header[key - 200 : key + 200]
+
+
+@pytest.mark.parametrize("name", ["vllm", "proxy", "vllm-cpu", "proxy-cpu"])
+def test_stop_grace_period_covers_the_proxys_drain(compose: dict[str, Any], name: str) -> None:
+    drain = ProxySettings(upstream_url="http://vllm:8001").drain_timeout
+    assert duration_seconds(compose["services"][name]["stop_grace_period"]) >= drain + 5
 
 
 @pytest.mark.parametrize(("vllm", "proxy"), PAIRS)
@@ -192,12 +209,21 @@ def test_settings_from_environment() -> None:
     assert proxy_argv[-2:] == ["--vector-timeout", "30"]
 
 
-def test_model_cache_volume(compose: dict[str, Any]) -> None:
-    assert "hf-cache" in compose["volumes"]
+def test_model_cache_is_the_hosts(compose: dict[str, Any]) -> None:
+    """The host's Hugging Face cache, bind-mounted (HF_CACHE, else $HOME's), never made by
+    Docker when missing; vLLM's HF_HOME; not in the proxy."""
     for vllm, proxy in PAIRS:
-        mounts = {v["source"]: v["target"] for v in compose["services"][vllm]["volumes"]}
-        assert compose_commands(service=proxy)["vllm"][1]["HF_HOME"] == mounts["hf-cache"]
-        assert "hf-cache" not in {v["source"] for v in compose["services"][proxy]["volumes"]}
+        for env, source in (
+            ({"HOME": "/home/u"}, "/home/u/.cache/huggingface"),
+            ({"HOME": "/home/u", "HF_CACHE": "/data/hf"}, "/data/hf"),
+        ):
+            services = load_compose(env)["services"]
+            (cache,) = [v for v in services[vllm]["volumes"] if v["source"] == source]
+            assert cache["type"] == "bind"
+            assert cache["bind"] == {"create_host_path": False}
+            assert compose_commands(env, service=proxy)["vllm"][1]["HF_HOME"] == cache["target"]
+            assert source not in {v["source"] for v in services[proxy]["volumes"]}
+    assert "hf-cache" not in compose.get("volumes", {})
 
 
 def test_gpu_pair_and_cpu_pair(compose: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
-"""The examples of docs/clients.md and the README's quick start, run as written against the
-shared stack (only the URL and the model name replaced): each Python block in its own
-interpreter, each shell block with bash (curl)."""
+"""The examples of docs/clients.md, run as written against the shared stack (only the URL and
+the model name replaced): each Python block in its own interpreter, each shell block with bash
+(curl). The README's run in tests/e2e/test_readme.py."""
 
 from __future__ import annotations
 
@@ -69,14 +69,3 @@ def test_a_clients_example_runs(
         answer, _ = decoder.raw_decode(output[end:].lstrip())
         assert capture["object"] == "hidden_state_capture"
         assert isinstance(answer["kv_transfer_params"]["last_hidden_state"], str)
-
-
-def test_the_readmes_quick_start_runs(stack: RunningStack, model_name: str) -> None:
-    readme = blocks(ROOT / "README.md")
-    quick = next(code for language, code in readme if "read_hidden_states" in code)
-    run_block(
-        stack,
-        model_name,
-        "python",
-        quick + "\nassert vector.shape == (states.info['hidden_size'],)\n",
-    )
