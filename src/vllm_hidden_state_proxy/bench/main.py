@@ -36,7 +36,12 @@ from vllm_hidden_state_proxy.bench.layers_cost import (
 )
 from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
 from vllm_hidden_state_proxy.bench.matrices import run_matrix_arm
-from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
+from vllm_hidden_state_proxy.bench.options import (
+    EXTRACT_ROUNDS,
+    BenchOptions,
+    OptionsError,
+    from_args,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
     PEAK,
@@ -254,6 +259,40 @@ def measure_matrices(options: BenchOptions, results: Results, progress: Progress
     )
 
 
+def measure_extract(
+    model_dir: Path, options: BenchOptions, results: Results, progress: Progress
+) -> None:
+    """The extract comparison (issue #38): its three servers one after the other (the lock is
+    held), the Transformers loop, its tables and figure."""
+    from vllm_hidden_state_proxy.bench.extract_compare import (
+        FIGURE,
+        SMOKE_TRANSFORMERS_BATCH_SIZES,
+        TRANSFORMERS_BATCH_SIZES,
+        CompareOptions,
+        compare_tables,
+        measure_extract_compare,
+        plot_throughput,
+    )
+
+    if not options.extract_inputs:
+        return
+    compare = CompareOptions(
+        inputs=options.extract_inputs,
+        rounds=1 if options.smoke else EXTRACT_ROUNDS,
+        concurrency=options.extract_concurrency,
+        transformers_batch_sizes=(
+            SMOKE_TRANSFORMERS_BATCH_SIZES if options.smoke else TRANSFORMERS_BATCH_SIZES
+        ),
+        startup_timeout=options.startup_timeout,
+    )
+    tables = compare_tables(
+        measure_extract_compare(model_dir, options.output_dir, compare, progress)
+    )
+    results.tables.update(tables)
+    figure = plot_throughput(tables, options.output_dir / FIGURE)
+    progress.say(f"wrote {figure}")
+
+
 def run(options: BenchOptions, progress: Progress) -> Results:
     options.output_dir.mkdir(parents=True, exist_ok=True)
     results = Results(meta=describe(options))
@@ -261,6 +300,18 @@ def run(options: BenchOptions, progress: Progress) -> Results:
     if options.matrices_only:
         try:
             measure_matrices(options, results, progress)
+        finally:
+            results.meta["load"] = (
+                f"1-minute load average {load_at_start} at start, {_load()} at end"
+            )
+        return results
+    if options.extract_only:
+        from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+
+        try:
+            model_dir = build_tiny_model(options.model_dir)
+            with vllm_lock(progress):
+                measure_extract(model_dir, options, results, progress)
         finally:
             results.meta["load"] = (
                 f"1-minute load average {load_at_start} at start, {_load()} at end"
@@ -295,6 +346,7 @@ def run(options: BenchOptions, progress: Progress) -> Results:
                 ) as started:
                     measure_chat(started, options, results, progress)
                 measure_layers(model_dir, options, results, progress)
+                measure_extract(model_dir, options, results, progress)
     finally:
         results.meta["load"] = f"1-minute load average {load_at_start} at start, {_load()} at end"
     return results
