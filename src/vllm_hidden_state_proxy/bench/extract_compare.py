@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
+from vllm_hidden_state_proxy.bench.client import KEEPALIVE_EXPIRY, BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.servers import (
@@ -362,7 +362,13 @@ def _client(key: str | None, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         headers=headers,
         timeout=600,
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        # Idle connections retired before the servers close them (uvicorn: after 5 s), as
+        # another arm's turn can last that long.
+        limits=httpx.Limits(
+            max_connections=connections,
+            max_keepalive_connections=connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY,
+        ),
         trust_env=False,
     )
 
