@@ -269,3 +269,34 @@ def test_the_comparison_is_opt_in_and_needs_its_own_servers() -> None:
         parse("--extract-compare", "--proxy-url", "http://a", "--vllm-url", "http://b")
     with pytest.raises(OptionsError, match="at least 1"):
         parse("--extract-compare", "--extract-inputs", "0")
+
+
+# -- the Transformers loop --------------------------------------------------------------------
+
+
+def test_the_loops_padded_batches_give_each_prompt_its_own_unpadded_vectors() -> None:
+    """Right padding without an attention mask (causal attention hides the padding), prompts
+    batched by length and put back in corpus order: every batch size gives batch 1's vectors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from vllm_hidden_state_proxy.bench.transformers_loop import POOLINGS, run_corpus
+
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    corpus = [[(7 * i + k) % 60 + 1 for k in range(3 + (i * 5) % 11)] for i in range(9)]
+    _, alone = run_corpus(model, corpus, 1, pad_id=0)
+    _, batched = run_corpus(model, corpus, 4, pad_id=0)
+    for pooling in POOLINGS:
+        ids = [f"in-{i}" for i in range(len(corpus))]
+        found = ec.agreement(ec.by_id(ids, batched[pooling]), ec.by_id(ids, alone[pooling]))
+        assert found.ok, (pooling, found)
+    with torch.inference_mode():  # batch 1 is the model on the prompt alone
+        states = model.model(input_ids=torch.tensor([corpus[5]]), output_hidden_states=True)
+    final = states.hidden_states[-1][0]
+    np.testing.assert_allclose(alone["last"][5], final[-1].numpy(), rtol=1e-5, atol=1e-6)
+    mean = final.to(torch.float64).mean(dim=0).numpy()
+    np.testing.assert_allclose(alone["mean"][5], mean, rtol=1e-5, atol=1e-6)

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_hidden_state_proxy.bench.client import KEEPALIVE_EXPIRY, BenchError, ChatStack
+from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.servers import (
@@ -357,19 +357,14 @@ async def take_turns(
         progress.say(f"extract comparison, round {number + 1}: {name}: {seconds:.2f} s")
 
 
-def _client(key: str | None, connections: int) -> httpx.AsyncClient:
+def _client(key: str | None) -> httpx.AsyncClient:
+    """A client on the engine ``extract`` uses (aiohttp's, under httpx's API), so that every
+    arm's client costs the same per request and the arms differ by their servers."""
+    from vllm_hidden_state_proxy.extract.runner import client_transport
+
     headers = {} if key is None else {"authorization": f"Bearer {key}"}
     return httpx.AsyncClient(
-        headers=headers,
-        timeout=600,
-        # Idle connections retired before the servers close them (uvicorn: after 5 s), as
-        # another arm's turn can last that long.
-        limits=httpx.Limits(
-            max_connections=connections,
-            max_keepalive_connections=connections,
-            keepalive_expiry=KEEPALIVE_EXPIRY,
-        ),
-        trust_env=False,
+        transport=client_transport(), headers=headers, timeout=600, trust_env=False
     )
 
 
@@ -488,7 +483,6 @@ def run_transformers(
 
 async def measure_server(
     arms_of: Callable[[Callable[[str | None], httpx.AsyncClient]], dict[str, Arm]],
-    connections: int,
     tallies: dict[str, Tally],
     rounds: int,
     progress: Progress,
@@ -497,7 +491,7 @@ async def measure_server(
     opened: list[httpx.AsyncClient] = []
 
     def new_client(key: str | None) -> httpx.AsyncClient:
-        opened.append(_client(key, connections))
+        opened.append(_client(key))
         return opened[-1]
 
     try:
@@ -554,7 +548,6 @@ def measure_extract_compare(
                         lambda new: generation_arms(
                             stack, corpus, inputs, work_dir, concurrency, options.concurrency, new
                         ),
-                        concurrency,
                         measured.tallies,
                         options.rounds,
                         progress,
@@ -570,7 +563,6 @@ def measure_extract_compare(
                     asyncio.run(
                         measure_server(
                             functools.partial(pooling_arms, url, pooling, corpus, concurrency),
-                            concurrency,
                             measured.tallies,
                             options.rounds,
                             progress,

@@ -29,17 +29,23 @@ POOLINGS = ("last", "mean")
 def pooled(model: Any, batch: Sequence[Sequence[int]], pad_id: int) -> dict[str, np.ndarray]:
     """The final layer (after the final norm: ``hidden_states[-1]``) of one right-padded batch,
     at each prompt's last position and averaged over its positions (in float64, as the
-    reference does), as float32 rows."""
+    reference does), as float32 rows.
+
+    No attention mask goes to the model: with right padding, causal attention already keeps
+    every real position from seeing the padding after it (and positions count from 0 as
+    unpadded), so the real positions' states are the unpadded ones; a mask would only send
+    Transformers down a path ~5x slower here (measured: 169 against 29 ms for 32 x 70 tokens).
+    The mask still picks the positions that are pooled."""
     import torch
 
     longest = max(len(ids) for ids in batch)
     ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    mask = torch.zeros((len(batch), longest), dtype=torch.long)  # 1: a real position
     for row, tokens in enumerate(batch):
         ids[row, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
         mask[row, : len(tokens)] = 1
     with torch.inference_mode():
-        states = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        states = model.model(input_ids=ids, output_hidden_states=True)
     final = states.hidden_states[-1]
     lengths = mask.sum(dim=1)
     last = final[torch.arange(len(batch)), lengths - 1]
@@ -55,14 +61,22 @@ def run_corpus(
     model: Any, corpus: Sequence[Sequence[int]], batch_size: int, pad_id: int
 ) -> tuple[float, dict[str, np.ndarray]]:
     """Seconds for the whole corpus at ``batch_size`` (both poolings come from one forward
-    pass), and the vectors in corpus order."""
+    pass), and the vectors in corpus order. Batches are of prompts of similar length (the
+    corpus sorted by length, as one would: less padding computed)."""
+    order = sorted(range(len(corpus)), key=lambda index: len(corpus[index]))
     parts: dict[str, list[np.ndarray]] = {p: [] for p in POOLINGS}
     started = time.perf_counter()
-    for start in range(0, len(corpus), batch_size):
-        for pooling, rows in pooled(model, corpus[start : start + batch_size], pad_id).items():
+    for start in range(0, len(order), batch_size):
+        batch = [corpus[index] for index in order[start : start + batch_size]]
+        for pooling, rows in pooled(model, batch, pad_id).items():
             parts[pooling].append(rows)
     seconds = time.perf_counter() - started
-    return seconds, {p: np.concatenate(parts[p]) for p in POOLINGS}
+    vectors = {}
+    for pooling in POOLINGS:
+        rows = np.concatenate(parts[pooling])
+        vectors[pooling] = np.empty_like(rows)
+        vectors[pooling][order] = rows  # back to corpus order
+    return seconds, vectors
 
 
 def main(argv: Sequence[str] | None = None) -> int:
