@@ -237,7 +237,7 @@ def test_the_tables_carry_rates_ratios_memory_and_agreement() -> None:
     assert memory.get("generation server + pooling server", "peak RSS MiB") == 7900.0
     parts = tables["extract_parts"]
     assert parts.get("proxy, unflagged", "/ pooling server") == pytest.approx(120 / 150)
-    assert parts.get("proxy, flagged (bare httpx client)", "vectors/s") is None  # not measured
+    assert parts.get("proxy, flagged (bare client)", "vectors/s") is None  # not measured
 
 
 def test_a_disagreeing_method_is_marked_in_the_report() -> None:

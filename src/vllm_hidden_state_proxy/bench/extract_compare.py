@@ -431,7 +431,7 @@ def generation_arms(
     arms["proxy, unflagged|last"] = completions_arm(via_proxy, stack.proxy_url, corpus, concurrency)
     for pooling in POOLINGS:
         fields = hidden_state_fields(layers=[-1], pooling=pooling)  # type: ignore[arg-type]
-        arms[f"proxy, flagged (bare httpx client)|{pooling}"] = completions_arm(
+        arms[f"proxy, flagged (bare client)|{pooling}"] = completions_arm(
             via_proxy, stack.proxy_url, corpus, concurrency, fields
         )
     return arms
@@ -669,7 +669,7 @@ def compare_tables(measured: Measured) -> dict[str, Table]:
     for name, what in (
         ("vLLM direct, unflagged", "one-token generation alone"),
         ("proxy, unflagged", "+ the proxy's hop"),
-        ("proxy, flagged (bare httpx client)", "+ capture, ring, vectors in the answer"),
+        ("proxy, flagged (bare client)", "+ capture, ring, vectors in the answer"),
         (EXTRACT, "+ extract's client: decoding, the dataset"),
         (POOLING_ONE, "vLLM's pooling runner instead"),
     ):
