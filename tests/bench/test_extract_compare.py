@@ -16,6 +16,7 @@ import pytest
 
 from tests.bench.test_options import parse
 from vllm_hidden_state_proxy.bench import extract_compare as ec
+from vllm_hidden_state_proxy.bench import extract_report as er
 from vllm_hidden_state_proxy.bench.client import BenchError
 from vllm_hidden_state_proxy.bench.report import Results, render_markdown
 from vllm_hidden_state_proxy.extract.dataset import DatasetWriter, write_manifest
@@ -223,7 +224,7 @@ def measured(wrong_extract: bool = False) -> ec.Measured:
 
 
 def test_the_tables_carry_rates_ratios_memory_and_agreement() -> None:
-    tables = ec.compare_tables(measured())
+    tables = er.compare_tables(measured())
     main = tables["extract_compare"]
     extract_last = main.rows[0]
     assert extract_last["method"] == ec.EXTRACT and extract_last["pooling"] == "last"
@@ -241,7 +242,7 @@ def test_the_tables_carry_rates_ratios_memory_and_agreement() -> None:
 
 
 def test_a_disagreeing_method_is_marked_in_the_report() -> None:
-    tables = ec.compare_tables(measured(wrong_extract=True))
+    tables = er.compare_tables(measured(wrong_extract=True))
     text = render_markdown(Results(meta={}, tables=tables))
     assert "**NO**" in text and "1 missing" in text
     assert ec.TITLE in text and ec.PARTS_TITLE in text and ec.MEMORY_TITLE in text
@@ -249,7 +250,7 @@ def test_a_disagreeing_method_is_marked_in_the_report() -> None:
 
 def test_the_figure_is_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    path = ec.plot_throughput(ec.compare_tables(measured()), tmp_path / ec.FIGURE)
+    path = er.plot_throughput(er.compare_tables(measured()), tmp_path / ec.FIGURE)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

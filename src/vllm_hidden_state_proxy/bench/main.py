@@ -269,10 +269,9 @@ def measure_extract(
         SMOKE_TRANSFORMERS_BATCH_SIZES,
         TRANSFORMERS_BATCH_SIZES,
         CompareOptions,
-        compare_tables,
         measure_extract_compare,
-        plot_throughput,
     )
+    from vllm_hidden_state_proxy.bench.extract_report import compare_tables, plot_throughput
 
     if not options.extract_inputs:
         return
