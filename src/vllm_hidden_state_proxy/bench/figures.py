@@ -51,6 +51,7 @@ class Bars:
     ylabel: str
     title: str = ""
     labels: Mapping[str, Sequence[str | None]] = field(default_factory=dict)
+    logy: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,22 +109,21 @@ def _draw_bars(ax: Axes, bars: Bars) -> None:
             ax.bar_label(drawn, labels=[t or "" for t in texts], fontsize=8, padding=2)
     ax.set_xticks(range(len(bars.groups)), list(bars.groups), rotation=20, ha="right")
     ax.set_ylabel(bars.ylabel)
+    if bars.logy:
+        _plain_log_y(ax)
     ax.margins(y=0.12)  # room for the labels above the bars
     _finish(ax, bars.title, axis="y")
 
 
 def _draw_lines(ax: Axes, lines: Lines) -> None:
-    from matplotlib.ticker import FuncFormatter, NullLocator
+    from matplotlib.ticker import NullLocator
 
     for name, values in lines.series.items():
         ax.plot(list(lines.x), [_number(v) for v in values], marker="o", label=name)
     if lines.logx:
         ax.set_xscale("log", base=2)
     if lines.logy:
-        ax.set_yscale("log")
-        # Plain numbers (not 6x10^2), the minor ticks labelled at 2 and 5 of each decade.
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
+        _plain_log_y(ax)
     else:
         ax.set_ylim(bottom=0)  # a linear scale from zero: differences at their true size
     # Ticks at the measured points, written as numbers (not 2^k).
@@ -132,6 +132,16 @@ def _draw_lines(ax: Axes, lines: Lines) -> None:
     ax.set_xlabel(lines.xlabel)
     ax.set_ylabel(lines.ylabel)
     _finish(ax, lines.title, axis="both")
+
+
+def _plain_log_y(ax: Axes) -> None:
+    """A log y axis in plain numbers (not 6x10^2), minor ticks labelled at 2 and 5 of each
+    decade."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
 
 
 def _two_and_five(value: float, _: object) -> str:
@@ -243,6 +253,40 @@ def matrix_panels(results: Results) -> list[Panel]:
     ]
 
 
+def extract_panels(results: Results) -> list[Panel]:
+    """Issue #38's comparison: vectors/s by method and pooling, and each setup's peak memory."""
+    rows = _rows(results, "extract_compare")
+    if not rows:
+        return []
+    methods = list(dict.fromkeys(str(row["method"]) for row in rows))
+    rate = {(str(row["method"]), str(row["pooling"])): row["vectors/s"] for row in rows}
+    poolings = list(dict.fromkeys(str(row["pooling"]) for row in rows))
+    series = {p: [_value(rate.get((m, p))) for m in methods] for p in poolings}
+    memory = _rows(results, "extract_memory")
+    gib = [_value(row["peak RSS MiB"]) for row in memory]
+    return [
+        Bars(
+            methods,
+            series,
+            "vectors / s (log)",
+            "throughput, same inputs and concurrency",
+            labels={p: [None if v is None else f"{v:.0f}" for v in vs] for p, vs in series.items()},
+            logy=True,
+        ),
+        Bars(
+            [str(row["what"]) for row in memory],
+            {"peak RSS": [None if v is None else v / 1024 for v in gib]},
+            "peak RSS, GiB",
+            "memory",
+            labels={"peak RSS": [None if v is None else f"{v / 1024:.1f}" for v in gib]},
+        ),
+    ]
+
+
+def _value(value: Any) -> Value:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True)
 class BenchFigure:
     file: str
@@ -275,6 +319,12 @@ FIGURES = (
         "Matrix size against cost: one client pulling all_prompt matrices (base64)",
         matrix_panels,
         INSTANT,
+    ),
+    BenchFigure(
+        "extract-throughput.png",
+        ("extract_compare", "extract_parts", "extract_memory"),
+        "extract through the proxy, vLLM's pooling server and a Transformers loop",
+        extract_panels,
     ),
 )
 

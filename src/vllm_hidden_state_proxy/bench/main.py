@@ -43,7 +43,12 @@ from vllm_hidden_state_proxy.bench.matrices import (
     run_size_sweep,
 )
 from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
-from vllm_hidden_state_proxy.bench.options import BenchOptions, OptionsError, from_args
+from vllm_hidden_state_proxy.bench.options import (
+    EXTRACT_ROUNDS,
+    BenchOptions,
+    OptionsError,
+    from_args,
+)
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import (
     PEAK,
@@ -277,6 +282,35 @@ def measure_matrices(options: BenchOptions, results: Results, progress: Progress
     )
 
 
+def measure_extract(
+    model_dir: Path, options: BenchOptions, results: Results, progress: Progress
+) -> None:
+    """The extract comparison (issue #38): its three servers one after the other (the lock is
+    held), the Transformers loop, its tables (its figure: ``figures.py``)."""
+    from vllm_hidden_state_proxy.bench.extract_compare import (
+        SMOKE_TRANSFORMERS_BATCH_SIZES,
+        TRANSFORMERS_BATCH_SIZES,
+        CompareOptions,
+        measure_extract_compare,
+    )
+    from vllm_hidden_state_proxy.bench.extract_report import compare_tables
+
+    if not options.extract_inputs:
+        return
+    compare = CompareOptions(
+        inputs=options.extract_inputs,
+        rounds=1 if options.smoke else EXTRACT_ROUNDS,
+        concurrency=options.extract_concurrency,
+        transformers_batch_sizes=(
+            SMOKE_TRANSFORMERS_BATCH_SIZES if options.smoke else TRANSFORMERS_BATCH_SIZES
+        ),
+        startup_timeout=options.startup_timeout,
+    )
+    results.tables.update(
+        compare_tables(measure_extract_compare(model_dir, options.output_dir, compare, progress))
+    )
+
+
 def run(options: BenchOptions, progress: Progress) -> Results:
     options.output_dir.mkdir(parents=True, exist_ok=True)
     results = Results(meta=describe(options))
@@ -284,6 +318,18 @@ def run(options: BenchOptions, progress: Progress) -> Results:
     if options.matrices_only:
         try:
             measure_matrices(options, results, progress)
+        finally:
+            results.meta["load"] = (
+                f"1-minute load average {load_at_start} at start, {_load()} at end"
+            )
+        return results
+    if options.extract_only:
+        from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+
+        try:
+            model_dir = build_tiny_model(options.model_dir)
+            with vllm_lock(progress):
+                measure_extract(model_dir, options, results, progress)
         finally:
             results.meta["load"] = (
                 f"1-minute load average {load_at_start} at start, {_load()} at end"
@@ -319,6 +365,7 @@ def run(options: BenchOptions, progress: Progress) -> Results:
                 ) as started:
                     measure_chat(started, options, results, progress)
                 measure_layers(model_dir, options, results, progress)
+                measure_extract(model_dir, options, results, progress)
     finally:
         results.meta["load"] = f"1-minute load average {load_at_start} at start, {_load()} at end"
     return results

@@ -25,6 +25,9 @@ MATRIX_MIB, SMOKE_MATRIX_MIB = 64, 4
 #: The matrix sizes of the size sweep (matrix size against cost), MiB.
 MATRIX_SIZES, SMOKE_MATRIX_SIZES = "1,4,16,64", "1,4"
 ROUNDS = 6
+#: The extract comparison (issue #38): inputs of its corpus, and its rounds (each arm sends
+#: the whole corpus once a round).
+EXTRACT_INPUTS, SMOKE_EXTRACT_INPUTS, EXTRACT_ROUNDS = 400, 16, 3
 #: Requests per arm of the CPU-time phase, at least (the proxy's share must be many ticks).
 MIN_CPU_REQUESTS = 50
 
@@ -74,6 +77,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the size sweep's matrix sizes in MiB (default {MATRIX_SIZES}; "
         f"smoke {SMOKE_MATRIX_SIZES})",
     )
+    add(
+        "--extract-compare",
+        action="store_true",
+        help="add the extract comparison: extract through the proxy, vLLM's pooling server, a "
+        "Transformers loop (starts three vLLM servers, one after the other)",
+    )
+    add("--extract-compare-only", action="store_true", help="run the extract comparison alone")
+    add(
+        "--extract-inputs",
+        type=int,
+        metavar="N",
+        help=f"the extract comparison's corpus (default {EXTRACT_INPUTS}; smoke "
+        f"{SMOKE_EXTRACT_INPUTS})",
+    )
+    add(
+        "--extract-concurrency",
+        type=int,
+        metavar="N",
+        help="requests in flight in every arm of the extract comparison (default: extract's own "
+        "default against the proxy)",
+    )
     add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
 
 
@@ -108,6 +132,12 @@ class BenchOptions:
     matrix_sizes: tuple[int, ...] = ()
     #: Only the matrix arm (nothing that needs vLLM).
     matrices_only: bool = False
+    #: The extract comparison's corpus; 0: no comparison.
+    extract_inputs: int = 0
+    #: Only the extract comparison.
+    extract_only: bool = False
+    #: Its requests in flight (None: extract's default).
+    extract_concurrency: int | None = None
     #: Sent as ``Authorization: Bearer`` to the proxy only.
     api_key: str | None = field(default=None, repr=False)
     #: Sent as ``Authorization: Bearer`` to ``vllm_url`` only (the direct arms).
@@ -182,6 +212,16 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
     sizes = parse_levels(
         args.matrix_sizes or (SMOKE_MATRIX_SIZES if smoke else MATRIX_SIZES), "--matrix-sizes"
     )
+    extract_wanted = bool(args.extract_compare or args.extract_compare_only)
+    if extract_wanted and args.proxy_url is not None:
+        raise OptionsError("the extract comparison starts its own servers: leave --proxy-url out")
+    if args.extract_compare_only and args.matrices_only:
+        raise OptionsError("--extract-compare-only and --matrices-only contradict each other")
+    for value, option in ((args.extract_inputs, "--extract-inputs"),
+                          (args.extract_concurrency, "--extract-concurrency")):  # fmt: skip
+        if value is not None and value < 1:
+            raise OptionsError(f"{option} must be at least 1")
+    extract_inputs = args.extract_inputs or (SMOKE_EXTRACT_INPUTS if smoke else EXTRACT_INPUTS)
     return BenchOptions(
         output_dir=args.output_dir,
         model_dir=args.model_dir,
@@ -202,6 +242,9 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         matrix_mib=0 if args.no_matrices else matrix_mib,
         matrix_sizes=() if args.no_matrices else sizes,
         matrices_only=bool(args.matrices_only),
+        extract_inputs=extract_inputs if extract_wanted else 0,
+        extract_only=bool(args.extract_compare_only),
+        extract_concurrency=args.extract_concurrency,
         api_key=args.api_key,
         vllm_api_key=args.vllm_api_key,
     )

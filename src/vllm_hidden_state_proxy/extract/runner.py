@@ -372,10 +372,9 @@ class Extraction:
             raise ExtractSetupError(f"{self.input_path} does not exist")
         headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         async with httpx.AsyncClient(
-            transport=self.transport,
+            transport=self.transport or client_transport(),
             timeout=options.timeout,
             headers=headers,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
             trust_env=False,
         ) as client:
             proxies = await self._read_proxies(client)
@@ -522,6 +521,18 @@ class Extraction:
         if self.interrupted:
             summary += "; interrupted: run again with --resume to finish"
         self._say(summary)
+
+
+def client_transport() -> httpx.AsyncBaseTransport:
+    """httpx's API on aiohttp's client, as the proxy sends to vLLM: httpx's own pool costs CPU
+    per request that grows with the connections open (measured with 16 to 256 in flight:
+    ~2 to ~9 ms per request, docs/benchmark.md), where a CPU host has none to spare. Idle
+    connections are retired before the proxy (uvicorn) closes them."""
+    from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
+    from vllm_hidden_state_proxy.proxy.upstream import KEEPALIVE_EXPIRY
+
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY)
+    return AiohttpTransport(limits=limits)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
