@@ -23,7 +23,6 @@ then the LAST pooling server, then the MEAN one. Arms of one server take turns i
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import io
@@ -253,18 +252,12 @@ def completions_arm(
     return arm
 
 
-def _embedding(item: dict[str, Any]) -> np.ndarray:
-    value = item["embedding"]
-    if isinstance(value, str):  # base64 of float32, native (little-endian) byte order
-        return np.frombuffer(base64.b64decode(value), dtype=np.float32)
-    return np.asarray(value, dtype=np.float32)
-
-
 def embeddings_arm(
     client: httpx.AsyncClient, url: str, corpus: Sequence[Item], concurrency: int, batch: int
 ) -> Arm:
     """The corpus through ``/v1/embeddings``, ``batch`` inputs a request (token ids, base64
     float32, no normalisation), ``concurrency`` inputs in flight."""
+    from vllm_hidden_state_proxy.client.answers import decode_values
 
     async def arm() -> dict[str, np.ndarray]:
         vectors: dict[str, np.ndarray] = {}
@@ -282,7 +275,7 @@ def embeddings_arm(
             if [int(d["index"]) for d in data] != list(range(len(chunk))):
                 raise BenchError(f"embeddings: {len(data)} vectors for {len(chunk)} inputs")
             for item, answer in zip(chunk, data, strict=True):
-                vectors[item.id] = _embedding(answer)
+                vectors[item.id] = decode_values(answer["embedding"], where="embedding")
 
         await bounded(chunks, max(1, concurrency // batch), send)
         return vectors
