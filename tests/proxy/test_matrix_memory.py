@@ -37,6 +37,8 @@ from tests.proxy.fakes import (
     settings_for,
 )
 from tests.proxy.raw_http import wait_until
+from tests.proxy.test_answer_vectors import ANSWERS, PROMPT_TOKENS, stream_events
+from vllm_hidden_state_proxy.protocol import answer_key
 from vllm_hidden_state_proxy.proxy import answer_body, create_app
 from vllm_hidden_state_proxy.proxy.answer_body import PIECE_BYTES, matrix_pieces
 from vllm_hidden_state_proxy.proxy.answer_join import Matrix, as_dtype, bfloat16_bits
@@ -46,6 +48,7 @@ from vllm_hidden_state_proxy.ring import PendingRows, Record, RingWriter
 pytestmark = pytest.mark.anyio
 
 COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 MIB = 1 << 20
 ROW = 4 * HIDDEN_SIZE
@@ -407,6 +410,46 @@ def test_a_stream_event_with_a_matrix_has_a_send_deadline(
     body = orjson.dumps({**flagged("a b c"), "stream": True})
     with served(settings, vllm) as (port, server, state):
         wait_for_the_cut(server, state, silent_client(port, request_head(COMPLETIONS, body) + body))
+
+
+def test_a_stream_event_with_an_answers_vector_has_a_send_deadline(ring_dir: str) -> None:
+    """ "last_answer" in a stream (answer_stream.py): the event of the choice's last chunk."""
+    hidden = 1 << 19  # 2 MiB a vector: about 6 MiB as float text
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = forwarded_key(request)
+        count = len(ANSWERS[0])
+        vector = np.full(hidden, 0.123456789, "<f4").tobytes()
+        for chosen in range(max(1, count - 2), count + 2):  # the hook's window of positions
+            position = PROMPT_TOKENS + chosen - 2
+            record = Record(
+                answer_key(key, 0, chosen),
+                MODEL,
+                position,
+                PROMPT_TOKENS,
+                "last_answer",
+                (FINAL,),
+                hidden,
+                vector,
+            )
+            publish(writer, record)
+        events = b"".join(stream_events(1, continuous=True, usage=True))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+
+    with create_writer(ring_dir, hidden_size=hidden, slot_count=16) as writer:
+        settings = settings_for(ring_dir, send_timeout=0.5)
+        kv = {
+            "return_last_hidden_state": True,
+            "last_hidden_state_pooling": "last_answer",
+            "last_hidden_state_format": "float",
+        }
+        messages = [{"role": "user", "content": "Hi"}]
+        body = orjson.dumps(
+            {"model": MODEL, "messages": messages, "stream": True, "kv_transfer_params": kv}
+        )
+        with served(settings, FakeVLLM(handle)) as (port, server, state):
+            request = request_head(CHAT, body) + body
+            wait_for_the_cut(server, state, silent_client(port, request))
 
 
 def test_an_embeddings_answer_has_a_send_deadline(ring_dir: str) -> None:
