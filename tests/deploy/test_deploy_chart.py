@@ -21,6 +21,7 @@ import pytest
 import tomllib
 import yaml
 
+from tests.compose.pod import quantity_bytes
 from tests.deploy.commands import CHART_DIR, REPO, chart_commands, chart_manifests
 from tests.deploy.deploy_helpers import (
     VALUES_FILES,
@@ -32,8 +33,10 @@ from tests.deploy.deploy_helpers import (
     only,
     pod_spec,
 )
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 KUBE_VERSION = "1.30"
+MIB = 1 << 20
 #: Custom resources kubernetes-validate has no schema for; their shape is checked by hand below.
 CRD_KINDS = {"ServiceMonitor", "HTTPRoute"}
 SETS = list(VALUES_FILES)
@@ -193,6 +196,25 @@ def test_vllm_probe_command_runs(tmp_path: Path) -> None:
     command = container(manifests, "vllm")["livenessProbe"]["exec"]["command"]
     result = subprocess.run([sys.executable, *command[1:]], capture_output=True, timeout=30)
     assert result.returncode != 0
+
+
+#: docs/deploy.md, "The proxy's memory": idle, and what uvicorn buffers outside the budgets.
+PROXY_IDLE = 76 * MIB
+UVICORN_BUFFERS = 128 * MIB
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_proxys_memory_limit_fits_its_budgets(rendered: dict[str, Any], name: str) -> None:
+    """The proxy's default budgets (or the ones the values pass it) fit its container's limit,
+    so that a full budget is a 503, not an OOM kill."""
+    proxy = container(rendered[name], "proxy")
+    limit = quantity_bytes(proxy["resources"]["limits"]["memory"])
+    argv = argv_of(proxy)
+    defaults = ProxySettings(upstream_url="http://x")
+    vectors = int(flag_value(argv, "--vectors-budget") or defaults.vectors_budget_bytes)
+    bodies = int(flag_value(argv, "--body-budget") or defaults.body_budget_bytes)
+    assert flag_value(argv, "--workers") is None  # each worker would have its own budgets
+    assert PROXY_IDLE + vectors + bodies + UVICORN_BUFFERS <= limit
 
 
 @pytest.mark.parametrize("name", SETS)

@@ -10,6 +10,7 @@ falling silent:
   record for it published into the real ring in RING_DIR), then dies;
 - ``crash-mid-responses-stream``: the same with a Responses API stream;
 - ``silent``: never answers;
+- ``silent-mid-body``: like ``crash-mid-body``, then stays silent;
 - ``silent-mid-stream``: like ``crash-mid-stream``, then stays silent.
 """
 
@@ -66,10 +67,11 @@ def main() -> None:
     if mode == "reset":
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         die()
-    if mode == "crash-mid-body":
+    if mode in ("crash-mid-body", "silent-mid-body"):
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
         conn.sendall(b"content-length: 4000\r\n\r\n" + b'{"id": "chatcmpl-1", "choi')
-        die()  # what was sent still reaches the proxy, then the end of the connection
+        if mode == "crash-mid-body":
+            die()  # what was sent still reaches the proxy, then the end of the connection
     if mode in ("crash-mid-stream", "silent-mid-stream"):
         request = httpx.Request("POST", "http://vllm/v1/chat/completions", content=body)
         if is_keyed(request):

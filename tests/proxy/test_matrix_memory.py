@@ -37,7 +37,9 @@ from tests.proxy.fakes import (
     settings_for,
 )
 from tests.proxy.raw_http import wait_until
-from vllm_hidden_state_proxy.proxy import create_app
+from tests.proxy.test_answer_vectors import ANSWERS, PROMPT_TOKENS, stream_events
+from vllm_hidden_state_proxy.protocol import answer_key
+from vllm_hidden_state_proxy.proxy import answer_body, create_app
 from vllm_hidden_state_proxy.proxy.answer_body import PIECE_BYTES, matrix_pieces
 from vllm_hidden_state_proxy.proxy.answer_join import Matrix, as_dtype, bfloat16_bits
 from vllm_hidden_state_proxy.proxy.server import server_config
@@ -46,6 +48,8 @@ from vllm_hidden_state_proxy.ring import PendingRows, Record, RingWriter
 pytestmark = pytest.mark.anyio
 
 COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 MIB = 1 << 20
 ROW = 4 * HIDDEN_SIZE
 
@@ -123,6 +127,7 @@ async def test_a_prompt_list_of_matrices_past_the_request_bound_is_413(
         fits = await proxy.client.post(COMPLETIONS, json=flagged(["a b c"] * 3))
     assert response.status_code == 413, response.text[:300]
     assert "--max-vectors-size" in error_of(response)["message"]
+    assert proxy.app.state.proxy.metrics.vector_refusals["request"] == 1
     assert len(vllm.requests) < 40  # the rest cancelled once over the bound
     assert fits.status_code == 200
     assert len(fits.json()["kv_transfer_params"]["last_hidden_states"]) == 3
@@ -139,6 +144,7 @@ async def test_token_id_prompts_past_the_request_bound_are_refused_before_sendin
     assert response.status_code == 413
     error = error_of(response)
     assert error["param"] == "prompt" and "--max-vectors-size" in error["message"]
+    assert proxy.app.state.proxy.metrics.vector_refusals["request"] == 1
     assert vllm.requests == []
 
 
@@ -179,6 +185,7 @@ async def test_a_matrix_past_the_process_budget_is_503_before_its_copy(
         fits = await proxy.client.post(COMPLETIONS, json=flagged("a b c"))
     assert response.status_code == 503
     assert "--vectors-budget" in error_of(response)["message"]
+    assert proxy.app.state.proxy.metrics.vector_refusals["budget"] == 1
     assert loads == [2 * MIB]  # the refused one was never copied
     assert fits.status_code == 200
 
@@ -307,6 +314,35 @@ def served(settings: Any, vllm: FakeVLLM) -> Iterator[tuple[int, uvicorn.Server,
         sock.close()
 
 
+def request_head(path: str, body: bytes) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+
+
+def silent_client(port: int, request: bytes) -> socket.socket:
+    """A connection that sends ``request`` and never reads (a small receive window)."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", port))
+    client.sendall(request)
+    return client
+
+
+def wait_for_the_cut(server: uvicorn.Server, state: Any, client: socket.socket) -> None:
+    try:
+        wait_until(lambda: state.vector_memory.peak > 0, "the vectors were taken", 30)
+        wait_until(
+            lambda: not server.server_state.connections and state.vector_memory.held == 0,
+            "the silent client's connection was cut and its memory given back",
+            30,
+        )
+    finally:
+        client.close()
+    assert state.metrics.send_cuts == 1
+
+
 def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(
     ring_dir: str, big_writer: RingWriter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -314,31 +350,125 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(
     vllm = matrix_vllm(big_writer, rows)
     settings = settings_for(ring_dir, send_timeout=0.5)
     body = orjson.dumps(flagged("a b c"))
-    head = (
-        f"POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    ).encode()
     caplog.set_level(logging.INFO, "vllm_hidden_state_proxy.proxy")
     with served(settings, vllm) as (port, server, state):
-        client = socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(("127.0.0.1", port))
-        client.sendall(head + body)  # and never reads
-        try:
-            wait_until(lambda: state.vector_memory.peak > 0, "the matrix was taken", 30)
-            wait_until(
-                lambda: not server.server_state.connections and state.vector_memory.held == 0,
-                "the silent client's connection was cut and its memory given back",
-                30,
-            )
-        finally:
-            client.close()
+        wait_for_the_cut(server, state, silent_client(port, request_head(COMPLETIONS, body) + body))
         assert any("--send-timeout" in record.getMessage() for record in caplog.records)
         # A client that reads gets the whole answer from the same server.
         reply = httpx.post(f"http://127.0.0.1:{port}{COMPLETIONS}", content=body, timeout=60)
         assert reply.status_code == 200
         matrix = reply.json()["kv_transfer_params"]["last_hidden_state"]
         assert len(base64.b64decode(matrix["data"])) == rows * ROW
+
+
+def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
+    ring_dir: str, big_writer: RingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that takes a piece every half --send-timeout never misses the per-send bound,
+    but is cut once the whole answer's deadline (--send-timeout + its size at the least rate)
+    has passed, long before it would have read the answer."""
+    monkeypatch.setattr(answer_body, "MIN_SEND_RATE", 64 * MIB)  # 0.5 s + 21 MiB: 0.8 s
+    rows = 16 * MIB // ROW
+    vllm = matrix_vllm(big_writer, rows)
+    send_timeout = 0.5
+    settings = settings_for(ring_dir, send_timeout=send_timeout)
+    body = orjson.dumps(flagged("a b c"))
+    with served(settings, vllm) as (port, server, state):
+        client = silent_client(port, request_head(COMPLETIONS, body) + body)
+        client.settimeout(send_timeout)  # a piece always comes within --send-timeout
+        received = 0
+        start = time.monotonic()
+        try:
+            while True:  # about 1.4 MiB every 0.25 s: 5.6 MiB/s, 4 s for the answer
+                burst = 0
+                while burst < PIECE_BYTES:
+                    data = client.recv(PIECE_BYTES - burst)
+                    if not data:
+                        raise ConnectionResetError
+                    burst += len(data)
+                received += burst
+                time.sleep(send_timeout / 2)
+        except ConnectionResetError:
+            took = time.monotonic() - start
+        finally:
+            client.close()
+        wait_until(
+            lambda: not server.server_state.connections and state.vector_memory.held == 0,
+            "the slow client's memory was given back",
+            30,
+        )
+        assert state.metrics.send_cuts == 1
+    assert received < 16 * MIB, received  # cut before its answer (21 MiB of base64) was read
+    assert took < 3, took
+
+
+def test_a_stream_event_with_a_matrix_has_a_send_deadline(
+    ring_dir: str, big_writer: RingWriter
+) -> None:
+    vllm = matrix_vllm(big_writer, 16 * MIB // ROW)
+    settings = settings_for(ring_dir, send_timeout=0.5)
+    body = orjson.dumps({**flagged("a b c"), "stream": True})
+    with served(settings, vllm) as (port, server, state):
+        wait_for_the_cut(server, state, silent_client(port, request_head(COMPLETIONS, body) + body))
+
+
+def test_a_stream_event_with_an_answers_vector_has_a_send_deadline(ring_dir: str) -> None:
+    """ "last_answer" in a stream (answer_stream.py): the event of the choice's last chunk."""
+    hidden = 1 << 19  # 2 MiB a vector: about 6 MiB as float text
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = forwarded_key(request)
+        count = len(ANSWERS[0])
+        vector = np.full(hidden, 0.123456789, "<f4").tobytes()
+        for chosen in range(max(1, count - 2), count + 2):  # the hook's window of positions
+            position = PROMPT_TOKENS + chosen - 2
+            record = Record(
+                answer_key(key, 0, chosen),
+                MODEL,
+                position,
+                PROMPT_TOKENS,
+                "last_answer",
+                (FINAL,),
+                hidden,
+                vector,
+            )
+            publish(writer, record)
+        events = b"".join(stream_events(1, continuous=True, usage=True))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+
+    with create_writer(ring_dir, hidden_size=hidden, slot_count=16) as writer:
+        settings = settings_for(ring_dir, send_timeout=0.5)
+        kv = {
+            "return_last_hidden_state": True,
+            "last_hidden_state_pooling": "last_answer",
+            "last_hidden_state_format": "float",
+        }
+        messages = [{"role": "user", "content": "Hi"}]
+        body = orjson.dumps(
+            {"model": MODEL, "messages": messages, "stream": True, "kv_transfer_params": kv}
+        )
+        with served(settings, FakeVLLM(handle)) as (port, server, state):
+            request = request_head(CHAT, body) + body
+            wait_for_the_cut(server, state, silent_client(port, request))
+
+
+def test_an_embeddings_answer_has_a_send_deadline(ring_dir: str) -> None:
+    hidden = 1 << 17  # 512 KiB a vector: 16 inputs take 11 MiB as base64
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        key = forwarded_key(request)
+        vector = np.full(hidden, 0.5, "<f4").tobytes()
+        publish(writer, Record(key, MODEL, 4, 5, "last", (FINAL,), hidden, vector))
+        return httpx.Response(200, json={"id": "c", "model": MODEL, "choices": []})
+
+    with create_writer(ring_dir, hidden_size=hidden, slot_count=64) as writer:
+        settings = settings_for(ring_dir, send_timeout=0.5)
+        body = orjson.dumps(
+            {"model": MODEL, "input": [f"text {i}" for i in range(16)], "encoding_format": "base64"}
+        )
+        with served(settings, FakeVLLM(handle)) as (port, server, state):
+            request = request_head(EMBEDDINGS, body) + body
+            wait_for_the_cut(server, state, silent_client(port, request))
 
 
 # -- item 3: the event loop keeps turning while a large matrix is served --------------------------

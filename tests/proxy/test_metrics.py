@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hidden_state_proxy.proxy.metrics import KINDS, MISS_REASONS, MetricsTable, ProxyMetrics
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.metrics import (
+    _VECTOR_BYTES,
+    CELLS,
+    KINDS,
+    MISS_REASONS,
+    ROWS,
+    MetricsTable,
+    ProxyMetrics,
+)
+from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
 from vllm_hidden_state_proxy.ring import RingHeader, RingShape
 
 SHAPE = RingShape(8, 4096, 8, 4, (4,))
@@ -62,6 +72,54 @@ def test_every_counter_and_gauge_is_rendered() -> None:
     assert "# TYPE hidden_state_proxy_upstream_metrics_up gauge" in lines
     assert "# TYPE hidden_state_proxy_requests_total counter" in lines
     assert text.endswith(b"\n")
+
+
+def test_the_vector_memory_is_shown_held_refused_and_cut() -> None:
+    """Bytes held now (a gauge over the live workers' rows), refusals by the budget's two
+    bounds, and clients cut for not taking their answer in time."""
+    metrics = ProxyMetrics()
+    memory = VectorMemory(total=100, per_request=60, metrics=metrics)
+    first, second = memory.share(), memory.share()
+    first.take(50)
+    with pytest.raises(ProxyError) as too_large:
+        first.take(20)
+    second.take(40)
+    with pytest.raises(ProxyError) as over_budget:
+        second.take(15)
+    metrics.send_cuts += 1
+
+    def rendered() -> dict[str, float]:
+        text = metrics.render(live_rings=[], engines_without_ring=0, upstream_metrics_up=True)
+        lines = text.decode().splitlines()
+        assert "# TYPE hidden_state_proxy_vector_bytes gauge" in lines
+        assert "# TYPE hidden_state_proxy_vector_refusals_total counter" in lines
+        assert "# TYPE hidden_state_proxy_send_cuts_total counter" in lines
+        return samples(text)
+
+    values = rendered()
+    assert (too_large.value.status, over_budget.value.status) == (413, 503)
+    assert values["hidden_state_proxy_vector_bytes"] == 90
+    assert values['hidden_state_proxy_vector_refusals_total{reason="request"}'] == 1
+    assert values['hidden_state_proxy_vector_refusals_total{reason="budget"}'] == 1
+    assert values["hidden_state_proxy_send_cuts_total"] == 1
+    first.close()
+    second.close()
+    assert rendered()["hidden_state_proxy_vector_bytes"] == 0
+
+
+def test_held_vector_bytes_of_a_dead_worker_are_not_shown(tmp_path: Path) -> None:
+    path = MetricsTable.create_shared(tmp_path)
+    table = MetricsTable(path)
+    try:
+        metrics = ProxyMetrics(table)
+        metrics.vector_bytes = 7
+        last = (ROWS - 1) * CELLS  # a worker's row, whose process is gone
+        table._cells[last] = 2**22 + 12345  # above the largest pid_max: no such process
+        table._cells[last + _VECTOR_BYTES] = 1000
+        text = metrics.render(live_rings=[], engines_without_ring=0, upstream_metrics_up=True)
+        assert samples(text)["hidden_state_proxy_vector_bytes"] == 7
+    finally:
+        MetricsTable.remove_shared(path)
 
 
 def test_a_runner_label_is_escaped() -> None:

@@ -1,8 +1,9 @@
 """Every way vLLM's connection can fail gets its status (issue #36, item 8): the real proxy
 (uvicorn, the aiohttp engine, a real ring) in front of a vLLM stand-in in a process of its own
 that dies or falls silent (``dying_vllm.py``): refused, crashed before answering, reset,
-crashed mid-body, silent past the read timeout; and a flagged stream already started ends with
-an error event (502 broken, 504 silent), never cut or looking complete."""
+crashed mid-body, silent past the read timeout (before the answer or mid-body); and a flagged
+stream already started ends with an error event (502 broken, 504 silent), never cut or looking
+complete."""
 
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ("reset", 502, "failed before it answered"),
         ("crash-mid-body", 502, "failed before it answered"),
         ("silent", 504, "did not answer in time"),
+        ("silent-mid-body", 504, "did not answer in time"),
     ],
 )
 @pytest.mark.parametrize("flagged", [True, False], ids=["flagged", "ordinary"])
@@ -107,7 +109,8 @@ def test_a_failure_before_the_answer_is_a_502_or_a_504(
     ring_dir = str(tmp_path / "rings")
     document = {"messages": MESSAGES, **(FLAG if flagged else {})}
     with dying_vllm(mode, ring_dir) as (vllm_port, _), proxy_to(vllm_port, ring_dir) as port:
-        if mode == "crash-mid-body" and not flagged:  # passed through: the head is out
+        if mode.endswith("mid-body") and not flagged:  # passed through: the head is out, so
+            # the answer is cut (at once, or past the read timeout), never complete-looking
             with pytest.raises(httpx.RemoteProtocolError):
                 post(port, document)
             return

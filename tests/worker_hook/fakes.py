@@ -384,10 +384,6 @@ class FakeRows:
             raise self.failure
         self.completed = True
 
-    def vectors(self) -> list[bytes]:
-        assert self.completed, "read before the copy completed"
-        return self._vectors
-
     def buffer(self) -> memoryview:
         assert self.completed, "read before the copy completed"
         return memoryview(b"".join(self._vectors))

@@ -42,16 +42,29 @@ from vllm_hidden_state_proxy.worker_hook.capture import STEP_FAILED, StepCapture
 from vllm_hidden_state_proxy.worker_hook.device_copy import (
     AsyncRowCopier,
     HostBuffers,
+    PendingRows,
     PinnedBufferPool,
     SyncRowCopier,
     copier_for,
-    rows_as_float32,
+    host_float32,
     stack_as_float32,
 )
 from vllm_hidden_state_proxy.worker_hook.publication_queue import COPY_FAILED
 from vllm_hidden_state_proxy.worker_hook.runners import V1RunnerView
 
 # -- fakes ----------------------------------------------------------------------------------------
+
+
+def float32_rows(rows: Any) -> list[bytes]:
+    """The rows as little-endian float32 bytes each (what the copiers' buffer holds)."""
+    array = host_float32(rows)
+    return [array[i].tobytes() for i in range(array.shape[0])]
+
+
+def rows_in(pending: PendingRows) -> list[bytes]:
+    """A completed copy's buffer, cut into its rows."""
+    data = bytes(pending.buffer())
+    return [data[i : i + 4 * HIDDEN] for i in range(0, len(data), 4 * HIDDEN)]
 
 
 class FakeCopier:
@@ -61,7 +74,7 @@ class FakeCopier:
         self.started: list[FakeRows] = []
 
     def start(self, rows: Any) -> FakeRows:
-        pending = FakeRows(rows_as_float32(rows))
+        pending = FakeRows(float32_rows(rows))
         self.started.append(pending)
         return pending
 
@@ -355,8 +368,8 @@ def test_sync_copy_is_little_endian_float32_in_the_given_order() -> None:
     pending = SyncRowCopier().start([states[5], states[0], states[5]])
     assert pending.done()
     pending.wait()
-    assert pending.vectors() == [row_vector(5), row_vector(0), row_vector(5)]
-    assert struct.unpack(f"<{HIDDEN}f", pending.vectors()[1]) == (0.0, 0.25, 0.5, 0.75)
+    assert rows_in(pending) == [row_vector(5), row_vector(0), row_vector(5)]
+    assert struct.unpack(f"<{HIDDEN}f", rows_in(pending)[1]) == (0.0, 0.25, 0.5, 0.75)
     pending.release()
 
 
@@ -367,7 +380,7 @@ def test_rows_of_different_dtypes_and_layers_stack_as_float32() -> None:
     stacked = stack_as_float32([last, aux, mean])
     assert stacked.dtype == torch.float32
     assert stacked.shape == (3, HIDDEN)
-    assert rows_as_float32([last, aux, mean]) == [
+    assert float32_rows([last, aux, mean]) == [
         row_vector(2),
         row_vector(1, 0),
         struct.pack(f"<{HIDDEN}f", 0.1, 0.2, 0.3, 0.4),
@@ -421,11 +434,11 @@ def test_async_copier_reads_back_the_given_rows(
     assert event.recorded
     assert not pending.done()
     with pytest.raises(RuntimeError, match="not completed"):
-        pending.vectors()
+        rows_in(pending)
     event.completed = True
     assert pending.done()
-    assert pending.vectors() == [row_vector(5), row_vector(0), row_vector(5, 0), row_vector(5)]
-    assert struct.unpack(f"<{HIDDEN}f", pending.vectors()[1]) == (0.0, 0.25, 0.5, 0.75)
+    assert rows_in(pending) == [row_vector(5), row_vector(0), row_vector(5, 0), row_vector(5)]
+    assert struct.unpack(f"<{HIDDEN}f", rows_in(pending)[1]) == (0.0, 0.25, 0.5, 0.75)
 
 
 def test_the_stacked_rows_stay_referenced_until_release(
@@ -439,7 +452,7 @@ def test_the_stacked_rows_stay_referenced_until_release(
     pending.release()
     assert pending._device_tensors == ()  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="released"):
-        pending.vectors()
+        rows_in(pending)
 
 
 def test_buffers_are_not_reused_while_their_copy_is_pending(
@@ -456,14 +469,14 @@ def test_buffers_are_not_reused_while_their_copy_is_pending(
     assert pool.free_count == 0
     events[0].completed = True
     assert first.done()
-    assert first.vectors() == [row_vector(1)]
+    assert rows_in(first) == [row_vector(1)]
     first.release()
     assert pool.free_count == 1
     third = async_copier.start([states[3]])
     assert third._buffers is buffers_of[0]  # type: ignore[attr-defined]
     assert pool.free_count == 0
     third.wait()
-    assert third.vectors() == [row_vector(3)]
+    assert rows_in(third) == [row_vector(3)]
 
 
 def test_pool_sizes_buffers_to_the_rows_and_keeps_a_few() -> None:

@@ -20,7 +20,7 @@ keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream
   │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
   ├─ JSON ─────────▶ vector_lookup.py: the record from the rings (a large matrix copied in
   │                  a thread, counted by vector_memory.py) ──▶ answer_join.py, sent by
-  │                  answer_body.py (large matrices in pieces, each within --send-timeout)
+  │                  answer_body.py (large matrices in pieces; sends of vectors within a deadline)
   └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
                      there (vector_lookup.py, answer_join.py), relay the rest (relay.py);
                      /v1/responses: responses_stream.py

@@ -1,5 +1,6 @@
-"""Sending a flagged JSON answer: whole when small, in pieces when its matrices are large; every
-piece within ``--send-timeout``.
+"""Sending what carries counted vectors: a flagged JSON answer (whole when small, in pieces when
+its matrices are large), an embeddings answer, a stream's event with vectors; each within its
+deadline.
 
 An answer whose matrices hold at least :data:`.vector_memory.OFF_LOOP_BYTES` is not built
 whole: vLLM's completion with the vectors' fields is written with a marker where each
@@ -13,12 +14,13 @@ against the request's share of the vector memory (:mod:`.vector_memory`). The re
 A stream's (SSE) event that carries large matrices is encoded whole, in a thread, counted
 against the request's memory (:func:`encoded_off_loop`).
 
-Every send of a flagged JSON answer, the whole body too, must complete within
-``--send-timeout``: a client that stops reading for that long has its connection cut (uvicorn's
-transport aborted, which frees what it buffered) and the request's memory is given back. A
-final empty send waits for the socket's buffer to drain below its high-water mark, so an answer
-is not left in the buffer of a client that never reads. Streams (SSE) are relayed as before:
-this applies to JSON answers only.
+Every send of such an answer must complete within ``--send-timeout``, and all of its sends
+within ``--send-timeout`` plus its size at :data:`MIN_SEND_RATE` (:class:`SendDeadline`): a
+client that stops reading, or reads too slowly, has its connection cut (uvicorn's transport
+aborted, which frees what it buffered) and the request's memory is given back. A final empty
+send waits for the socket's buffer to drain below its high-water mark, so an answer is not left
+in the buffer of a client that never reads. In a stream (SSE), only the sends of events that
+carry vectors are bounded (:func:`send_counted_events`): the rest is relayed as vLLM sends it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import asyncio
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -64,8 +66,15 @@ PIECE_BYTES = max(4 * BASE64_VALUES * 4 // 3 + 4, FLOAT_VALUES * 16 + 16)
 SMALL_BODY = 64 * 1024
 
 
+#: The slowest a client may take an answer that carries counted vectors, on average, past its
+#: first ``--send-timeout``: 1 MiB/s (8 Mbit/s; a 64 MiB float32 matrix, 85 MiB as base64, gets
+#: 30 + 85 s). Slower clients would hold the process's --vectors-budget for long: 12 readers of
+#: a 64 MiB matrix at a piece per 29 s held 768 MiB for 40 min with only the per-send bound.
+MIN_SEND_RATE = 1 << 20
+
+
 class ClientTooSlow(Exception):
-    """The client did not take a piece of its answer within ``--send-timeout``."""
+    """The client did not take its answer in time (:class:`SendDeadline`)."""
 
 
 def matrix_pieces(matrix: Matrix) -> Iterator[Callable[[], bytes]]:
@@ -189,6 +198,7 @@ async def send_json_answer(
         start_headers = [(b"content-type", b"application/json")]
         start_headers.append((b"content-length", str(len(body)).encode("ascii")))
         pieces: list[bytes | Callable[[], bytes]] = [body]
+        size = len(body)
     else:
         try:
             text, matrices, marker = _without_matrices(document)
@@ -197,6 +207,7 @@ async def send_json_answer(
                 502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
             ) from exc
         vector_memory.take(len(text) + 2 * PIECE_BYTES)
+        size = len(text) + text_size  # the matrices' text at most
         start_headers = [(b"content-type", b"application/json")]
         pieces = []
         parts = re.split(b'"' + re.escape(marker) + rb':(\d+)"', text)
@@ -205,16 +216,88 @@ async def send_json_answer(
                 pieces.append(part)
             else:
                 pieces.extend(matrix_pieces(matrices[int(part)]))
-    share = vector_memory.current()
-    timeout = share.send_timeout if share is not None else None
+    await _sent_in_time(
+        SendDeadline(size),
+        lambda deadline: _send_pieces(send, 200, start_headers + list(headers), pieces, deadline),
+    )
+
+
+async def send_counted_whole(
+    send: Send, upstream_headers: RawHeaders, body: bytes, content_type: bytes
+) -> None:
+    """A complete 200 answer whose ``body`` holds counted vectors (the embeddings' list), with
+    vLLM's headers, within the :class:`SendDeadline` for its size: a client too slow is cut."""
+    headers: RawHeaders = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(body)).encode("ascii")),
+        *downstream_response_headers(upstream_headers, drop=REBUILT_DROP),
+    ]
+    await _sent_in_time(
+        SendDeadline(len(body)),
+        lambda deadline: _send_pieces(send, 200, headers, [body], deadline),
+    )
+
+
+async def send_counted_events(send: Send, events: bytes, more: bool = True) -> bool:
+    """Send a stream's ``events`` that carry counted vectors, then wait for the socket's buffer
+    to drain below its high-water mark, within the :class:`SendDeadline` for their size; False:
+    the client was too slow and is cut (the stream is over)."""
+
+    async def sends(deadline: SendDeadline) -> None:
+        await _within(send, _body(events, True), deadline)
+        await _within(send, _body(b"", more), deadline)  # waits for the drain (see above)
+
+    return await _sent_in_time(SendDeadline(len(events)), sends)
+
+
+def _body(body: bytes, more: bool) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": body, "more_body": more}
+
+
+class SendDeadline:
+    """When the sends of one answer (or event) that carries counted vectors must be done:
+    each within ``--send-timeout``, all of them within ``--send-timeout`` plus its ``size``
+    at :data:`MIN_SEND_RATE`. No bound outside a request or without ``--send-timeout``."""
+
+    def __init__(self, size: int) -> None:
+        share = vector_memory.current()
+        self.share = share
+        self.each = None if share is None else share.send_timeout
+        self.total = None if self.each is None else self.each + size / MIN_SEND_RATE
+        self._end = None if self.total is None else anyio.current_time() + self.total
+
+    def left(self) -> float | None:
+        """Seconds the next send may take (``None``: no bound); ClientTooSlow once past the
+        end."""
+        if self.each is None or self._end is None:
+            return None
+        left = min(self.each, self._end - anyio.current_time())
+        if left <= 0:
+            raise ClientTooSlow
+        return left
+
+
+async def _sent_in_time(
+    deadline: SendDeadline, sends: Callable[[SendDeadline], Awaitable[None]]
+) -> bool:
+    """Run ``sends``; if the client is too slow for ``deadline``, cut its connection (which
+    drops what uvicorn buffered for it) and return False."""
     try:
-        await _send_pieces(send, 200, start_headers + list(headers), pieces, timeout)
+        await sends(deadline)
     except ClientTooSlow:
-        log.info("cut a client that did not take its answer within %s s (--send-timeout)", timeout)
-        if share is not None and share.cut is not None:
-            share.cut()
+        log.info(
+            "cut a client that did not take its answer in time: each send within %s s "
+            "(--send-timeout), all of it within %.0f s (--send-timeout + its size at %d KiB/s)",
+            deadline.each,
+            deadline.total,
+            MIN_SEND_RATE // 1024,
+        )
+        if deadline.share is not None:
+            deadline.share.cut_off()
             for _ in range(3):  # the transport's connection_lost runs on the next iterations
                 await asyncio.sleep(0)
+        return False
+    return True
 
 
 async def _send_pieces(
@@ -222,26 +305,25 @@ async def _send_pieces(
     status: int,
     headers: RawHeaders,
     pieces: list[bytes | Callable[[], bytes]],
-    timeout: float | None,
+    deadline: SendDeadline,
 ) -> None:
     await _within(
-        send, {"type": "http.response.start", "status": status, "headers": headers}, timeout
+        send, {"type": "http.response.start", "status": status, "headers": headers}, deadline
     )
     if len(pieces) == 1 and isinstance(pieces[0], bytes) and len(pieces[0]) <= SMALL_BODY:
-        message = {"type": "http.response.body", "body": pieces[0], "more_body": False}
-        await _within(send, message, timeout)
+        await _within(send, _body(pieces[0], False), deadline)
         return
     for piece in pieces:
         if callable(piece):
             piece = await anyio.to_thread.run_sync(piece, limiter=off_loop_limiter())
         if piece:
-            message = {"type": "http.response.body", "body": piece, "more_body": True}
-            await _within(send, message, timeout)
+            await _within(send, _body(piece, True), deadline)
     # Waits for the socket's buffer to drain below its high-water mark (see above).
-    await _within(send, {"type": "http.response.body", "body": b"", "more_body": False}, timeout)
+    await _within(send, _body(b"", False), deadline)
 
 
-async def _within(send: Send, message: dict[str, Any], timeout: float | None) -> None:
+async def _within(send: Send, message: dict[str, Any], deadline: SendDeadline) -> None:
+    timeout = deadline.left()
     if timeout is None:
         await send(message)
         return

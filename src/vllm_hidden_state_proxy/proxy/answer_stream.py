@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks, ChoiceCount, counted
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
@@ -58,6 +58,8 @@ class AnswerEvents:
         self.fields = fields
         #: Finished choices' chunks held for the usage chunk's fingerprint: (event, chunk, sep).
         self._held: list[tuple[bytes, dict[str, Any], bytes]] = []
+        #: What was rewritten since it was last sent carries vectors (sent within a deadline).
+        self.carries_vectors = False
 
     async def rewrite(self, event: bytes, separator: bytes) -> bytes:
         """What to send on for ``event`` (and its separator): nothing, it, or it rewritten
@@ -84,12 +86,14 @@ class AnswerEvents:
                 self._held.append((event, chunk, separator))
                 return b""
             written = chunk
+            self.carries_vectors = True
             return await encoded_off_loop(lambda: _encoded(event, written), fields) + separator
         return _encoded(event, chunk) + separator if changed else event + separator
 
     def release(self, fingerprint: Any = None) -> bytes:
         """The held chunks, with ``fingerprint`` (vLLM's, from the usage chunk) if given."""
         out = bytearray()
+        self.carries_vectors = self.carries_vectors or bool(self._held)
         for event, chunk, separator in self._held:
             if fingerprint is not None:
                 chunk = {**chunk, "system_fingerprint": fingerprint}
@@ -142,6 +146,16 @@ async def _send_body(send: Send, body: bytes, more: bool = True) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
+async def _send_events(send: Send, events: AnswerEvents, body: bytes, more: bool = True) -> bool:
+    """Send ``body``: within the deadline of what carries vectors if it does (False: the client
+    was too slow and is cut), as it comes otherwise."""
+    if events.carries_vectors:
+        events.carries_vectors = False
+        return await send_counted_events(send, body, more)
+    await _send_body(send, body, more)
+    return True
+
+
 async def relay_with_answer_vectors(
     state: ProxyState,
     send: Send,
@@ -172,12 +186,14 @@ async def relay_with_answer_vectors(
     limit = state.settings.max_answer_bytes
     try:
         out, error = await _rewrite_complete(buffer, cursor, events)
-        await _send_body(send, out)
+        if not await _send_events(send, events, out):
+            return
         if error is None:
             async for chunk in chunks:
                 buffer += chunk
                 out, error = await _rewrite_complete(buffer, cursor, events)
-                await _send_body(send, out)
+                if not await _send_events(send, events, out):
+                    return
                 if error is None and len(buffer) > limit:
                     error = ProxyError(
                         502,
@@ -192,6 +208,7 @@ async def relay_with_answer_vectors(
         state.metrics.upstream_errors += 1
         error = broken_off(state.settings, exc)
     if error is not None:  # the choices finished before it keep their vectors
-        await _send_body(send, events.release() + b"data: " + error.body() + b"\n\n", more=False)
+        end = events.release() + b"data: " + error.body() + b"\n\n"
+        await _send_events(send, events, end, more=False)
         return
-    await _send_body(send, events.release() + bytes(buffer), more=False)
+    await _send_events(send, events, events.release() + bytes(buffer), more=False)

@@ -14,14 +14,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
-from vllm_hidden_state_proxy.proxy.answer_join import (
-    Floats,
-    base64_text,
-    dump_json,
-    float32_view,
-    send_whole,
-)
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_whole
+from vllm_hidden_state_proxy.proxy.answer_join import Floats, base64_text, dump_json, float32_view
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     FORWARDED_FIELDS,
@@ -169,4 +163,6 @@ class EmbeddingsApp(Endpoint):
         except ProxyError as error:
             await send_error(send, error)
             return
-        await send_whole(send, 200, answers[0].headers, payload, b"application/json")
+        # Within --send-timeout and a least rate (answer_body.py): the vectors stay counted
+        # until the client has them.
+        await send_counted_whole(send, answers[0].headers, payload, b"application/json")

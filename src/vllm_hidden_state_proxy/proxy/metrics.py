@@ -45,6 +45,9 @@ WAIT_BUCKETS = (
 )
 KINDS = ("ordinary", "flagged", "embeddings")
 MISS_REASONS = ("overwritten", "not_published", "engine_without_ring")
+#: Why a request's vectors were refused memory: over --max-vectors-size (413), over
+#: --vectors-budget (503).
+REFUSAL_REASONS = ("request", "budget")
 
 # One row: the owner's pid, then the counters.
 _OWNER = 0
@@ -55,7 +58,10 @@ _UPSTREAM_ERRORS = _MISSES + len(MISS_REASONS)
 _WAIT_BUCKETS = _UPSTREAM_ERRORS + 1  # len(WAIT_BUCKETS) + 1 cells: the last is above them all
 _WAIT_COUNT = _WAIT_BUCKETS + len(WAIT_BUCKETS) + 1
 _WAIT_SUM_NS = _WAIT_COUNT + 1
-CELLS = _WAIT_SUM_NS + 1
+_VECTOR_BYTES = _WAIT_SUM_NS + 1  # a gauge: summed over live rows only
+_VECTOR_REFUSALS = _VECTOR_BYTES + 1
+_SEND_CUTS = _VECTOR_REFUSALS + len(REFUSAL_REASONS)
+CELLS = _SEND_CUTS + 1
 #: Rows in a shared table: more workers than this share the last rows' fate (never happens).
 ROWS = 256
 
@@ -238,11 +244,17 @@ class ProxyMetrics:
         #: raise HIDDEN_STATE_PROXY_RING_SLOTS), "not_published", "engine_without_ring".
         self.vector_misses = _Counters(self.row, _MISSES, MISS_REASONS)
         self.vector_wait = _WaitHistogram(self.row)
+        #: Requests refused memory for their vectors, by reason (:data:`REFUSAL_REASONS`).
+        self.vector_refusals = _Counters(self.row, _VECTOR_REFUSALS, REFUSAL_REASONS)
 
     #: Flagged requests read and inspected (before any refusal of what they ask for).
     flagged_received = _RowCell(_FLAGGED)
     #: vLLM unreachable, or its answer broke off.
     upstream_errors = _RowCell(_UPSTREAM_ERRORS)
+    #: Bytes of vectors and matrices this process holds now (``vector_memory.py``).
+    vector_bytes = _RowCell(_VECTOR_BYTES)
+    #: Clients cut off for not taking a flagged answer in time (``answer_body.py``).
+    send_cuts = _RowCell(_SEND_CUTS)
 
     def render(
         self,
@@ -251,7 +263,9 @@ class ProxyMetrics:
         engines_without_ring: int,
         upstream_metrics_up: bool,
     ) -> bytes:
+        rows = self.table.rows()
         totals = self.table.totals()
+        held = sum(row[_VECTOR_BYTES] for pid, row in rows.items() if _alive(pid))
         requests = f"{PREFIX}requests_total"
         flagged = f"{PREFIX}flagged_requests_total"
         misses = f"{PREFIX}vector_misses_total"
@@ -261,6 +275,9 @@ class ProxyMetrics:
         without = f"{PREFIX}engines_without_ring"
         wait = f"{PREFIX}vector_wait_seconds"
         upstream_up = f"{PREFIX}upstream_metrics_up"
+        vector_bytes = f"{PREFIX}vector_bytes"
+        refusals = f"{PREFIX}vector_refusals_total"
+        cuts = f"{PREFIX}send_cuts_total"
         lines = [
             f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
             "/v1/embeddings).",
@@ -304,6 +321,21 @@ class ProxyMetrics:
             "failed or timed out (--metrics-upstream-timeout).",
             f"# TYPE {upstream_up} gauge",
             f"{upstream_up} {int(upstream_metrics_up)}",
+            f"# HELP {vector_bytes} Bytes of vectors and matrices the proxy holds now (each "
+            "process against its --vectors-budget).",
+            f"# TYPE {vector_bytes} gauge",
+            f"{vector_bytes} {held}",
+            f"# HELP {refusals} Requests refused memory for their vectors, by reason (request: "
+            "over --max-vectors-size, 413; budget: over --vectors-budget, 503).",
+            f"# TYPE {refusals} counter",
+            *(
+                f'{refusals}{{reason="{reason}"}} {totals[_VECTOR_REFUSALS + i]}'
+                for i, reason in enumerate(REFUSAL_REASONS)
+            ),
+            f"# HELP {cuts} Connections cut because the client did not take an answer that "
+            "carries vectors in time (--send-timeout).",
+            f"# TYPE {cuts} counter",
+            f"{cuts} {totals[_SEND_CUTS]}",
             f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
             f"# TYPE {wait} histogram",
         ]

@@ -246,8 +246,9 @@ class ProxySettings:
     send_timeout: float = option(
         30.0,
         "--send-timeout",
-        "a flagged JSON answer's client must take each piece of it (1 MiB) within this long; "
-        "otherwise its connection is cut and its memory freed",
+        "a client must take each piece (1 MiB) of an answer that carries vectors within this "
+        "long, and all of it within this plus its size at 1 MiB/s; otherwise its connection is "
+        "cut and its memory freed",
         metavar="SECONDS",
         parse=float,
     )

@@ -32,7 +32,9 @@ class ProxyState:
         #: This process's request bodies in memory, against ``--body-budget``.
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         #: This process's vectors and matrices in memory, against ``--vectors-budget``.
-        self.vector_memory = VectorMemory(settings.vectors_budget_bytes, settings.max_vectors_bytes)
+        self.vector_memory = VectorMemory(
+            settings.vectors_budget_bytes, settings.max_vectors_bytes, self.metrics
+        )
         self.connections: Connections | None = None
 
     def _open(self) -> Connections:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop
+from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
@@ -173,5 +173,6 @@ async def relay_with_vectors(
         }
     )
     head, pending = complete_events(head)  # a partial event waits for its end (or an error)
-    await send({"type": "http.response.body", "body": head, "more_body": True})
+    if not await send_counted_events(send, head):  # the vectors' event, within its deadline
+        return
     await relay_body(state, send, chunks, error_event=True, pending=pending)

@@ -322,8 +322,8 @@ def _check_vectors_bound(
     more than ``--max-vectors-size``: ``"all_answer"`` with ``max_tokens`` (times ``n``), and
     ``"all_prompt"`` of token-id prompts; either times the prompts of a completions list. (The
     rows of a text prompt are known only in vLLM: those are counted as they arrive.)"""
-    limit = vector_memory.per_request_limit()
-    if limit is None:
+    share = vector_memory.current()
+    if share is None:
         return
     pooling = wanted.request.pooling
     prompt = document.get("prompt")
@@ -345,5 +345,5 @@ def _check_vectors_bound(
     else:
         return
     size = matrix_bytes(total_rows, len(wanted.distinct_layers), shapes[0].hidden_size)
-    if size > limit:
-        raise vector_memory.request_too_large(size, limit, param)
+    if size > share.memory.per_request:
+        raise share.refuse(size, param)

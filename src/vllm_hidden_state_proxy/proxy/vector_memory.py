@@ -12,6 +12,9 @@ one that would take the process over ``--vectors-budget`` gets 503 (retry). Noth
 room: a request either fits now or is answered at once. Where the size is known before vLLM
 runs (``"all_answer"`` with ``max_tokens``, a list of token-id prompts with ``"all_prompt"``),
 the per-request bound refuses it before sending (:func:`.vector_lookup.check_matrix_room`).
+An answer is sent within a deadline (:class:`.answer_body.SendDeadline`), so a slow client
+holds its share for a bounded time. ``/metrics`` shows the bytes held, the refusals and the
+cuts (:mod:`.metrics`).
 
 The share of the current request rides in a context variable set by the endpoint
 (:func:`sharing`), so the lookups deep inside an exchange (and the tasks of a fan-out, which
@@ -27,6 +30,7 @@ from contextlib import contextmanager
 import anyio
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.types import Scope
 
 #: Records and answers at least this large are copied, checked and encoded off the event loop.
@@ -71,14 +75,20 @@ def budget_exhausted(size: int, total: int) -> ProxyError:
 
 
 class VectorMemory:
-    """The vector bytes one proxy process holds at once, over all its requests."""
+    """The vector bytes one proxy process holds at once, over all its requests; with
+    ``metrics``, what it holds and refuses is shown on ``/metrics``."""
 
-    def __init__(self, total: int, per_request: int) -> None:
+    def __init__(self, total: int, per_request: int, metrics: ProxyMetrics | None = None) -> None:
         self.total = total
         self.per_request = per_request
+        self.metrics = metrics or ProxyMetrics()
         self.held = 0
-        #: The most ever held at once (for tests and /metrics-like checks).
+        self.metrics.vector_bytes = 0  # a row taken over from a dead worker held its bytes
+        #: The most ever held at once (for tests).
         self.peak = 0
+
+    def _changed(self) -> None:
+        self.metrics.vector_bytes = self.held
 
     def share(
         self, send_timeout: float | None = None, cut: Callable[[], None] | None = None
@@ -89,7 +99,7 @@ class VectorMemory:
 class VectorShare:
     """One client request's part of a :class:`VectorMemory`; given back on exit."""
 
-    __slots__ = ("cut", "memory", "send_timeout", "taken")
+    __slots__ = ("cut", "memory", "refused", "send_timeout", "taken")
 
     def __init__(
         self,
@@ -103,22 +113,44 @@ class VectorShare:
         self.send_timeout = send_timeout
         #: Cuts the client's connection (from the server, when it offers it; see CUT_EXTENSION).
         self.cut = cut
+        #: A refusal was counted (the lookups of a fan-out may each be refused: one request).
+        self.refused = False
+
+    def _refusal(self, reason: str) -> None:
+        if not self.refused:
+            self.refused = True
+            self.memory.metrics.vector_refusals[reason] += 1
 
     def take(self, size: int) -> None:
         """Count ``size`` more bytes; 413 past the request's bound, 503 past the process's."""
         memory = self.memory
         if self.taken + size > memory.per_request:
+            self._refusal("request")
             raise request_too_large(self.taken + size, memory.per_request)
         if memory.held + size > memory.total:
+            self._refusal("budget")
             raise budget_exhausted(size, memory.total)
         memory.held += size
         memory.peak = max(memory.peak, memory.held)
+        memory._changed()
         self.taken += size
 
     def give_back(self, size: int) -> None:
         size = min(size, self.taken)
         self.memory.held -= size
+        self.memory._changed()
         self.taken -= size
+
+    def refuse(self, size: int, param: str | None) -> ProxyError:
+        """The 413 for a request whose matrices, known before sending, take ``size`` bytes."""
+        self._refusal("request")
+        return request_too_large(size, self.memory.per_request, param)
+
+    def cut_off(self) -> None:
+        """Cut the client's connection (too slow to take its answer), where the server can."""
+        self.memory.metrics.send_cuts += 1
+        if self.cut is not None:
+            self.cut()
 
     def close(self) -> None:
         self.give_back(self.taken)
@@ -161,9 +193,3 @@ def give_back(size: int) -> None:
 def current() -> VectorShare | None:
     """The current request's share (``None`` outside a request)."""
     return _CURRENT.get()
-
-
-def per_request_limit() -> int | None:
-    """The current request's bound (``None`` outside a request)."""
-    share = _CURRENT.get()
-    return None if share is None else share.memory.per_request

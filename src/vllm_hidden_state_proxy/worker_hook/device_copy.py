@@ -10,7 +10,7 @@ one 2-D tensor of such rows (a matrix):
   stream, one ``stack`` with the float32 conversion, one non-blocking copy into a pinned host
   buffer, and an event. ``start`` returns at once; the caller asks ``done()``
   (``event.query()``, never blocks) or ``wait()`` (``event.synchronize()``) before reading
-  ``vectors()``. Taking a row as ``hidden_states[i]`` (a Python int) makes a view and launches
+  ``buffer()``. Taking a row as ``hidden_states[i]`` (a Python int) makes a view and launches
   nothing, so no index has to be uploaded.
 
 Pinned buffers come from a small :class:`PinnedBufferPool`. A buffer returns to the pool only
@@ -47,11 +47,6 @@ class PendingRows(Protocol):
         """
         ...
 
-    def vectors(self) -> list[bytes]:
-        """Each row as little-endian float32 bytes (a copy each: for tests and small reads;
-        the publication reads ``buffer()``)."""
-        ...
-
     def release(self) -> None:
         """Give host buffers back for reuse; call once, after ``buffer()`` is no longer used."""
         ...
@@ -80,11 +75,6 @@ def host_float32(rows: Sequence[Any]) -> Any:
     return _little_endian(stacked.contiguous().numpy())
 
 
-def rows_as_float32(rows: Sequence[Any]) -> list[bytes]:
-    """Synchronous: the rows as little-endian float32 bytes each."""
-    return _rows_as_bytes(host_float32(rows))
-
-
 def _little_endian(array: Any) -> Any:
     """``array`` as C-contiguous little-endian float32 (no copy on a little-endian host)."""
     import numpy as np
@@ -95,11 +85,6 @@ def _little_endian(array: Any) -> Any:
 def as_bytes(array: Any) -> memoryview:
     """A C-contiguous array's bytes, without a copy."""
     return memoryview(array).cast("B")
-
-
-def _rows_as_bytes(array: Any) -> list[bytes]:
-    array = _little_endian(array)
-    return [array[i].tobytes() for i in range(array.shape[0])]
 
 
 # -- CPU: synchronous -----------------------------------------------------------------------------
@@ -119,9 +104,6 @@ class ReadyRows:
 
     def buffer(self) -> memoryview:
         return as_bytes(self._array)
-
-    def vectors(self) -> list[bytes]:
-        return _rows_as_bytes(self._array)
 
     def release(self) -> None:
         return None
@@ -237,9 +219,6 @@ class InFlightRows:
 
     def buffer(self) -> memoryview:
         return as_bytes(self._host())
-
-    def vectors(self) -> list[bytes]:
-        return _rows_as_bytes(self._host())
 
     def release(self) -> None:
         buffers, self._buffers = self._buffers, None
