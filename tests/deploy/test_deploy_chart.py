@@ -411,6 +411,21 @@ TEMPLATE_CHECKS = [
     pytest.param({"autoscaling": {"enabled": True}}, "autoscaling", id="hpa-without-metric"),
     pytest.param({"modelCache": {"type": "existingClaim"}}, "existingClaim", id="claim-missing"),
     pytest.param(
+        {"serviceMonitor": {"enabled": True, "scrapeTimeout": "2s"}},
+        "proxy.metricsUpstreamTimeout 2 must be below serviceMonitor.scrapeTimeout 2s",
+        id="metrics-timeout-not-below-scrape-timeout",
+    ),
+    pytest.param(
+        {"serviceMonitor": {"enabled": True}, "proxy": {"metricsUpstreamTimeout": 12}},
+        "must be below serviceMonitor.scrapeTimeout 10s",
+        id="metrics-timeout-above-scrape-timeout",
+    ),
+    pytest.param(
+        {"serviceMonitor": {"enabled": True, "scrapeTimeout": "1500ms"}},
+        "must be below serviceMonitor.scrapeTimeout 1500ms",
+        id="metrics-timeout-above-scrape-timeout-in-ms",
+    ),
+    pytest.param(
         {"terminationGracePeriodSeconds": 30},
         "terminationGracePeriodSeconds 30 must exceed preStopSleepSeconds 5 + "
         "proxy.drainTimeout 25 = 30",

@@ -187,6 +187,15 @@ Checks that the schema cannot express. Rendered (empty) by the Deployment.
 {{- if and .Values.podDisruptionBudget.enabled (kindIs "invalid" .Values.podDisruptionBudget.minAvailable) (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable) }}
 {{- fail "podDisruptionBudget.enabled needs minAvailable or maxUnavailable" }}
 {{- end }}
+{{- if .Values.serviceMonitor.enabled }}
+{{- $scrape := .Values.serviceMonitor.scrapeTimeout }}
+{{- $scale := get (dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0) (regexFind "[a-z]+$" $scrape) }}
+{{- $scrapeSeconds := mulf (float64 (regexFind "^[0-9]+" $scrape)) $scale }}
+{{- $upstream := .Values.proxy.metricsUpstreamTimeout | default 2 }}
+{{- if ge (float64 $upstream) $scrapeSeconds }}
+{{- fail (printf "proxy.metricsUpstreamTimeout %v must be below serviceMonitor.scrapeTimeout %s: Prometheus would give up on the scrape before the proxy gives up on vLLM's metrics and serves its own" $upstream $scrape) }}
+{{- end }}
+{{- end }}
 {{- if and (eq .Values.modelCache.type "existingClaim") (not .Values.modelCache.existingClaim) }}
 {{- fail "modelCache.type is existingClaim but modelCache.existingClaim is empty" }}
 {{- end }}
