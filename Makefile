@@ -94,8 +94,8 @@ test: lint typecheck
 # ~9.5 GB venv and 2.5-4 min to create, for the same hook code; an older one still runs by hand,
 # e.g. `make test-vllm-next NEXT_VLLM=0.33.0` (its V1 and V2 runners).
 # Measured on the 2-core machine (2026-12-03), 0.34.0: 9.5 GB; first run 149 s with pip's
-# download cache cold; later runs 69 s (a loaded machine), of which the tests (393 passed, 6
-# skipped: V1's own classes) 31 s.
+# download cache cold; later runs 69 s (a loaded machine), of which the tests 31 s (then 399 of
+# them; how many now pass: CONTRIBUTING.md, "What runs where").
 # (0.33.0 on 2026-12-02: 9.6 GB, first run 191-230 s, later runs 32 s.)
 # test_engine.py is left out: it builds VllmConfig objects, which the GPU build (0.33, 0.34)
 # cannot without a device ("Failed to infer device type"); the runner tests need none.

@@ -162,6 +162,15 @@ def test_gpu_vllm_image() -> None:
     assert "vllm.general_plugins" in run and "hidden_state_hook" in run
 
 
+def test_make_test_vllm_next_tests_the_gpu_extras_vllm() -> None:
+    """The Makefile's default ``NEXT_VLLM`` (the wheel the hook's unit tests run on, which
+    CONTRIBUTING's table names as tested) is the ``gpu`` extra's pin, which the GPU image's base
+    follows: bumping one without the other would ship an untested vLLM."""
+    makefile = (REPO / "Makefile").read_text()
+    defaults = re.findall(r"^NEXT_VLLM \?= (\S+)$", makefile, flags=re.MULTILINE)
+    assert defaults == [extra_pin("gpu", "vllm")]
+
+
 def test_cpu_vllm_image() -> None:
     path = DOCKER_DIR / "vllm-cpu.Dockerfile"
     config = image_config(path)

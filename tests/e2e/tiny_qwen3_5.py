@@ -8,11 +8,20 @@ this model is:
 
 - **bfloat16** weights: vLLM's CPU kernel for the linear attention requires them ("CPU GDN
   attention requires BF16"); the Transformers reference reads the same weights in float32, so
-  the two agree within bf16 (relative L2 ~0.01-0.03), not float32;
+  the two agree within bf16 (a few percent, relative L2: CONTRIBUTING.md, "What runs
+  where"), not float32;
 - **128-wide linear-attention heads** (``linear_key_head_dim`` = ``linear_value_head_dim`` =
   128): the CPU kernel knows no other size ("Unexpected head dim size, 32");
 - vLLM's Qwen3.5 module imports its Qwen3-VL one, which imports torchvision: the server runs
-  with the test site's torchvision stub (``tests/e2e/site``, ``HSP_TEST_TORCHVISION_STUB``).
+  with the test site's torchvision stub (``tests/e2e/site``, ``HSP_TEST_TORCHVISION_STUB``);
+- a **long memory** in the linear attention: Transformers' random init gives a decay
+  ``exp(g)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, that forgets within a few tokens
+  (this seed drew ``A_log`` = 1.98), so a linear-attention layer's output would depend on the
+  last few tokens alone and a state lost (or mixed up) between prefill chunks or at a
+  prefix-cache hit would go unseen. ``A_log`` =
+  log(0.01) and ``dt_bias`` = -4 make ``g`` about -0.001 a token (measured: -0.92 summed over
+  the 687 tokens of the chunked prompt), so the state carries a whole prompt
+  (``tests/e2e/test_tiny_qwen3_5.py`` guards it).
 
 With prefix caching on, vLLM caches a hybrid model in blocks that hold a whole linear-attention
 state ("align" mode): 384 tokens a block for this model on this machine, so a prefix hit needs
@@ -21,6 +30,7 @@ a shared prefix of at least that many tokens.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from vllm_hidden_state_proxy.tiny_model import (
@@ -31,11 +41,14 @@ from vllm_hidden_state_proxy.tiny_model import (
 )
 
 #: Bump when anything below changes, so cached copies are rebuilt.
-TINY_QWEN3_5_REVISION = "1"
+TINY_QWEN3_5_REVISION = "2"
 _MARKER = "hidden_state_proxy_tiny_qwen3_5.json"
 
 HIDDEN_SIZE = 128
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+#: The linear attention's decay parameters (see the module docstring): a slow decay.
+LINEAR_A_LOG = math.log(0.01)
+LINEAR_DT_BIAS = -4.0
 
 
 def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
@@ -69,7 +82,14 @@ def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     )
     torch.manual_seed(1234)
-    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+    model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            linear = getattr(layer, "linear_attn", None)
+            if linear is not None:
+                linear.A_log.fill_(LINEAR_A_LOG)
+                linear.dt_bias.fill_(LINEAR_DT_BIAS)
+    model = model.to(torch.bfloat16).eval()
     model.save_pretrained(target, safe_serialization=True)
     finish_model_dir(target, _MARKER, TINY_QWEN3_5_REVISION, dtype="bfloat16")
     return target

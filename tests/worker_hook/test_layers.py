@@ -484,6 +484,27 @@ def test_an_accepted_override_passes_only_while_unchanged() -> None:
     )
 
 
+def test_an_inherited_override_is_refused_as_the_one_it_inherits() -> None:
+    """A stack that only inherits an unread override (a model class deriving another one,
+    as vLLM's families do) captures what its base captures, so it is refused the same; one
+    deriving the accepted override passes as that one does."""
+
+    class InheritsTheOverride(OverridingStack):
+        pass
+
+    class InheritsItTwice(InheritsTheOverride):
+        pass
+
+    class InheritsTheAccepted(AsQwen3_5):
+        pass
+
+    for stack in (InheritsTheOverride, InheritsItTwice):
+        assert stack_problem(stack) == (
+            f"{stack.__name__} overrides vLLM's _maybe_add_hidden_state"
+        )
+    assert stack_problem(InheritsTheAccepted) is None
+
+
 def test_vllms_cuda_qwen3_5_override_still_captures_hidden_states_k() -> None:
     """vLLM 0.34's ``Qwen3_5Model._maybe_add_hidden_state`` itself (one rank): layer 0 is
     the embeddings, by value (the next layer's fused norm mutates them in place), layer k is

@@ -210,11 +210,13 @@ def stack_problem(cls: type, config: Any = None) -> str | None:
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
     mixins = EagleModelMixin.__dict__[ADD_STATE]
+    # Every class up to the mixin's own method: an override is refused wherever it sits, in
+    # ``cls`` or in a base ``cls`` merely inherits it from.
     for owner in cls.__mro__:
         method = owner.__dict__.get(ADD_STATE)
-        if method is None or method is mixins:
+        if method is mixins:
             break
-        if not accepted_override(method):
+        if method is not None and not accepted_override(method):
             return f"{cls.__name__} overrides vLLM's {ADD_STATE}"
     if getattr(config, "attn_res_block_size", None) is not None:
         return f"{cls.__name__} uses attention residuals (attn_res_block_size)"
