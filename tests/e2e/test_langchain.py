@@ -198,23 +198,24 @@ def test_two_choices_agenerated_and_astreamed_each_get_their_answers_state(
     model = chat_model(stack, model_name, clients=clients, raw=raw, pooling="last_answer")
     question = HumanMessage("LangChain n=2 agenerate: name a sea.")
 
-    async def generated() -> Any:
-        return await model.agenerate([[question]], n=2, temperature=1.0)
-
-    async def streamed() -> list[Any]:
-        chunks = [c async for c in model.astream("LangChain n=2 astream: a river.", n=2)]
+    async def both() -> tuple[Any, tuple[list[int], dict[int, list[int]]], list[Any]]:
+        generated = await model.agenerate([[question]], n=2, temperature=1.0)
+        generated_choices = raw.choices()
+        chunks = [
+            c async for c in model.astream("LangChain n=2 astream: a river.", n=2, temperature=1.0)
+        ]
         for client in clients:  # in this loop, which closes after
             if hasattr(client, "aclose"):
                 await client.aclose()
-        return chunks
+        return generated, generated_choices, chunks
 
-    [generations] = asyncio.run(generated()).generations
+    result, (prompt, answers), chunks = asyncio.run(both())
+    [generations] = result.generations
     assert len(generations) == 2
-    prompt, answers = raw.choices()
     for index, generation in enumerate(generations):
         entry = hidden_states_of(generation.message, index)
         check_entry(reference, [*prompt, *answers[index][:-1]], entry)
-    merged = added_up(asyncio.run(streamed()))
+    merged = added_up(chunks)
     prompt, answers = raw.choices()
     assert sorted(merged.response_metadata["hidden_states"]) == [0, 1]
     for index in (0, 1):
