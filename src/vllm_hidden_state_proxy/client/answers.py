@@ -370,7 +370,8 @@ class HiddenStateStream:
     def __init__(self, *, dtype: Dtype | None = None) -> None:
         self._dtype: Dtype | None = dtype
         self._by_choice: dict[int, HiddenStates] = {}
-        self._pending = ""  # text of an event not yet complete
+        self._pending: list[str] = []  # the pieces of an event not yet complete
+        self._held_cr = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")()  # a character cut between bytes
 
     def feed(self, chunk: Any) -> HiddenStates | None:
@@ -383,27 +384,48 @@ class HiddenStateStream:
         return self._read(as_document(chunk))
 
     def _feed_text(self, text: str) -> HiddenStates | None:
-        text = (self._pending + text).replace("\r\n", "\n")
-        held = "\r" if text.endswith("\r") else ""  # maybe half of a "\r\n"
-        *events, tail = text[: len(text) - len(held)].replace("\r", "\n").split("\n\n")
+        # Each piece is looked at once (a matrix's event can be many MiB in small pieces): the
+        # event so far is kept as a list of pieces, joined only when it ends.
+        text = self._held_cr + text
+        self._held_cr = "\r" if text.endswith("\r") else ""  # maybe half of a "\r\n"
+        text = text[: len(text) - len(self._held_cr)].replace("\r\n", "\n").replace("\r", "\n")
         found = None
-        for event in events:
-            payload = _event_payload(event)
-            if payload is not None and payload != "[DONE]":
-                found = self._read(as_document(payload)) or found
-        self._pending = tail + held
-        payload = _event_payload(tail)
-        if payload == "[DONE]":
-            self._pending = held
-        elif payload is not None:
-            try:
-                document = json.loads(payload)
-            except ValueError:
-                return found  # not whole yet: the rest comes with the next text
-            if isinstance(document, dict):  # (a cut number could parse, a cut object not)
-                self._pending = held
-                found = self._read(document) or found
+        while text:
+            if self._pending and self._pending[-1].endswith("\n") and text.startswith("\n"):
+                end, rest = 0, 1  # the blank line begun at the end of the last piece
+            else:
+                end = text.find("\n\n")
+                rest = end + 2
+            if end < 0:
+                break
+            self._pending.append(text[:end])
+            _, entry = self._read_event("".join(self._pending), ended=True)
+            found = entry or found
+            self._pending, text = [], text[rest:]
+        if text:
+            self._pending.append(text)
+            if text.rstrip("\n").endswith(("}", "[DONE]")):  # maybe a whole data line already
+                read, entry = self._read_event("".join(self._pending), ended=False)
+                if read:
+                    self._pending = []
+                    found = entry or found
         return found
+
+    def _read_event(self, event: str, *, ended: bool) -> tuple[bool, HiddenStates | None]:
+        """Whether ``event`` was read, and the entry it carried. An event not ``ended`` (by a
+        blank line) is read only if its data is already a whole JSON object."""
+        payload = _event_payload(event)
+        if payload is None or payload == "[DONE]":
+            return True, None
+        if ended:
+            return True, self._read(as_document(payload))
+        try:
+            document = json.loads(payload)
+        except ValueError:
+            return False, None  # the rest comes with the next piece
+        if not isinstance(document, dict):  # (a cut number could parse, a cut object not)
+            return False, None
+        return True, self._read(document)
 
     def _read(self, document: Mapping[str, Any]) -> HiddenStates | None:
         if error_message(document) is not None or document.get("type") in ("error",):
@@ -438,7 +460,7 @@ class HiddenStateStream:
     def result(self) -> HiddenStateAnswer:
         """Every entry the stream carried, in choice order; ``HiddenStateDecodeError`` if none,
         or if the text fed ended inside an event."""
-        payload = _event_payload(self._pending)
+        payload = _event_payload("".join(self._pending))
         if payload is not None and payload != "[DONE]":
             raise HiddenStateDecodeError(
                 f"the stream's text ended inside an event ({payload[:60]!r}...): was all of it fed?"
