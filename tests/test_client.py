@@ -262,6 +262,36 @@ def test_a_16_bit_vector_read_as_float32_is_caught_by_its_info() -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_answer_says_its_dtype_and_reads_right_without_info(dtype: str) -> None:
+    """The proxy writes last_hidden_state_dtype beside 16-bit values: read without its info
+    or a dtype= (e.g. LangChain's per-call extra_body), it is typed, never float32 of half
+    the length; a dtype= it contradicts is an error."""
+    vector, matrix = values(HIDDEN), values(2, HIDDEN)
+    answer = {
+        "kv_transfer_params": {
+            "last_hidden_state": wire(vector, dtype=dtype),
+            "last_hidden_states_by_layer": {"3": wire(matrix, dtype=dtype)},
+            "last_hidden_state_dtype": dtype,
+        }
+    }
+    states = read_hidden_states(answer)
+    np.testing.assert_array_equal(states.vector, rounded(vector, dtype))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(states.by_layer[3], rounded(matrix, dtype))
+    np.testing.assert_array_equal(
+        read_hidden_states(answer, dtype=dtype).vector,  # type: ignore[arg-type]
+        rounded(vector, dtype),
+    )
+    with pytest.raises(HiddenStateDecodeError, match=f"values are {dtype} .*not the float32"):
+        read_hidden_states(answer, dtype="float32")
+    stream = HiddenStateStream()
+    stream.feed({"choices": [{"index": 0}], **answer})
+    np.testing.assert_array_equal(stream.result().vector, rounded(vector, dtype))  # type: ignore[arg-type]
+    with pytest.raises(HiddenStateDecodeError, match="is 'float8', not one of"):
+        unknown = {**answer["kv_transfer_params"], "last_hidden_state_dtype": "float8"}
+        read_hidden_states({"kv_transfer_params": unknown})
+
+
 def test_error_answers_raise_with_the_servers_message_and_status() -> None:
     body = {"error": {"message": "Layer 7 is not captured", "code": 400, "param": "x"}}
     with pytest.raises(HiddenStateServerError) as raised:
@@ -340,10 +370,93 @@ def test_stream_errors_are_clear() -> None:
         reader.feed(twice)
 
 
+def _sse(document: dict[str, Any], event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(document)}\n\n"
+
+
+def _two_choice_stream() -> tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """A chat stream's SSE text, n=2, "last_answer": each choice's vector on its last chunk."""
+    first, second = values(HIDDEN), values(HIDDEN)
+    text = "".join([
+        _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "é"}}]}),
+        _sse({"choices": [{"index": 1, "delta": {"role": "assistant"}}]}),
+        ": a comment\n\n",
+        _sse({"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}],
+              "kv_transfer_params": {"last_hidden_state": wire(second)}}),
+        _sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+              "kv_transfer_params": {"last_hidden_state": wire(first)}}),
+        "data: [DONE]\n\n",
+    ])  # fmt: skip
+    return text, first, second
+
+
+def _assert_two_choices(reader: HiddenStateStream, first: Any, second: Any) -> None:
+    result = reader.result()
+    assert len(result) == 2
+    np.testing.assert_array_equal(result[0].vector, first)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(result[1].vector, second)  # type: ignore[arg-type]
+
+
+def test_text_with_several_events_is_read_event_by_event() -> None:
+    """httpx's iter_text() can give several events in one piece: each is read."""
+    text, first, second = _two_choice_stream()
+    reader = HiddenStateStream()
+    found = reader.feed(text)  # the whole stream at once
+    assert found is not None
+    np.testing.assert_array_equal(found.vector, first)  # type: ignore[arg-type]  # the last one
+    _assert_two_choices(reader, first, second)
+
+
+@pytest.mark.parametrize("step", [1, 7, 64, 1000])
+def test_text_cut_anywhere_is_buffered_until_its_events_are_whole(step: int) -> None:
+    """Pieces of any size, cut inside a line, a "\r\n" or a UTF-8 character (bytes)."""
+    text, first, second = _two_choice_stream()
+    for as_bytes in (False, True):
+        for crlf in (False, True):
+            whole = text.replace("\n", "\r\n") if crlf else text
+            stream: Any = whole.encode() if as_bytes else whole
+            reader = HiddenStateStream()
+            for start in range(0, len(stream), step):
+                reader.feed(stream[start : start + step])
+            _assert_two_choices(reader, first, second)
+
+
+def test_lines_one_by_one_and_responses_events_are_read() -> None:
+    """httpx's iter_lines(), each fed with its line end back (a data line is read as soon as
+    its JSON is whole), and a responses stream's "event:" lines."""
+    text, first, second = _two_choice_stream()
+    reader = HiddenStateStream()
+    for line in text.splitlines():
+        reader.feed(line + "\n")
+    _assert_two_choices(reader, first, second)
+    vector = values(HIDDEN)
+    kv = {"last_hidden_state": wire(vector)}
+    completed = {"type": "response.completed", "response": {"kv_transfer_params": kv}}
+    events = _sse({"type": "response.created"}, "response.created") + _sse(
+        completed, "response.completed"
+    )
+    reader = HiddenStateStream()
+    reader.feed(events[:-30])
+    reader.feed(events[-30:])
+    np.testing.assert_array_equal(reader.result().vector, vector)  # type: ignore[arg-type]
+
+
+def test_text_that_ends_inside_an_event_is_an_error() -> None:
+    text, _, _ = _two_choice_stream()
+    reader = HiddenStateStream()
+    cut = text.index("finish_reason")  # inside the first choice's last chunk
+    reader.feed(text[:cut])
+    with pytest.raises(HiddenStateDecodeError, match="ended inside an event"):
+        reader.result()
+    with pytest.raises(HiddenStateDecodeError, match="not JSON"):
+        HiddenStateStream().feed("data: {not json\n\n")
+
+
 # -- a client-only install ---------------------------------------------------------------------
 
 SERVER_STACK = ("starlette", "uvicorn", "httpx", "aiohttp", "msgpack", "orjson", "multipart",
-                "torch", "vllm", "transformers", "openai")  # fmt: skip
+                "pydantic", "pybase64", "ml_dtypes", "torch", "vllm", "transformers",
+                "openai")  # fmt: skip
 
 
 def test_the_client_imports_with_numpy_alone() -> None:
@@ -359,12 +472,16 @@ class Block:
         return None
 sys.meta_path.insert(0, Block())
 sys.path.insert(0, {str(src)!r})
+before = set(sys.modules)
 from vllm_hidden_state_proxy.client import hidden_state_fields, read_hidden_states
 fields = hidden_state_fields(layers=[-1])
 states = read_hidden_states({{"kv_transfer_params": {{"last_hidden_state": "AACAPw=="}}}})
 assert states.vector.tolist() == [1.0], states
 loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set(BLOCKED))
 assert not loaded, loaded
+# the imports brought nothing outside the standard library but numpy (and this package)
+others = {{m.split(".")[0] for m in set(sys.modules) - before}} - set(sys.stdlib_module_names)
+assert others == {{"numpy", "vllm_hidden_state_proxy"}}, sorted(others)
 print("ok")
 """
     done = subprocess.run(

@@ -3,14 +3,18 @@ choice's vectors apart (the real answers: tests/e2e/test_langchain.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from langchain_core.messages import AIMessageChunk
+from langchain_core.messages import AIMessageChunk, BaseMessageChunk
 from pydantic import SecretStr
 
+from vllm_hidden_state_proxy.client import hidden_state_fields
 from vllm_hidden_state_proxy.langchain import (
     HiddenStateChatOpenAI,
     HiddenStateEmbeddings,
@@ -83,10 +87,85 @@ def test_a_json_answer_gives_each_generation_its_choices_entry() -> None:
     assert "hidden_states" not in unflagged.generations[0].message.response_metadata
 
 
-def test_a_16_bit_request_is_decoded_as_asked() -> None:
-    chat = model(extra_body={"kv_transfer_params": {"last_hidden_state_dtype": "float16"}})
-    half = base64.b64encode(np.full(HIDDEN, 0.5, "<f2").tobytes()).decode()
-    generation = chat._convert_chunk_to_generation_chunk(chunk(0, "a", half), AIMessageChunk, {})
+def sse_stream(kv_by_chunk: list[dict[str, Any] | None]) -> bytes:
+    """A chat stream with n=2 as vLLM (through the proxy) sends it: each choice's role chunk,
+    then each choice's last chunk; ``kv_by_chunk`` the kv_transfer_params of each of those 4."""
+    shapes = [(0, {"role": "assistant", "content": ""}, None),
+              (1, {"role": "assistant", "content": ""}, None),
+              (1, {"content": "b"}, "stop"), (0, {"content": "a"}, "stop")]  # fmt: skip
+    events = []
+    for (index, delta, finish), kv in zip(shapes, kv_by_chunk, strict=True):
+        document: dict[str, Any] = {
+            "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+        }  # fmt: skip
+        if kv is not None:
+            document["kv_transfer_params"] = kv
+        events.append(f"data: {json.dumps(document)}\n\n")
+    return ("".join(events) + "data: [DONE]\n\n").encode()
+
+
+def streaming_model(body: bytes, sent: list[dict[str, Any]], **options: Any) -> Any:
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    transport = httpx.MockTransport(answer)
+    return model(
+        http_client=httpx.Client(transport=transport),
+        http_async_client=httpx.AsyncClient(transport=transport),
+        **options,
+    )
+
+
+def merged_stream(chat: HiddenStateChatOpenAI, use_async: bool, **call: Any) -> Any:
+    async def collect() -> list[BaseMessageChunk]:
+        return [chunk async for chunk in chat.astream("Hi", **call)]
+
+    chunks = asyncio.run(collect()) if use_async else list(chat.stream("Hi", **call))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged = merged + chunk
+    return merged
+
+
+def b16(value: float, dtype: str) -> str:
+    values = np.full(HIDDEN, value, "<f4")
+    raw = values.astype("<f2") if dtype == "float16" else (values.view("<u4") >> 16).astype("<u2")
+    return base64.b64encode(raw.tobytes()).decode()
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["stream", "astream"])
+def test_a_streamed_prompt_pooling_gives_every_choice_its_entry(use_async: bool) -> None:
+    """The proxy sends a prompt pooling's vectors once, on the stream's first chunk with a
+    choice; every choice of n=2 gets them (n and extra_body given per call here). Their 16-bit
+    values read right: the answer says its dtype."""
+    kv = {"last_hidden_state": b16(0.5, "bfloat16"), "last_hidden_state_dtype": "bfloat16"}
+    sent: list[dict[str, Any]] = []
+    chat = streaming_model(sse_stream([kv, None, None, None]), sent)
+    extra_body = hidden_state_fields(dtype="bfloat16")
+    merged = merged_stream(chat, use_async, n=2, extra_body=extra_body)
+    assert (sent[0]["n"], sent[0]["kv_transfer_params"]) == (2, extra_body["kv_transfer_params"])
+    by_choice = merged.response_metadata["hidden_states"]
+    assert sorted(by_choice) == [0, 1] and by_choice[0] is by_choice[1]
+    np.testing.assert_array_equal(hidden_states_of(merged, 1).vector, np.full(HIDDEN, 0.5))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["stream", "astream"])
+def test_a_streamed_answer_pooling_keeps_each_choices_own(use_async: bool) -> None:
+    fields = hidden_state_fields(pooling="last_answer")
+    kvs = [None, None, {"last_hidden_state": b64(2.0)}, {"last_hidden_state": b64(1.0)}]
+    chat = streaming_model(sse_stream(kvs), [], n=2, extra_body=fields)
+    merged = merged_stream(chat, use_async)
+    np.testing.assert_array_equal(hidden_states_of(merged, 0).vector, np.full(HIDDEN, 1.0))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(hidden_states_of(merged, 1).vector, np.full(HIDDEN, 2.0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_values_read_in_the_dtype_the_answer_says(dtype: str) -> None:
+    kv = {"last_hidden_state": b16(0.5, dtype), "last_hidden_state_dtype": dtype}
+    document = {**chunk(0, "a"), "kv_transfer_params": kv}
+    generation = model()._convert_chunk_to_generation_chunk(document, AIMessageChunk, {})
     assert generation is not None
     np.testing.assert_array_equal(hidden_states_of(generation.message).vector, np.full(HIDDEN, 0.5))  # type: ignore[arg-type]
 

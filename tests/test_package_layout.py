@@ -1,10 +1,15 @@
 """The house rules of issue #13 that code can check: no import cycles in ``src/`` (lazy imports
 inside functions included), no module over 600 lines, and ``protocol.py`` (the facts both
-processes agree on) importing nothing of the project."""
+processes agree on) importing nothing of the project; and that the package ships ``py.typed``
+(the client module is typed for its users: docs/clients.md)."""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
+import zipfile
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -71,3 +76,24 @@ def test_no_module_over_600_lines() -> None:
 
 def test_protocol_imports_nothing_of_the_project() -> None:
     assert import_graph()[f"{PACKAGE}.protocol"] == set()
+
+
+def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
+    """``py.typed`` exists and is package data: a wheel built from the sources has it (a type
+    checker ignores an installed package's types without it)."""
+    assert (PACKAGE_DIR / "py.typed").is_file()
+    root = PACKAGE_DIR.parents[1]
+    tree = tmp_path / "tree"  # a copy: the build's egg-info and build/ stay out of the checkout
+    shutil.copytree(root / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, tree / name)
+    script = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=tree, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    wheel = tmp_path / done.stdout.strip().splitlines()[-1]
+    assert f"{PACKAGE}/py.typed" in zipfile.ZipFile(wheel).namelist()

@@ -6,7 +6,11 @@ client module into the message's ``response_metadata["hidden_states"]``: a dict 
 choice's index to its :class:`~vllm_hidden_state_proxy.client.HiddenStates`, for ``invoke``,
 ``ainvoke``, ``stream`` and ``astream``. Keyed by choice, streamed chunks merge into one dict
 (LangChain concatenates lists and strings of chunks it adds up, which would join two choices'
-vectors into one of double length); a prompt pooling gives every choice the prompt's entry.
+vectors into one of double length); a prompt pooling gives every choice the prompt's entry
+(in a stream the proxy sends it once, on the first chunk with a choice: that chunk gets it for
+each of the request's ``n`` choices). Base64 values are read in the dtype the answer says
+(the proxy writes ``last_hidden_state_dtype`` beside 16-bit ones), so a per-call
+``extra_body`` asking for bfloat16 reads as right as one given to the constructor.
 
 ``OpenAIEmbeddings`` by default tokenizes text with OpenAI's tiktoken and sends those ids, which
 the proxy takes as this model's ids: wrong vectors, no error. :class:`HiddenStateEmbeddings`
@@ -16,19 +20,22 @@ takes the proxy's extensions (``layer``, ``pooling``, ``normalize``, ``instructi
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 from pydantic import model_validator
 
-from vllm_hidden_state_proxy.client import (
-    Dtype,
-    HiddenStates,
-    HiddenStateStream,
-    read_hidden_states,
+from vllm_hidden_state_proxy.client import HiddenStates, HiddenStateStream, read_hidden_states
+from vllm_hidden_state_proxy.protocol import (
+    ANSWER_POOLINGS,
+    BY_LAYER,
+    KV,
+    POOLING,
+    VECTOR,
+    VECTORS,
 )
-from vllm_hidden_state_proxy.protocol import BY_LAYER, DTYPE, KV, VECTOR, VECTORS
 
 #: The ``response_metadata`` key of the decoded vectors: ``{choice index: HiddenStates}``.
 METADATA_KEY = "hidden_states"
@@ -58,10 +65,28 @@ class HiddenStateChatOpenAI(ChatOpenAI):
     them with ``extra_body=hidden_state_fields(...)``; read them with :func:`hidden_states_of`
     or ``message.response_metadata["hidden_states"]``."""
 
-    def _hidden_state_dtype(self) -> Dtype | None:
-        kv = (self.extra_body or {}).get(KV)
-        dtype = kv.get(DTYPE) if isinstance(kv, dict) else None
-        return dtype if dtype in ("float32", "float16", "bfloat16") else None
+    def _choices_sharing_the_prompt(self, call: dict[str, Any]) -> int:
+        """How many choices a streamed entry is for: the request's ``n`` with a prompt
+        pooling (one entry, on the stream's first chunk with a choice), else 1 (an answer
+        pooling's entry is its own choice's). ``call``: this call's keyword arguments, which
+        LangChain lays over the model's own (``n``, ``extra_body``) to build the request."""
+        params = {**self._default_params, **call}
+        extra_body = params.get("extra_body")
+        kv = extra_body.get(KV) if isinstance(extra_body, dict) else None
+        if isinstance(kv, dict) and kv.get(POOLING) in ANSWER_POOLINGS:
+            return 1
+        n = params.get("n")
+        return n if isinstance(n, int) and n > 1 else 1
+
+    def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        choices = self._choices_sharing_the_prompt(kwargs)
+        for generation in super()._stream(*args, **kwargs):
+            yield _for_every_choice(generation, choices)
+
+    async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        choices = self._choices_sharing_the_prompt(kwargs)
+        async for generation in super()._astream(*args, **kwargs):
+            yield _for_every_choice(generation, choices)
 
     def _create_chat_result(
         self, response: Any, generation_info: dict[str, Any] | None = None
@@ -70,7 +95,7 @@ class HiddenStateChatOpenAI(ChatOpenAI):
         document = response if isinstance(response, dict) else response.model_dump()
         if not _has_vectors(document):
             return result
-        entries = read_hidden_states(document, dtype=self._hidden_state_dtype()).entries
+        entries = read_hidden_states(document).entries
         choices = document.get("choices") or []
         for position, generation in enumerate(result.generations):
             index = (
@@ -91,12 +116,21 @@ class HiddenStateChatOpenAI(ChatOpenAI):
         )
         if generation is None or not _has_vectors(chunk):
             return generation
-        entry = HiddenStateStream(dtype=self._hidden_state_dtype()).feed(chunk)
+        entry = HiddenStateStream().feed(chunk)
         choices = chunk.get("choices") or [{}]
         index = choices[0].get("index", 0)
         if entry is not None:
             generation.message.response_metadata[METADATA_KEY] = {index: entry}
         return generation
+
+
+def _for_every_choice(generation: ChatGenerationChunk, choices: int) -> ChatGenerationChunk:
+    """``generation`` with its prompt pooling's entry under each of ``choices`` indices."""
+    by_choice = generation.message.response_metadata.get(METADATA_KEY)
+    if choices > 1 and by_choice and len(by_choice) == 1:
+        [entry] = by_choice.values()
+        generation.message.response_metadata[METADATA_KEY] = dict.fromkeys(range(choices), entry)
+    return generation
 
 
 class HiddenStateEmbeddings(OpenAIEmbeddings):

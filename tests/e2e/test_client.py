@@ -2,13 +2,15 @@
 answer, decoded by ``read_hidden_states`` or ``HiddenStateStream``, equals Transformers' arrays
 (the suite's tolerance), and the server's capture description is what it serves.
 
-Kinds: last and mean over every captured layer, spans, all_prompt, all_answer and last_answer
-with n = 2, a completions prompt list, 16-bit dtypes, and streams of chat (per choice),
-completions and responses.
+Kinds: last and mean over every captured layer, JSON floats, spans, all_prompt (float32 and
+bfloat16), all_answer and last_answer with n = 2, a completions prompt list, 16-bit dtypes (with
+and without the info), a JSON responses answer, and streams of chat (per choice: last_answer
+through the SDK, all_answer as raw SSE text), completions and responses.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -102,19 +104,44 @@ def test_last_and_mean_of_every_layer(
     check_vectors(reference, response.model_dump()["prompt_token_ids"], states.single, pooling)
 
 
+def test_json_floats_of_every_layer(client: Any, model_name: str, reference: Reference) -> None:
+    response = chat(client, model_name, "Client floats.", extra_body=body(format="float"))
+    kv = response.model_dump()["kv_transfer_params"]
+    assert isinstance(kv["last_hidden_state"], list)  # floats, not base64
+    states = read_hidden_states(response)
+    check_vectors(reference, response.model_dump()["prompt_token_ids"], states.single)
+
+
+def assert_rounded(actual: Array, expected: Any, dtype: str) -> None:
+    """16-bit values: within one unit in the last place of Transformers' float32 value (half a
+    unit for the rounding, plus float32 values a hair apart rounding apart)."""
+    relative = 2.0**-10 if dtype == "float16" else 2.0**-7
+    want = np.asarray(expected, dtype=np.float32)
+    assert actual.shape == want.shape, (actual.shape, want.shape)
+    np.testing.assert_allclose(actual, want, rtol=relative, atol=1e-6)
+
+
+@pytest.mark.parametrize("info", [True, False], ids=["with info", "without info"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16_bit_vectors_decode_to_transformers_rounded(
-    client: Any, model_name: str, reference: Reference, dtype: str
+    client: Any, model_name: str, reference: Reference, dtype: str, info: bool
 ) -> None:
-    response = chat(client, model_name, "Client 16-bit.", extra_body=body(dtype=dtype))
-    states = read_hidden_states(response)  # the dtype comes from the info
+    response = chat(client, model_name, "Client 16-bit.", extra_body=body(dtype=dtype, info=info))
+    assert response.model_dump()["kv_transfer_params"]["last_hidden_state_dtype"] == dtype
+    states = read_hidden_states(response)  # the answer says its dtype: no dtype= needed
     ids = response.model_dump()["prompt_token_ids"]
     for layer, vector in states.by_layer.items():
-        expected = np.asarray(reference.layer_vector(ids, layer, "last"), dtype=np.float32)
-        # rounded to 16 bits: within one unit in the last place of Transformers' float32 value
-        # (half a unit for the rounding, plus float32 values a hair apart rounding apart)
-        relative = 2.0**-10 if dtype == "float16" else 2.0**-7
-        np.testing.assert_allclose(vector, expected, rtol=relative, atol=1e-6)
+        assert_rounded(vector, reference.layer_vector(ids, layer, "last"), dtype)
+
+
+def test_bfloat16_all_prompt_rows(client: Any, model_name: str, reference: Reference) -> None:
+    fields = body(pooling="all_prompt", dtype="bfloat16")
+    response = chat(client, model_name, "Client bfloat16 rows.", extra_body=fields)
+    states = read_hidden_states(response)
+    ids = response.model_dump()["prompt_token_ids"]
+    assert states.info is not None and states.info["rows"] == len(ids)
+    for layer, matrix in states.by_layer.items():
+        assert_rounded(matrix, reference.layer_rows(ids, layer), "bfloat16")
 
 
 def test_spans_are_one_mean_row_each(client: Any, model_name: str, reference: Reference) -> None:
@@ -208,6 +235,46 @@ def test_a_chat_stream_with_two_choices_gives_each_its_answer_state(
         check_vectors(reference, [*prompt_ids, *answers[index][:-1]], entry)
 
 
+def test_a_raw_sse_stream_of_all_answer_with_two_choices(
+    stack: RunningStack, model_name: str, reference: Reference
+) -> None:
+    """httpx's iter_text() pieces fed as they come (several events in one piece, or part of
+    one): each choice's rows, on its last chunk, equal Transformers'."""
+    request = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Client raw stream: name a lake."}],
+        "n": 2,
+        "temperature": 1.0,
+        "max_completion_tokens": 4,
+        "stream": True,
+        **body(pooling="all_answer"),
+    }
+    reader = HiddenStateStream()
+    pieces: list[str] = []
+    with httpx.stream(
+        "POST", stack.proxy_url + "/v1/chat/completions", json=request, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        for piece in response.iter_text():
+            pieces.append(piece)
+            reader.feed(piece)
+    states = reader.result()
+    assert len(states) == 2
+    prompt_ids: list[int] = []
+    answers: dict[int, list[int]] = {0: [], 1: []}
+    for line in "".join(pieces).splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: ") :])
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            for choice in chunk["choices"]:
+                answers[choice["index"]] += choice.get("token_ids") or []
+    for index, entry in enumerate(states.entries):
+        ids = [*prompt_ids, *answers[index][:-1]]
+        assert entry.info is not None and entry.info["rows"] == len(answers[index])
+        for layer, matrix in entry.by_layer.items():
+            check_rows(reference, ids, len(prompt_ids) - 1, matrix, layer, "all_answer")
+
+
 def test_a_completions_stream_gives_the_prompt_state(
     client: Any, model_name: str, reference: Reference
 ) -> None:
@@ -238,6 +305,20 @@ def test_a_responses_stream_gives_the_state_on_completed(
     check_vectors(reference, ids, reader.result().single)
     # the final response object reads the same
     np.testing.assert_array_equal(read_hidden_states(final).vector, reader.result().vector)  # type: ignore[arg-type]
+
+
+def test_a_responses_answer_gives_the_prompt_state(
+    client: Any, model_name: str, reference: Reference
+) -> None:
+    messages = [{"role": "user", "content": "Client responses: a meadow."}]
+    fields = body()
+    del fields["return_token_ids"]
+    response = client.responses.create(
+        model=model_name, input=messages, max_output_tokens=3, extra_body=fields
+    )
+    ids = reference.chat_token_ids(messages, enable_thinking=False)
+    assert response.usage.input_tokens == len(ids)
+    check_vectors(reference, ids, read_hidden_states(response).single)
 
 
 def test_a_layer_the_server_does_not_capture_is_the_servers_400(stack: RunningStack) -> None:

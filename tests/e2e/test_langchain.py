@@ -1,6 +1,7 @@
 """LangChain (issue #37), langchain-openai's release, on real vLLM through the proxy:
 ``HiddenStateChatOpenAI`` keeps each choice's vectors in ``response_metadata`` for invoke,
-ainvoke, stream and astream (n = 1 and n = 2, never concatenated by chunk merging), and
+ainvoke, stream and astream (n = 1 and n = 2, never concatenated by chunk merging; a streamed
+prompt pooling's entry for every choice), and
 ``HiddenStateEmbeddings`` returns Transformers' vectors (the text sent, not tiktoken's ids).
 
 The raw answers (with vLLM's ``token_ids``, which LangChain drops) are captured by an event hook
@@ -41,6 +42,10 @@ class RawAnswers:
         response.read()
         self.bodies.append(response.text)
 
+    async def ahook(self, response: Any) -> None:
+        await response.aread()
+        self.bodies.append(response.text)
+
     def choices(self) -> tuple[list[int], dict[int, list[int]]]:
         """The prompt's token ids and each choice's, from the last response."""
         text = self.bodies[-1]
@@ -71,7 +76,8 @@ def chat_model(
     kv.setdefault("layers", LAYERS)
     hooks = {"response": [raw.hook]} if raw is not None else {}
     http_client = DefaultHttpxClient(event_hooks=hooks)
-    http_async_client = DefaultAsyncHttpxClient()
+    ahooks = {"response": [raw.ahook]} if raw is not None else {}
+    http_async_client = DefaultAsyncHttpxClient(event_hooks=ahooks)
     clients += [http_client, http_async_client]
     return HiddenStateChatOpenAI(
         model=model,
@@ -183,6 +189,64 @@ def test_two_choices_streamed_are_never_concatenated(
     assert sorted(merged.response_metadata["hidden_states"]) == [0, 1]
     for index in (0, 1):
         check_entry(reference, [*prompt, *answers[index][:-1]], hidden_states_of(merged, index))
+
+
+def test_two_choices_agenerated_and_astreamed_each_get_their_answers_state(
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any]
+) -> None:
+    raw = RawAnswers()
+    model = chat_model(stack, model_name, clients=clients, raw=raw, pooling="last_answer")
+    question = HumanMessage("LangChain n=2 agenerate: name a sea.")
+
+    async def both() -> tuple[Any, tuple[list[int], dict[int, list[int]]], list[Any]]:
+        generated = await model.agenerate([[question]], n=2, temperature=1.0)
+        generated_choices = raw.choices()
+        chunks = [
+            c async for c in model.astream("LangChain n=2 astream: a river.", n=2, temperature=1.0)
+        ]
+        for client in clients:  # in this loop, which closes after
+            if hasattr(client, "aclose"):
+                await client.aclose()
+        return generated, generated_choices, chunks
+
+    result, (prompt, answers), chunks = asyncio.run(both())
+    [generations] = result.generations
+    assert len(generations) == 2
+    for index, generation in enumerate(generations):
+        entry = hidden_states_of(generation.message, index)
+        check_entry(reference, [*prompt, *answers[index][:-1]], entry)
+    merged = added_up(chunks)
+    prompt, answers = raw.choices()
+    assert sorted(merged.response_metadata["hidden_states"]) == [0, 1]
+    for index in (0, 1):
+        check_entry(reference, [*prompt, *answers[index][:-1]], hidden_states_of(merged, index))
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["stream", "astream"])
+def test_a_streamed_prompt_pooling_gives_every_choice_the_prompts_state(
+    stack: RunningStack, model_name: str, reference: Reference, clients: list[Any], use_async: bool
+) -> None:
+    """The proxy sends the prompt's vectors once, on the first chunk with a choice; with
+    n = 2 (given per call) both choices have them."""
+    model = chat_model(stack, model_name, clients=clients)
+    content = f"LangChain n=2 prompt, {'astream' if use_async else 'stream'}: a bay."
+
+    async def streamed() -> list[Any]:
+        chunks = [c async for c in model.astream(content, n=2, temperature=1.0)]
+        for client in clients:
+            if hasattr(client, "aclose"):
+                await client.aclose()
+        return chunks
+
+    chunks = (
+        asyncio.run(streamed()) if use_async else list(model.stream(content, n=2, temperature=1.0))
+    )
+    assert len([c for c in chunks if "hidden_states" in c.response_metadata]) == 1
+    merged = added_up(chunks)
+    assert sorted(merged.response_metadata["hidden_states"]) == [0, 1]
+    ids = prompt_ids(reference, content)
+    for index in (0, 1):
+        check_entry(reference, ids, hidden_states_of(merged, index))
 
 
 def test_the_embeddings_class_sends_text_and_returns_transformers_vectors(

@@ -78,7 +78,7 @@ def test_the_python_blocks_run_in_order(stack: RunningStack, model_name: str) ->
     result = json.loads(done.stdout.splitlines()[-1])
     hidden_size = result["info"]["hidden_size"]
     assert result["vector"] == [hidden_size]
-    assert result["by_layer"] == sorted(SHARED_LAYERS)
+    assert result["by_layer"] == sorted(int(layer) for layer in SHARED_LAYERS)  # as requested
     assert result["vectors"] == [hidden_size, hidden_size]
     assert result["answer"] == hidden_size
     assert result["rows"][1] == hidden_size and result["rows"][0] > 1

@@ -113,4 +113,6 @@ class FakeProxy:
                 "dtype": dtype, "pooling": kv["last_hidden_state_pooling"]}  # fmt: skip
         answer = {"kv_transfer_params": {"last_hidden_states_by_layer": by_layer,
                                          "last_hidden_state_info": info}}  # fmt: skip
+        if dtype != "float32":  # as the proxy: the dtype beside 16-bit values
+            answer["kv_transfer_params"]["last_hidden_state_dtype"] = dtype
         return httpx.Response(200, json=answer)

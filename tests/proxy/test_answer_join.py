@@ -43,6 +43,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.types import (
     BY_LAYER,
+    DTYPE,
     INFO,
     INFOS,
     VECTOR,
@@ -64,8 +65,9 @@ def wanted(
     pooling: str = "last",
     fmt: str = "float",
     info: bool = False,
+    dtype: str = "float32",
 ) -> WantedVectors:
-    request = VectorRequest(fmt, info, layers, pooling)
+    request = VectorRequest(fmt, info, layers, pooling, dtype)
     return resolve_layers(request, [ring_shape(LAYERED)])
 
 
@@ -146,6 +148,21 @@ def test_base64_applies_to_every_vector() -> None:
         "0": vector_for(KEY, 0),
         "-1": vector_for(KEY),
     }
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_values_come_with_their_dtype(dtype: str) -> None:
+    """A bare base64 string does not say its dtype: read as float32, a 16-bit vector would
+    be half as long and wrong, silently. The answer says it, once, beside the values."""
+    resolved = wanted((0, -1), fmt="base64", dtype=dtype)
+    single = as_sent(single_prompt_fields(record_for(KEY, (0, FINAL)), resolved))
+    assert single[DTYPE] == dtype
+    assert len(base64.b64decode(single[VECTOR])) == 2 * HIDDEN_SIZE
+    keys = [bytes([i]) * 16 for i in range(1, 3)]
+    plural = as_sent(prompt_list_fields([record_for(k, (0, FINAL)) for k in keys], resolved))
+    assert plural[DTYPE] == dtype and len(plural[VECTORS]) == 2
+    float32 = single_prompt_fields(record_for(KEY, (0, FINAL)), wanted((0, -1), fmt="base64"))
+    assert DTYPE not in float32  # a float32 answer is as it always was
 
 
 def test_the_info_says_where_the_vectors_are_from() -> None:

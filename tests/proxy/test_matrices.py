@@ -172,8 +172,9 @@ async def test_16_bit_values_on_request(ring_dir: str, writer: RingWriter, dtype
     body = flagged("all_prompt", kv={"last_hidden_state_dtype": dtype})
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
         response = await proxy.client.post(CHAT, json=body)
-    matrix = response.json()["kv_transfer_params"]["last_hidden_state"]
-    assert matrix["dtype"] == dtype
+    kv = response.json()["kv_transfer_params"]
+    matrix = kv["last_hidden_state"]
+    assert matrix["dtype"] == kv["last_hidden_state_dtype"] == dtype
     key = forwarded_key(vllm.requests[0])
     assert base64.b64decode(matrix["data"]) == as_dtype(rows_for(key, PROMPT_TOKENS), dtype)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +22,7 @@ from vllm_hidden_state_proxy.client.types import (
 )
 from vllm_hidden_state_proxy.protocol import (
     BY_LAYER,
+    DTYPE,
     DTYPES,
     FLAG,
     INFO,
@@ -238,6 +240,23 @@ def _params_of(document: Mapping[str, Any]) -> Mapping[str, Any]:
     return kv
 
 
+def _declared_dtype(kv: Mapping[str, Any], dtype: str | None) -> str | None:
+    """The dtype of the answer's base64 values: the one the answer declares (the proxy writes
+    ``last_hidden_state_dtype`` beside 16-bit values; none means float32), or ``dtype`` for an
+    answer from elsewhere; a ``dtype`` the answer contradicts is an error, never a silent
+    misreading."""
+    declared = kv.get(DTYPE)
+    if declared is None:
+        return dtype
+    if declared not in _ITEM_SIZE:
+        raise HiddenStateDecodeError(f"{KV}.{DTYPE} is {declared!r}, not one of {DTYPES}.")
+    if dtype is not None and dtype != declared:
+        raise HiddenStateDecodeError(
+            f"the answer's values are {declared} ({KV}.{DTYPE}), not the {dtype} asked to read."
+        )
+    return str(declared)
+
+
 def _dtype_of(info: Any, dtype: str | None) -> str:
     if dtype is not None:
         return dtype
@@ -277,6 +296,7 @@ def _entry(vector: Any, by_layer: Any, info: Any, dtype: str | None, where: str)
 
 
 def _entries(kv: Mapping[str, Any], dtype: str | None) -> tuple[HiddenStates, ...]:
+    dtype = _declared_dtype(kv, dtype)
     plural = VECTORS in kv or INFOS in kv or isinstance(kv.get(BY_LAYER), list)
     if not plural:
         if VECTOR not in kv and BY_LAYER not in kv:
@@ -311,17 +331,36 @@ def read_hidden_states(answer: Any, *, dtype: Dtype | None = None) -> HiddenStat
     """The hidden states of one answer (chat, completions, responses; a JSON answer, or a
     stream's final object such as ``stream.get_final_completion()`` / ``get_final_response()``).
 
-    ``dtype``: of base64 values; default the info's ``dtype`` when asked for, else
-    ``"float32"``. A 16-bit answer without its info needs it (a bare base64 string does not
-    say its dtype).
+    ``dtype``: of base64 values, for an answer that does not say it; the proxy's answers do
+    (``last_hidden_state_dtype`` beside 16-bit values, and the info's ``dtype``), and one that
+    contradicts ``dtype`` raises :class:`HiddenStateDecodeError`.
     """
     return HiddenStateAnswer(_entries(_params_of(as_document(answer)), dtype))
 
 
+def _event_payload(event: str) -> str | None:
+    """An SSE event's data (its ``data:`` lines joined), ``None`` for an event without
+    (a comment, a lone ``event:`` line); text of no SSE field is taken as the data itself
+    (an SSE library's ``event.data``)."""
+    lines = [line for line in event.split("\n") if line]
+    data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+    if data:
+        return "\n".join(data)
+    if all(line.startswith(("event:", "id:", "retry:", ":")) for line in lines):
+        return None
+    return event.strip()
+
+
 class HiddenStateStream:
-    """Fed a flagged stream's chunks (chat, completions: SDK objects or dicts, or SSE
-    ``data:`` payloads as text) or events (responses), one by one; :meth:`result` gives what
+    """Fed a flagged stream's chunks (chat, completions: SDK objects or dicts, or the SSE
+    text as it arrives) or events (responses), one by one; :meth:`result` gives what
     :func:`read_hidden_states` gives for the same request unstreamed.
+
+    Text (``str`` or ``bytes``) is read as the stream's text: a piece may hold several events,
+    or end anywhere inside one (httpx's ``iter_text()``/``iter_bytes()``; with ``iter_lines()``,
+    feed each ``line + "\n"``: the line ends are the stream's). Events end at a blank line;
+    the rest waits for the next piece, except a ``data:`` line that already holds whole JSON,
+    which is read at once (so one event, or one ``data:`` line, per call works too).
 
     The vectors ride on the first chunk with a choice (prompt poolings), on each choice's
     last chunk (answer poolings, one entry per choice, in choice order), or on
@@ -331,18 +370,64 @@ class HiddenStateStream:
     def __init__(self, *, dtype: Dtype | None = None) -> None:
         self._dtype: Dtype | None = dtype
         self._by_choice: dict[int, HiddenStates] = {}
+        self._pending: list[str] = []  # the pieces of an event not yet complete
+        self._held_cr = ""
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()  # a character cut between bytes
 
     def feed(self, chunk: Any) -> HiddenStates | None:
-        """Read one chunk or event; the entry it carried, if any."""
-        if isinstance(chunk, (str, bytes, bytearray)):
-            text = chunk.decode() if isinstance(chunk, (bytes, bytearray)) else chunk
-            lines = text.strip().splitlines()
-            data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
-            text = "\n".join(data) if data else text.strip()
-            if not text or text == "[DONE]" or text.startswith(("event:", ":")):
-                return None
-            chunk = text
-        document = as_document(chunk)
+        """Read one chunk or event, or a piece of the stream's text; the entry it carried
+        (the last one, if the text held several), if any."""
+        if isinstance(chunk, (bytes, bytearray)):
+            chunk = self._utf8.decode(bytes(chunk))
+        if isinstance(chunk, str):
+            return self._feed_text(chunk)
+        return self._read(as_document(chunk))
+
+    def _feed_text(self, text: str) -> HiddenStates | None:
+        # Each piece is looked at once (a matrix's event can be many MiB in small pieces): the
+        # event so far is kept as a list of pieces, joined only when it ends.
+        text = self._held_cr + text
+        self._held_cr = "\r" if text.endswith("\r") else ""  # maybe half of a "\r\n"
+        text = text[: len(text) - len(self._held_cr)].replace("\r\n", "\n").replace("\r", "\n")
+        found = None
+        while text:
+            if self._pending and self._pending[-1].endswith("\n") and text.startswith("\n"):
+                end, rest = 0, 1  # the blank line begun at the end of the last piece
+            else:
+                end = text.find("\n\n")
+                rest = end + 2
+            if end < 0:
+                break
+            self._pending.append(text[:end])
+            _, entry = self._read_event("".join(self._pending), ended=True)
+            found = entry or found
+            self._pending, text = [], text[rest:]
+        if text:
+            self._pending.append(text)
+            if text.rstrip("\n").endswith(("}", "[DONE]")):  # maybe a whole data line already
+                read, entry = self._read_event("".join(self._pending), ended=False)
+                if read:
+                    self._pending = []
+                    found = entry or found
+        return found
+
+    def _read_event(self, event: str, *, ended: bool) -> tuple[bool, HiddenStates | None]:
+        """Whether ``event`` was read, and the entry it carried. An event not ``ended`` (by a
+        blank line) is read only if its data is already a whole JSON object."""
+        payload = _event_payload(event)
+        if payload is None or payload == "[DONE]":
+            return True, None
+        if ended:
+            return True, self._read(as_document(payload))
+        try:
+            document = json.loads(payload)
+        except ValueError:
+            return False, None  # the rest comes with the next piece
+        if not isinstance(document, dict):  # (a cut number could parse, a cut object not)
+            return False, None
+        return True, self._read(document)
+
+    def _read(self, document: Mapping[str, Any]) -> HiddenStates | None:
         if error_message(document) is not None or document.get("type") in ("error",):
             message = error_message(document) or str(document.get("message"))
             code = document.get("code")
@@ -373,7 +458,13 @@ class HiddenStateStream:
         return self.result()
 
     def result(self) -> HiddenStateAnswer:
-        """Every entry the stream carried, in choice order; ``HiddenStateDecodeError`` if none."""
+        """Every entry the stream carried, in choice order; ``HiddenStateDecodeError`` if none,
+        or if the text fed ended inside an event."""
+        payload = _event_payload("".join(self._pending))
+        if payload is not None and payload != "[DONE]":
+            raise HiddenStateDecodeError(
+                f"the stream's text ended inside an event ({payload[:60]!r}...): was all of it fed?"
+            )
         if not self._by_choice:
             raise HiddenStateDecodeError(
                 f"no chunk of the stream carried {KV} with vectors: was the request flagged, "

@@ -16,7 +16,9 @@ there are kept):
   rows one after another (the default for matrices), or a list of rows (``"float"``).
 - ``last_hidden_state_dtype`` ``"float16"``/``"bfloat16"`` rounds base64 values to 16 bits
   (to nearest, ties to even; bfloat16 is float32's upper half, by ``ml_dtypes``, a NaN kept
-  with its payload's upper bits and made quiet).
+  with its payload's upper bits and made quiet), and the answer repeats the field beside them:
+  a bare base64 string does not say its dtype, and read as float32 a 16-bit vector would be
+  half as long and wrong without any error.
 - A matrix rides in the fields as a :class:`Matrix`, not yet encoded: :func:`dump_json`
   encodes it in place; :mod:`.answer_body` sends a large one in pieces, encoded off the loop.
 - A request with several prompts (``/v1/completions`` with a list) gets the same fields in the
@@ -40,6 +42,7 @@ from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import (
     BY_LAYER,
+    DTYPE,
     INFO,
     INFOS,
     KV,
@@ -192,8 +195,15 @@ def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
     return fields
 
 
+def _dtype_field(wanted: WantedVectors) -> dict[str, Any]:
+    """``{DTYPE: dtype}`` beside 16-bit values (only base64 has them), else nothing: a float32
+    answer stays as it always was."""
+    dtype = wanted.request.dtype
+    return {} if dtype == "float32" else {DTYPE: dtype}
+
+
 def single_prompt_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
-    fields = _vector_fields(record, wanted)
+    fields = _vector_fields(record, wanted) | _dtype_field(wanted)
     if wanted.request.info:
         fields[INFO] = vector_info(record, wanted)
     return fields
@@ -206,6 +216,7 @@ def prompt_list_fields(records: Sequence[Record], wanted: WantedVectors) -> dict
         fields[VECTORS] = [prompt[VECTOR] for prompt in per_prompt]
     if wanted.request.layers is not None:
         fields[BY_LAYER] = [prompt[BY_LAYER] for prompt in per_prompt]
+    fields |= _dtype_field(wanted)
     if wanted.request.info:
         fields[INFOS] = [vector_info(record, wanted) for record in records]
     return fields
