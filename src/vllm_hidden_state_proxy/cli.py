@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
     )
     add_bench_arguments(bench)
-    for command in (serve, proxy, check, tiny, bench):
+    for command in (serve, proxy, check, extract, tiny, bench):
         _add_version(command)
     return parser
 
