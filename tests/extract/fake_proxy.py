@@ -34,9 +34,11 @@ NUM_LAYERS = 2
 LAYERS = [0, 1, 2]
 
 
-def capture_document(slots: int = 1024, model: str = "fake") -> dict[str, Any]:
+def capture_document(
+    slots: int = 1024, model: str = "fake", instance: str = "00"
+) -> dict[str, Any]:
     engine = {
-        "instance": "00", "engine": 0, "runner": "fake", "hidden_size": HIDDEN_SIZE,
+        "instance": instance, "engine": 0, "runner": "fake", "hidden_size": HIDDEN_SIZE,
         "num_hidden_layers": NUM_LAYERS, "layers": LAYERS, "slots": slots,
         "arena_bytes": 1 << 20, "max_record_bytes": 1 << 16,
     }  # fmt: skip
@@ -84,9 +86,11 @@ class FakeProxy:
         slots: int = 1024,
         model: str = "fake",
         on_request: Callable[[int], Awaitable[None]] | None = None,
+        instance: str = "00",
     ) -> None:
         self.slots = slots
         self.model = model
+        self.instance = instance
         self.on_request = on_request
         self.requests = 0
         self.tries: Counter[str] = Counter()
@@ -112,7 +116,7 @@ class FakeProxy:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
-            return httpx.Response(200, json=capture_document(self.slots, self.model))
+            return httpx.Response(200, json=capture_document(self.slots, self.model, self.instance))
         self.requests += 1
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)

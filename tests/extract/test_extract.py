@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.extract.fake_proxy import HIDDEN_SIZE, FakeProxy, expected_vector
-from tests.extract.runs import corpus, errors, options, run, table, write_jsonl
+from tests.extract.runs import corpus, errors, manifest, options, run, table, write_jsonl
 from vllm_hidden_state_proxy.extract.inputs import Input, InputProblem, read_inputs
 from vllm_hidden_state_proxy.extract.runner import run_extract
 
@@ -140,6 +140,16 @@ def test_concurrency_stays_within_the_proxy_slots(tmp_path: Path) -> None:
     assert status == 0
     assert "more than the proxies allow: 4" in stderr
     assert 1 < fake.most_in_flight <= 4
+
+
+def test_the_default_concurrency_is_what_the_proxy_allows(tmp_path: Path) -> None:
+    inputs = write_jsonl(tmp_path / "in.jsonl", corpus(3))
+    out = tmp_path / "out"
+    status, stderr = run(inputs, options(out), FakeProxy(slots=600))
+    assert status == 0 and "more than the proxies allow" not in stderr
+    assert manifest(out)["runs"][0]["concurrency"] == 600  # not a guess at vLLM's batch
+    status, _ = run(inputs, options(tmp_path / "n3", n=3), FakeProxy(slots=600))
+    assert status == 0 and manifest(tmp_path / "n3")["runs"][0]["concurrency"] == 200
 
 
 def test_float16_is_asked_for_and_stored(tmp_path: Path) -> None:

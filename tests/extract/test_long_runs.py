@@ -17,7 +17,7 @@ import pytest
 
 import vllm_hidden_state_proxy
 from tests.extract.fake_proxy import FakeProxy, routed
-from tests.extract.runs import corpus, errors, manifest, options, run, table, write_jsonl
+from tests.extract.runs import URL, corpus, errors, manifest, options, run, table, write_jsonl
 from vllm_hidden_state_proxy.extract import runner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,8 @@ def test_requests_spread_over_two_proxies_each_within_its_limit(tmp_path: Path) 
         for _ in range(5):  # a few turns of the loop: requests overlap
             await asyncio.sleep(0)
 
-    small, large = FakeProxy(slots=3, on_request=hold), FakeProxy(slots=5, on_request=hold)
+    small = FakeProxy(slots=3, on_request=hold, instance="a1")
+    large = FakeProxy(slots=5, on_request=hold, instance="b2")
     inputs = write_jsonl(tmp_path / "in.jsonl", corpus(80))
     out = tmp_path / "out"
     opts = options(out, urls=("http://small", "http://large"))
@@ -147,6 +148,10 @@ def test_requests_spread_over_two_proxies_each_within_its_limit(tmp_path: Path) 
     assert len(small.sent) + len(large.sent) == 80 and len(ids_once(out)) == 80
     assert len(small.sent) >= 15 and len(large.sent) >= 25, (len(small.sent), len(large.sent))
     assert small.most_in_flight == 3 and large.most_in_flight == 5
+
+    # one proxy (one vLLM server's rings) under two URLs: its slots count once
+    status, _ = run(inputs, options(tmp_path / "twice", urls=(URL, URL)), FakeProxy(slots=6))
+    assert status == 0 and manifest(tmp_path / "twice")["runs"][0]["concurrency"] == 6
 
     other = FakeProxy(model="another")
     status, stderr = run(inputs, opts, routed({"small": FakeProxy(), "large": other}))

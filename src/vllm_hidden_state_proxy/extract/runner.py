@@ -51,7 +51,7 @@ from vllm_hidden_state_proxy.extract.inputs import (
     input_format,
     read_inputs,
 )
-from vllm_hidden_state_proxy.extract.options import AUTO_CONCURRENCY_PER_URL, ExtractOptions
+from vllm_hidden_state_proxy.extract.options import ExtractOptions
 from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS
 from vllm_hidden_state_proxy.request_fields import is_int
 
@@ -111,6 +111,16 @@ def proxy_limit(capture: Capture, *, matrix: bool, n: int) -> int:
         record = max(1, capture.limits.get("max_record_bytes", 1))
         limit = min(limit, max(1, arena // record // n))
     return limit
+
+
+def most_in_flight(proxies: Sequence[_Proxy]) -> int:
+    """The proxies' limits summed, each set of rings once: two URLs of one proxy, or two
+    proxies of one vLLM server, share its rings' slots (its engines' instance and index)."""
+    by_rings: dict[frozenset[tuple[str, int]], int] = {}
+    for proxy in proxies:
+        rings = frozenset((engine.instance, engine.engine) for engine in proxy.capture.engines)
+        by_rings[rings] = min(by_rings.get(rings, proxy.limit), proxy.limit)
+    return sum(by_rings.values())
 
 
 def _count_inputs(path: Path, fmt: str) -> int | None:
@@ -402,11 +412,10 @@ class Extraction:
             proxies = await self._read_proxies(client)
             plan = self._plan(proxies)
             done, manifest = self._prepare_directory(plan)
-            most = sum(proxy.limit for proxy in proxies)
-            concurrency = options.concurrency or AUTO_CONCURRENCY_PER_URL * len(proxies)
+            most = most_in_flight(proxies)
+            concurrency = options.concurrency or most
             if concurrency > most:
-                if options.concurrency:
-                    self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
+                self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
                 concurrency = most
             writer = DatasetWriter(
                 self.directory,
