@@ -19,7 +19,6 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,7 +26,6 @@ import httpx
 
 from vllm_hidden_state_proxy.client import (
     CAPTURE_PATH,
-    Capture,
     HiddenStateDecodeError,
     HiddenStateServerError,
     hidden_state_fields,
@@ -52,6 +50,8 @@ from vllm_hidden_state_proxy.extract.inputs import (
     read_inputs,
 )
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
+from vllm_hidden_state_proxy.extract.progress import Counts, Progress, count_inputs
+from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight, proxy_limit
 from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS
 from vllm_hidden_state_proxy.request_fields import is_int
 
@@ -74,103 +74,11 @@ class ExtractSetupError(Exception):
     """Nothing was sent: the options, the servers or the output directory do not fit."""
 
 
-@dataclass
-class _Proxy:
-    url: str
-    capture: Capture
-    document: dict[str, Any]
-    limit: int
-    in_flight: int = 0
-
-
-@dataclass
-class _Counts:
-    written: int = 0
-    rows: int = 0
-    skipped: int = 0
-    failed: int = 0
-    retries: int = 0
-    seen: int = 0
-    failures_by_reason: dict[str, int] = field(default_factory=dict)
-
-
 class _Failure(Exception):
     def __init__(self, reason: str, status: int | None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
-
-
-def proxy_limit(capture: Capture, *, matrix: bool, n: int) -> int:
-    """The most requests one proxy may have in flight: no more finished choices than its
-    smallest ring has slots, and for matrices no more largest records than its arena holds."""
-    slots = min((engine.slots for engine in capture.engines), default=1)
-    limit = max(1, slots // n)
-    if matrix:
-        arena = capture.limits.get("arena_bytes", 0)
-        record = max(1, capture.limits.get("max_record_bytes", 1))
-        limit = min(limit, max(1, arena // record // n))
-    return limit
-
-
-def most_in_flight(proxies: Sequence[_Proxy]) -> int:
-    """The proxies' limits summed, each set of rings once: two URLs of one proxy, or two
-    proxies of one vLLM server, share its rings' slots (its engines' instance and index)."""
-    by_rings: dict[frozenset[tuple[str, int]], int] = {}
-    for proxy in proxies:
-        rings = frozenset((engine.instance, engine.engine) for engine in proxy.capture.engines)
-        by_rings[rings] = min(by_rings.get(rings, proxy.limit), proxy.limit)
-    return sum(by_rings.values())
-
-
-def _count_inputs(path: Path, fmt: str) -> int | None:
-    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines."""
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return int(pq.ParquetFile(path).metadata.num_rows)
-        count = 0
-        with path.open("rb") as source:
-            for line in source:
-                count += bool(line.strip())
-        return count
-    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError: not Parquet
-        return None
-
-
-class _Progress:
-    """One line on stderr, redrawn: done, total, rate, ETA."""
-
-    def __init__(self, stream: IO[str], total: int | None, enabled: bool) -> None:
-        self.stream, self.total, self.enabled = stream, total, enabled
-        self.started = time.monotonic()
-        self._drawn = 0.0
-
-    def update(self, counts: _Counts, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._drawn < 0.25):
-            return
-        self._drawn = now
-        elapsed = max(now - self.started, 1e-9)
-        sent = counts.written + counts.failed
-        rate = sent / elapsed
-        text = f"\rextract: {counts.seen}" + (f"/{self.total}" if self.total else "")
-        text += f" inputs, {counts.written} written, {counts.failed} failed, {rate:.1f}/s"
-        if self.total and rate > 0:
-            text += f", ETA {_duration((self.total - counts.seen) / rate)}"
-        self.stream.write(text + "\x1b[K")
-        self.stream.flush()
-
-    def end(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class Extraction:
@@ -191,13 +99,13 @@ class Extraction:
         self.transport = transport
         self.stderr = stderr or sys.stderr
         self.directory = Path(options.output)
-        self.counts = _Counts()
+        self.counts = Counts()
         self.interrupted = False
         self._turn = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
-    async def _read_proxies(self, client: httpx.AsyncClient) -> list[_Proxy]:
+    async def _read_proxies(self, client: httpx.AsyncClient) -> list[Proxy]:
         options = self.options
         matrix = options.pooling in MATRIX_POOLINGS or options.spans
         proxies = []
@@ -208,7 +116,7 @@ class Extraction:
             except (httpx.HTTPError, HiddenStateServerError, HiddenStateDecodeError) as exc:
                 raise ExtractSetupError(f"{url}: cannot read {CAPTURE_PATH}: {exc}") from None
             limit = proxy_limit(capture, matrix=matrix, n=options.n)
-            proxies.append(_Proxy(url.rstrip("/"), capture, response.json(), limit))
+            proxies.append(Proxy(url.rstrip("/"), capture, response.json(), limit))
         first = proxies[0].capture
         for proxy in proxies[1:]:
             theirs = proxy.capture
@@ -223,7 +131,7 @@ class Extraction:
                 )
         return proxies
 
-    def _plan(self, proxies: list[_Proxy]) -> dict[str, Any]:
+    def _plan(self, proxies: list[Proxy]) -> dict[str, Any]:
         options = self.options
         capture = proxies[0].capture
         top = capture.num_hidden_layers
@@ -294,7 +202,7 @@ class Extraction:
         self.stderr.write(f"extract: {message}\n")
         self.stderr.flush()
 
-    def _pick(self, proxies: list[_Proxy]) -> _Proxy:
+    def _pick(self, proxies: list[Proxy]) -> Proxy:
         """The proxy with the fewest in flight; ties in turn."""
         self._turn += 1
         start = self._turn % len(proxies)
@@ -319,7 +227,7 @@ class Extraction:
         return "/v1/completions", body
 
     async def _send(
-        self, client: httpx.AsyncClient, proxies: list[_Proxy], item: Input, plan: dict[str, Any]
+        self, client: httpx.AsyncClient, proxies: list[Proxy], item: Input, plan: dict[str, Any]
     ) -> list[dict[str, Any]]:
         try:
             path, body = self._body(item, plan)
@@ -427,8 +335,8 @@ class Extraction:
                 row_group_rows=options.row_group_rows,
             )
             show = options.progress or self.stderr.isatty()
-            progress = _Progress(
-                self.stderr, _count_inputs(self.input_path, fmt) if show else None, show
+            progress = Progress(
+                self.stderr, count_inputs(self.input_path, fmt) if show else None, show
             )
             inputs = read_inputs(self.input_path, fmt, spans=options.spans)
             runs = [*(manifest or {}).get("runs", []), self._run_record(proxies, concurrency)]
@@ -464,13 +372,13 @@ class Extraction:
     async def _drive(
         self,
         client: httpx.AsyncClient,
-        proxies: list[_Proxy],
+        proxies: list[Proxy],
         plan: dict[str, Any],
         inputs: Iterator[Input | InputProblem],
         done: set[str],
         writer: DatasetWriter,
         errors: IO[str],
-        progress: _Progress,
+        progress: Progress,
         concurrency: int,
     ) -> Exception | None:
         """Every input through ``concurrency`` workers; the error that stopped them, if one
@@ -527,7 +435,7 @@ class Extraction:
 
     def _run_record(
         self,
-        proxies: list[_Proxy],
+        proxies: list[Proxy],
         concurrency: int,
         writer: DatasetWriter | None = None,
         seconds: float = 0.0,
@@ -561,7 +469,7 @@ class Extraction:
         return record
 
     def _write_manifest(
-        self, plan: dict[str, Any], proxies: list[_Proxy], runs: list[dict[str, Any]], ids: int
+        self, plan: dict[str, Any], proxies: list[Proxy], runs: list[dict[str, Any]], ids: int
     ) -> None:
         document = {
             **plan,
