@@ -262,6 +262,7 @@ def test_serve_without_one_model_stops(
         ["serve", "--version"],
         ["proxy", "--version"],
         ["check", "--version"],
+        ["extract", "--version"],
         ["build-tiny-model", "--version"],
         ["bench", "--version"],
     ],

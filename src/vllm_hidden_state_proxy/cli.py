@@ -159,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send every input of INPUT (an `id` and `messages` or `prompt` per line or "
         "row) to the proxies with bounded concurrency and write one Parquet row per input and "
         "choice, a manifest and an errors file to --output (docs/extract.md). Exits 0 when "
-        "every input was written, 1 when some failed (_errors.jsonl says why), 130 on Ctrl-C "
-        "(the dataset stays whole: --resume finishes it). Needs pyarrow (the extract extra).",
+        "every input was written, 1 when some failed (_errors.jsonl says why), 3 when an error no "
+        "input explains stopped it, 130 on Ctrl-C (the dataset stays whole: --resume finishes "
+        "it). Needs pyarrow (the extract extra).",
     )
     extract_options.add_arguments(extract)
 
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure what the proxy costs against vLLM alone (docs/benchmark.md)",
     )
     add_bench_arguments(bench)
-    for command in (serve, proxy, check, tiny, bench):
+    for command in (serve, proxy, check, extract, tiny, bench):
         _add_version(command)
     return parser
 

@@ -101,7 +101,7 @@ def test_extract_a_corpus_interrupted_and_resumed_equals_transformers(
     manifest = json.loads((output / "_manifest.json").read_text())
     final = reference.num_hidden_layers
     assert manifest["layers"] == [0, 1, final] and manifest["counts"]["rows"] == INPUTS
-    assert [run["interrupted"] for run in manifest["runs"]] == [True, False]
+    assert [run["state"] for run in manifest["runs"]] == ["interrupted", "finished"]
 
     by_id = {row["id"]: row for row in table.to_pylist()}
     for record in records:

@@ -4,15 +4,26 @@ tell each input's row apart. A prompt (or a chat's last message) may ask for tro
 
 - ``"bad ..."``: a 400 with an OpenAI-style error;
 - ``"busy N ..."``: 503 for the first N tries, then the answer;
-- ``"drop N ..."``: a connection error for the first N tries.
+- ``"refuse CODE N [after SECONDS] ..."``: status CODE for the first N tries (with
+  ``Retry-After: SECONDS``), then the answer;
+- ``"drop N ..."``: a connection error for the first N tries;
+- ``"lack K ..."``: a 200 answer without layer K;
+- ``"garble ..."``: a 200 answer whose base64 is not base64;
+- ``"odd ..."``: a 200 answer whose info's ``position`` is not an integer;
+- ``"crash ..."``: the transport raises ``RuntimeError`` (what no input explains: a bug).
+
+``on_request`` (awaited with the POST's 1-based number before it is answered) lets a test act
+mid-run: send a signal, hold requests (:meth:`FakeProxy.stall`) until the run cancels them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import zlib
 from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -23,14 +34,16 @@ NUM_LAYERS = 2
 LAYERS = [0, 1, 2]
 
 
-def capture_document(slots: int = 1024) -> dict[str, Any]:
+def capture_document(
+    slots: int = 1024, model: str = "fake", instance: str = "00"
+) -> dict[str, Any]:
     engine = {
-        "instance": "00", "engine": 0, "runner": "fake", "hidden_size": HIDDEN_SIZE,
+        "instance": instance, "engine": 0, "runner": "fake", "hidden_size": HIDDEN_SIZE,
         "num_hidden_layers": NUM_LAYERS, "layers": LAYERS, "slots": slots,
         "arena_bytes": 1 << 20, "max_record_bytes": 1 << 16,
     }  # fmt: skip
     return {
-        "object": "hidden_state_capture", "model": "fake", "models": ["fake"],
+        "object": "hidden_state_capture", "model": model, "models": [model],
         "hidden_size": HIDDEN_SIZE, "num_hidden_layers": NUM_LAYERS, "layers": LAYERS,
         "poolings": ["last", "mean", "last_answer", "all_prompt", "all_answer"],
         "formats": ["float", "base64"], "dtypes": ["float32", "float16", "bfloat16"],
@@ -47,7 +60,7 @@ def expected_vector(text: str, layer: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(HIDDEN_SIZE).astype(np.float32)
 
 
-def matrix_rows(text: str, kv: dict[str, Any]) -> int | None:
+def matrix_rows(text: str, kv: Mapping[str, Any]) -> int | None:
     """A matrix's row count: one per span, or a prompt's word count (``all_prompt``)."""
     if "last_hidden_state_spans" in kv:
         return len(kv["last_hidden_state_spans"])
@@ -63,56 +76,111 @@ def _text(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
 
 
+#: How long :meth:`FakeProxy.stall` waits for the run to cancel it before it fails the test.
+STALL_LIMIT = 30.0
+
+
 class FakeProxy:
-    def __init__(self, slots: int = 1024) -> None:
+    def __init__(
+        self,
+        slots: int = 1024,
+        model: str = "fake",
+        on_request: Callable[[int], Awaitable[None]] | None = None,
+        instance: str = "00",
+    ) -> None:
         self.slots = slots
+        self.model = model
+        self.instance = instance
+        self.on_request = on_request
+        self.requests = 0
         self.tries: Counter[str] = Counter()
         self.in_flight = 0
         self.most_in_flight = 0
         self.sent: list[dict[str, Any]] = []
+        self.stalled = 0
+        self.released = 0
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        import asyncio
+    async def stall(self) -> None:
+        """Hold a request until the run cancels it (in flight when the run stops); counted in
+        ``stalled``, and in ``released`` once cancelled."""
+        self.stalled += 1
+        try:
+            await asyncio.sleep(STALL_LIMIT)
+        except asyncio.CancelledError:
+            self.released += 1
+            raise
+        raise AssertionError(f"the run did not stop its requests within {STALL_LIMIT} s")
 
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
-            return httpx.Response(200, json=capture_document(self.slots))
+            return httpx.Response(200, json=capture_document(self.slots, self.model, self.instance))
+        self.requests += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.on_request is not None:
+                await self.on_request(self.requests)
+            await asyncio.sleep(0)
+            return self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         text = _text(body)
         self.tries[text] += 1
         words = text.split()
         if words[0] == "bad":
             return httpx.Response(400, json={"error": {"message": "too long", "code": 400}})
+        if words[0] == "crash":
+            raise RuntimeError("a bug in the run")
         if words[0] in ("busy", "drop") and self.tries[text] <= int(words[1]):
             if words[0] == "drop":
                 raise httpx.ConnectError("refused", request=request)
             return httpx.Response(503, json={"error": {"message": "busy", "code": 503}})
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(0)
-        finally:
-            self.in_flight -= 1
+        if words[0] == "refuse" and self.tries[text] <= int(words[2]):
+            code = int(words[1])
+            headers = {"retry-after": words[4]} if words[3:4] == ["after"] else {}
+            error = {"error": {"message": f"refused {code}", "code": code}}
+            return httpx.Response(code, json=error, headers=headers)
         self.sent.append(body)
-        kv = body["kv_transfer_params"]
-        dtype = kv.get("last_hidden_state_dtype", "float32")
-        numpy_dtype = "<f2" if dtype == "float16" else "<f4"
-        rows = matrix_rows(text, kv)
-        by_layer: dict[str, Any] = {}
-        for k in kv["last_hidden_state_layers"]:
-            if rows is None:
-                values = expected_vector(text, k)
-            else:
-                values = np.stack([expected_vector(f"{text}#{r}", k) for r in range(rows)])
-            data = base64.b64encode(values.astype(numpy_dtype).tobytes()).decode()
-            matrix = {"shape": [rows, HIDDEN_SIZE], "dtype": dtype, "data": data}
-            by_layer[str(k)] = data if rows is None else matrix
-        info = {"position": 3, "num_prompt_tokens": 4, "hidden_size": HIDDEN_SIZE,
-                "dtype": dtype, "pooling": kv["last_hidden_state_pooling"]}  # fmt: skip
-        answer = {"kv_transfer_params": {"last_hidden_states_by_layer": by_layer,
-                                         "last_hidden_state_info": info}}  # fmt: skip
-        if dtype != "float32":  # as the proxy: the dtype beside 16-bit values
-            answer["kv_transfer_params"]["last_hidden_state_dtype"] = dtype
-        return httpx.Response(200, json=answer)
+        return httpx.Response(200, json=_answer(text, words, body["kv_transfer_params"]))
+
+
+def _answer(text: str, words: list[str], kv: Mapping[str, Any]) -> dict[str, Any]:
+    dtype = kv.get("last_hidden_state_dtype", "float32")
+    numpy_dtype = "<f2" if dtype == "float16" else "<f4"
+    rows = matrix_rows(text, kv)
+    by_layer: dict[str, Any] = {}
+    for k in kv["last_hidden_state_layers"]:
+        if words[:2] == ["lack", str(k)]:
+            continue
+        if rows is None:
+            values = expected_vector(text, k)
+        else:
+            values = np.stack([expected_vector(f"{text}#{r}", k) for r in range(rows)])
+        data = base64.b64encode(values.astype(numpy_dtype).tobytes()).decode()
+        if words[0] == "garble":
+            data = "*" + data[1:]
+        matrix = {"shape": [rows, HIDDEN_SIZE], "dtype": dtype, "data": data}
+        by_layer[str(k)] = data if rows is None else matrix
+    info = {"position": "three" if words[0] == "odd" else 3, "num_prompt_tokens": 4,
+            "hidden_size": HIDDEN_SIZE,
+            "dtype": dtype, "pooling": kv["last_hidden_state_pooling"]}  # fmt: skip
+    answer = {"kv_transfer_params": {"last_hidden_states_by_layer": by_layer,
+                                     "last_hidden_state_info": info}}  # fmt: skip
+    if dtype != "float32":  # as the proxy: the dtype beside 16-bit values
+        answer["kv_transfer_params"]["last_hidden_state_dtype"] = dtype
+    return answer
+
+
+def routed(proxies: Mapping[str, FakeProxy]) -> httpx.MockTransport:
+    """One transport for several fakes, each answering for its URL's host."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return await proxies[request.url.host].handle(request)
+
+    return httpx.MockTransport(handle)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -15,53 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.extract.fake_proxy import HIDDEN_SIZE, FakeProxy, expected_vector
-from vllm_hidden_state_proxy.extract import runner
+from tests.extract.runs import corpus, errors, manifest, options, run, table, write_jsonl
 from vllm_hidden_state_proxy.extract.inputs import Input, InputProblem, read_inputs
-from vllm_hidden_state_proxy.extract.options import ExtractOptions
 from vllm_hidden_state_proxy.extract.runner import run_extract
-
-URL = "http://fake"
-
-
-@pytest.fixture(autouse=True)
-def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "BACKOFF_FIRST", 0.0)
-
-
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def options(output: Path, **changes: Any) -> ExtractOptions:
-    return replace(ExtractOptions(urls=(URL,), output=str(output)), **changes)
-
-
-def run(inputs: Path, opts: ExtractOptions, fake: FakeProxy) -> tuple[int, str]:
-    stderr = io.StringIO()
-    status = run_extract(
-        inputs, opts, command_line=["test"], transport=fake.transport(), stderr=stderr
-    )
-    return status, stderr.getvalue()
-
-
-def table(output: Path) -> pa.Table:
-    return pq.read_table(sorted(output.glob("part-*.parquet")))
-
-
-def errors(output: Path) -> list[dict[str, Any]]:
-    lines = (output / "_errors.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def corpus(count: int) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    for i in range(count):
-        if i % 2:
-            records.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"chat {i}"}]})
-        else:
-            records.append({"id": i, "prompt": f"text {i}"})
-    return records
 
 
 def test_read_inputs_checks_each_line_and_refuses_a_second_id(tmp_path: Path) -> None:
@@ -186,6 +140,16 @@ def test_concurrency_stays_within_the_proxy_slots(tmp_path: Path) -> None:
     assert status == 0
     assert "more than the proxies allow: 4" in stderr
     assert 1 < fake.most_in_flight <= 4
+
+
+def test_the_default_concurrency_is_what_the_proxy_allows(tmp_path: Path) -> None:
+    inputs = write_jsonl(tmp_path / "in.jsonl", corpus(3))
+    out = tmp_path / "out"
+    status, stderr = run(inputs, options(out), FakeProxy(slots=600))
+    assert status == 0 and "more than the proxies allow" not in stderr
+    assert manifest(out)["runs"][0]["concurrency"] == 600  # not a guess at vLLM's batch
+    status, _ = run(inputs, options(tmp_path / "n3", n=3), FakeProxy(slots=600))
+    assert status == 0 and manifest(tmp_path / "n3")["runs"][0]["concurrency"] == 200
 
 
 def test_float16_is_asked_for_and_stored(tmp_path: Path) -> None:

@@ -362,11 +362,10 @@ def _client(key: str | None) -> httpx.AsyncClient:
 def default_concurrency(stack: ChatStack) -> int:
     """What ``extract`` uses against this one proxy without ``--concurrency``."""
     from vllm_hidden_state_proxy.client import CAPTURE_PATH, read_capture
-    from vllm_hidden_state_proxy.extract.options import AUTO_CONCURRENCY_PER_URL
-    from vllm_hidden_state_proxy.extract.runner import proxy_limit
+    from vllm_hidden_state_proxy.extract.proxies import proxy_limit
 
     response = httpx.get(stack.proxy_url + CAPTURE_PATH, timeout=30, trust_env=False)
-    return min(AUTO_CONCURRENCY_PER_URL, proxy_limit(read_capture(response), matrix=False, n=1))
+    return proxy_limit(read_capture(response), matrix=False, n=1)
 
 
 # -- the phase --------------------------------------------------------------------------------

@@ -13,10 +13,6 @@ from vllm_hidden_state_proxy import option_table
 from vllm_hidden_state_proxy.option_table import option
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV, REQUESTED_POOLINGS, layer_indices
 
-#: Requests in flight per proxy URL when ``--concurrency`` is not given: vLLM's default batch
-#: on a GPU (``--max-num-seqs`` 256), so its batch stays full; the proxy's limits cap it.
-AUTO_CONCURRENCY_PER_URL = 256
-
 
 def _layers(text: str) -> tuple[int, ...]:
     try:
@@ -104,9 +100,12 @@ class ExtractOptions:
         "requests in flight over all URLs",
         metavar="N",
         parse=_positive,
-        shown_default=f"{AUTO_CONCURRENCY_PER_URL} per URL, at most what each proxy's capture "
-        "description allows (its smallest ring's slots; for matrices, its arena over its "
-        "largest record)",
+        # Not a guess at vLLM's batch: its default --max-num-seqs depends on the device (1024
+        # on a GPU of 70 GiB or more but an A100, 256 on others, 128 per CPU rank), and the
+        # proxy does not report it. The proxy's own limit is what it can take: at the default
+        # 1024 ring slots, as much as any default batch, the rest waiting in vLLM's queue.
+        shown_default="what each proxy's capture description allows: its smallest ring's "
+        "slots over --n (1024 by default), for matrices its arena over its largest record",
     )
     max_tokens: int = option(
         1,

@@ -3,7 +3,9 @@ decoded by the client module and written as they arrive.
 
 Each input is sent once (retried after 429, 503, 504 or a connection error, with backoff) and
 ends in exactly one place: the dataset (one row per choice), the errors file (with its reason),
-or, after Ctrl-C, nowhere yet: the summary counts it as not done and ``--resume`` sends it.
+or, after Ctrl-C or an error no input explains, nowhere yet: ``--resume`` sends it. The
+manifest is written before the first request (the settings ``--resume`` checks, the run
+``running``) and again at the end.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import random
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,7 +26,6 @@ import httpx
 
 from vllm_hidden_state_proxy.client import (
     CAPTURE_PATH,
-    Capture,
     HiddenStateDecodeError,
     HiddenStateServerError,
     hidden_state_fields,
@@ -48,8 +49,11 @@ from vllm_hidden_state_proxy.extract.inputs import (
     input_format,
     read_inputs,
 )
-from vllm_hidden_state_proxy.extract.options import AUTO_CONCURRENCY_PER_URL, ExtractOptions
-from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
+from vllm_hidden_state_proxy.extract.options import ExtractOptions
+from vllm_hidden_state_proxy.extract.progress import Counts, Progress, count_inputs
+from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight, proxy_limit
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS
+from vllm_hidden_state_proxy.request_fields import is_int
 
 #: Answers worth another try: the server is busy or a vector came late, not the input's fault.
 RETRIED_STATUSES = frozenset({429, 503, 504})
@@ -57,8 +61,12 @@ BACKOFF_FIRST = 0.5
 BACKOFF_MOST = 30.0
 #: What the dataset must share with a run that resumes it.
 _RESUME_KEYS = ("model", "hidden_size", "layers", "pooling", "spans", "dtype", "max_tokens", "n")
+#: The answer info's integers that become columns (beside ``id`` and ``choice``).
+_INFO_COLUMNS = ("position", "num_prompt_tokens", "num_output_tokens")
 EXIT_FAILED = 1
 EXIT_SETUP = 2
+#: A worker failed in a way no input explains: the others stopped, the dataset is whole.
+EXIT_STOPPED = 3
 EXIT_INTERRUPTED = 130
 
 
@@ -66,93 +74,11 @@ class ExtractSetupError(Exception):
     """Nothing was sent: the options, the servers or the output directory do not fit."""
 
 
-@dataclass
-class _Proxy:
-    url: str
-    capture: Capture
-    document: dict[str, Any]
-    limit: int
-    in_flight: int = 0
-
-
-@dataclass
-class _Counts:
-    written: int = 0
-    rows: int = 0
-    skipped: int = 0
-    failed: int = 0
-    retries: int = 0
-    seen: int = 0
-    failures_by_reason: dict[str, int] = field(default_factory=dict)
-
-
 class _Failure(Exception):
     def __init__(self, reason: str, status: int | None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
-
-
-def proxy_limit(capture: Capture, *, matrix: bool, n: int) -> int:
-    """The most requests one proxy may have in flight: no more finished choices than its
-    smallest ring has slots, and for matrices no more largest records than its arena holds."""
-    slots = min((engine.slots for engine in capture.engines), default=1)
-    limit = max(1, slots // n)
-    if matrix:
-        arena = capture.limits.get("arena_bytes", 0)
-        record = max(1, capture.limits.get("max_record_bytes", 1))
-        limit = min(limit, max(1, arena // record // n))
-    return limit
-
-
-def _count_inputs(path: Path, fmt: str) -> int | None:
-    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines."""
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return int(pq.ParquetFile(path).metadata.num_rows)
-        count = 0
-        with path.open("rb") as source:
-            for line in source:
-                count += bool(line.strip())
-        return count
-    except OSError:
-        return None
-
-
-class _Progress:
-    """One line on stderr, redrawn: done, total, rate, ETA."""
-
-    def __init__(self, stream: IO[str], total: int | None, enabled: bool) -> None:
-        self.stream, self.total, self.enabled = stream, total, enabled
-        self.started = time.monotonic()
-        self._drawn = 0.0
-
-    def update(self, counts: _Counts, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._drawn < 0.25):
-            return
-        self._drawn = now
-        elapsed = max(now - self.started, 1e-9)
-        sent = counts.written + counts.failed
-        rate = sent / elapsed
-        text = f"\rextract: {counts.seen}" + (f"/{self.total}" if self.total else "")
-        text += f" inputs, {counts.written} written, {counts.failed} failed, {rate:.1f}/s"
-        if self.total and rate > 0:
-            text += f", ETA {_duration((self.total - counts.seen) / rate)}"
-        self.stream.write(text + "\x1b[K")
-        self.stream.flush()
-
-    def end(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class Extraction:
@@ -173,13 +99,13 @@ class Extraction:
         self.transport = transport
         self.stderr = stderr or sys.stderr
         self.directory = Path(options.output)
-        self.counts = _Counts()
+        self.counts = Counts()
         self.interrupted = False
         self._turn = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
-    async def _read_proxies(self, client: httpx.AsyncClient) -> list[_Proxy]:
+    async def _read_proxies(self, client: httpx.AsyncClient) -> list[Proxy]:
         options = self.options
         matrix = options.pooling in MATRIX_POOLINGS or options.spans
         proxies = []
@@ -190,7 +116,7 @@ class Extraction:
             except (httpx.HTTPError, HiddenStateServerError, HiddenStateDecodeError) as exc:
                 raise ExtractSetupError(f"{url}: cannot read {CAPTURE_PATH}: {exc}") from None
             limit = proxy_limit(capture, matrix=matrix, n=options.n)
-            proxies.append(_Proxy(url.rstrip("/"), capture, response.json(), limit))
+            proxies.append(Proxy(url.rstrip("/"), capture, response.json(), limit))
         first = proxies[0].capture
         for proxy in proxies[1:]:
             theirs = proxy.capture
@@ -205,7 +131,7 @@ class Extraction:
                 )
         return proxies
 
-    def _plan(self, proxies: list[_Proxy]) -> dict[str, Any]:
+    def _plan(self, proxies: list[Proxy]) -> dict[str, Any]:
         options = self.options
         capture = proxies[0].capture
         top = capture.num_hidden_layers
@@ -260,6 +186,12 @@ class Extraction:
                     f"--resume: {directory}'s dataset was made with other "
                     + ", ".join(f"{k} ({manifest.get(k)!r}, now {plan[k]!r})" for k in differing)
                 )
+        if manifest is not None and (manifest.get("runs") or [{}])[-1].get("state") == "running":
+            # Nothing locks the directory: two runs at once would each write the same ids.
+            self._say(
+                f"the last run on {directory} never ended (killed?); its whole parts are kept. "
+                "Make sure it is not still running."
+            )
         for left in remove_unfinished(directory):
             self._say(f"removed {left.name}, a part an earlier run did not finish")
         return existing_ids(directory), manifest
@@ -270,7 +202,7 @@ class Extraction:
         self.stderr.write(f"extract: {message}\n")
         self.stderr.flush()
 
-    def _pick(self, proxies: list[_Proxy]) -> _Proxy:
+    def _pick(self, proxies: list[Proxy]) -> Proxy:
         """The proxy with the fewest in flight; ties in turn."""
         self._turn += 1
         start = self._turn % len(proxies)
@@ -295,7 +227,7 @@ class Extraction:
         return "/v1/completions", body
 
     async def _send(
-        self, client: httpx.AsyncClient, proxies: list[_Proxy], item: Input, plan: dict[str, Any]
+        self, client: httpx.AsyncClient, proxies: list[Proxy], item: Input, plan: dict[str, Any]
     ) -> list[dict[str, Any]]:
         try:
             path, body = self._body(item, plan)
@@ -313,11 +245,7 @@ class Extraction:
             else:
                 status = response.status_code
                 if status == 200:
-                    try:
-                        answer = read_hidden_states(response, dtype=plan["dtype"])
-                    except (HiddenStateDecodeError, HiddenStateServerError) as exc:
-                        raise _Failure(f"the answer: {exc}", status) from None
-                    return self._rows(item, answer.entries, plan)
+                    return self._rows(item, response, plan)
                 try:
                     reason = str(response.json()["error"]["message"])
                 except (ValueError, KeyError, TypeError):
@@ -332,26 +260,38 @@ class Extraction:
             backoff = min(BACKOFF_MOST, BACKOFF_FIRST * 2**attempt) * random.uniform(0.5, 1.0)
             attempt += 1
             self.counts.retries += 1
-            await asyncio.sleep(backoff if wait is None else min(wait, BACKOFF_MOST))
+            await _sleep(backoff if wait is None else min(wait, BACKOFF_MOST))
 
     def _rows(
-        self, item: Input, entries: Sequence[Any], plan: dict[str, Any]
+        self, item: Input, response: httpx.Response, plan: dict[str, Any]
     ) -> list[dict[str, Any]]:
+        """A 200 answer's rows, checked whole before any is written: an answer that cannot
+        make them is this input's failure (a line of the errors file), never the run's."""
+        try:
+            entries = read_hidden_states(response, dtype=plan["dtype"]).entries
+        except (HiddenStateDecodeError, HiddenStateServerError) as exc:
+            raise _Failure(f"the answer: {exc}", 200) from None
+        wanted = plan["n"] if plan["pooling"] in ANSWER_POOLINGS else 1
+        if len(entries) != wanted:  # one row short would be an id --resume skips
+            raise _Failure(f"the answer held {len(entries)} entries, not {wanted}", 200)
         rows = []
         for choice, entry in enumerate(entries):
             info = entry.info or {}
-            row: dict[str, Any] = {
-                "id": item.id,
-                "choice": choice,
-                "position": info.get("position"),
-                "num_prompt_tokens": info.get("num_prompt_tokens"),
-                "num_output_tokens": info.get("num_output_tokens"),
-            }
+            row: dict[str, Any] = {"id": item.id, "choice": choice}
+            for name in _INFO_COLUMNS:
+                value = info.get(name)
+                if value is not None and not is_int(value):
+                    raise _Failure(f"the answer's info has {name} {value!r}, not an integer", 200)
+                row[name] = value
             for layer in plan["layers"]:
-                array = entry.layer(layer)
+                try:
+                    array = entry.layer(layer)
+                except KeyError:
+                    reason = f"the answer lacked layer {layer} (it has {sorted(entry.by_layer)})"
+                    raise _Failure(reason, 200) from None
                 expected = 2 if plan["matrix"] else 1
                 if array.ndim != expected or array.shape[-1] != plan["hidden_size"]:
-                    raise _Failure(f"layer {layer} has shape {array.shape}", 200)
+                    raise _Failure(f"the answer's layer {layer} has shape {array.shape}", 200)
                 row[column_name(layer)] = array
             rows.append(row)
         return rows
@@ -380,11 +320,10 @@ class Extraction:
             proxies = await self._read_proxies(client)
             plan = self._plan(proxies)
             done, manifest = self._prepare_directory(plan)
-            most = sum(proxy.limit for proxy in proxies)
-            concurrency = options.concurrency or AUTO_CONCURRENCY_PER_URL * len(proxies)
+            most = most_in_flight(proxies)
+            concurrency = options.concurrency or most
             if concurrency > most:
-                if options.concurrency:
-                    self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
+                self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
                 concurrency = most
             writer = DatasetWriter(
                 self.directory,
@@ -396,22 +335,36 @@ class Extraction:
                 row_group_rows=options.row_group_rows,
             )
             show = options.progress or self.stderr.isatty()
-            progress = _Progress(
-                self.stderr, _count_inputs(self.input_path, fmt) if show else None, show
+            progress = Progress(
+                self.stderr, count_inputs(self.input_path, fmt) if show else None, show
             )
             inputs = read_inputs(self.input_path, fmt, spans=options.spans)
+            runs = [*(manifest or {}).get("runs", []), self._run_record(proxies, concurrency)]
+            # Written before anything is sent: a run killed hard (SIGKILL, out of memory) leaves
+            # a manifest whose settings --resume checks, its run still "running".
+            self._write_manifest(plan, proxies, runs, ids=len(done))
             started = time.monotonic()
+            stopped_by: Exception | None = None
             with (self.directory / ERRORS).open("w", encoding="utf-8") as errors:
                 try:
-                    await self._drive(
+                    stopped_by = await self._drive(
                         client, proxies, plan, inputs, done, writer, errors, progress, concurrency
                     )
                 finally:
-                    writer.close()
+                    try:
+                        writer.close()
+                    except Exception as error:  # a full disk: the part stays .tmp (not data)
+                        stopped_by = stopped_by or error
                     progress.update(self.counts, force=True)
                     progress.end()
             seconds = time.monotonic() - started
-        self._finish(plan, proxies, manifest, writer, seconds, concurrency)
+        state = "stopped" if stopped_by else "interrupted" if self.interrupted else "finished"
+        runs[-1] = self._run_record(proxies, concurrency, writer, seconds, state, stopped_by)
+        ids = len(existing_ids(self.directory))
+        self._write_manifest(plan, proxies, runs, ids=ids)
+        self._summary(writer, seconds, stopped_by, ids)
+        if stopped_by is not None:
+            return EXIT_STOPPED
         if self.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_FAILED if self.counts.failed else 0
@@ -419,17 +372,19 @@ class Extraction:
     async def _drive(
         self,
         client: httpx.AsyncClient,
-        proxies: list[_Proxy],
+        proxies: list[Proxy],
         plan: dict[str, Any],
         inputs: Iterator[Input | InputProblem],
         done: set[str],
         writer: DatasetWriter,
         errors: IO[str],
-        progress: _Progress,
+        progress: Progress,
         concurrency: int,
-    ) -> None:
+    ) -> Exception | None:
+        """Every input through ``concurrency`` workers; the error that stopped them, if one
+        failed in a way no input explains (a bug, a full disk, an unreadable corpus): the
+        others are cancelled then, as on Ctrl-C, so the dataset is closed and resumable."""
         counts = self.counts
-        stop = asyncio.Event()
 
         async def work() -> None:
             for item in inputs:  # one iterator shared by every worker: each input once
@@ -450,75 +405,102 @@ class Extraction:
                     counts.written += 1
                     counts.rows += len(rows)
                 progress.update(counts)
-                if stop.is_set():
-                    return
 
         loop = asyncio.get_running_loop()
         workers = [asyncio.ensure_future(work()) for _ in range(concurrency)]
-        everything = asyncio.gather(*workers)
 
         def interrupt() -> None:
             self.interrupted = True
-            stop.set()
-            everything.cancel()  # in-flight inputs are not written: --resume sends them
+            for worker in workers:  # in-flight inputs are not written: --resume sends them
+                worker.cancel()
 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGINT, interrupt)
             loop.add_signal_handler(signal.SIGTERM, interrupt)
         try:
-            await everything
-        except asyncio.CancelledError:
-            if not self.interrupted:
-                raise
+            await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         finally:
+            for worker in workers:  # all ended, or one failed: stop the others
+                worker.cancel()
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGINT)
                 loop.remove_signal_handler(signal.SIGTERM)
+        ends = await asyncio.gather(*workers, return_exceptions=True)
+        for end in ends:
+            if isinstance(end, Exception):
+                return end
+            if isinstance(end, BaseException) and not isinstance(end, asyncio.CancelledError):
+                raise end  # KeyboardInterrupt, SystemExit: not ours to turn into a status
+        return None
 
-    def _finish(
+    def _run_record(
         self,
-        plan: dict[str, Any],
-        proxies: list[_Proxy],
-        manifest: dict[str, Any] | None,
-        writer: DatasetWriter,
-        seconds: float,
+        proxies: list[Proxy],
         concurrency: int,
-    ) -> None:
+        writer: DatasetWriter | None = None,
+        seconds: float = 0.0,
+        state: str = "running",
+        stopped_by: Exception | None = None,
+    ) -> dict[str, Any]:
+        """This run's entry of the manifest's ``runs``: ``state`` is ``running`` until it ends
+        (``finished``, ``interrupted``, or ``stopped`` by ``error``)."""
         counts = self.counts
-        rate = counts.written / seconds if seconds > 0 else 0.0
-        run = {
+        record: dict[str, Any] = {
             "command_line": self.command_line,
             "input": str(self.input_path),
             "urls": [proxy.url for proxy in proxies],
             "concurrency": concurrency,
-            "seconds": round(seconds, 3),
-            "inputs_written": counts.written,
-            "rows_written": writer.rows_written,
-            "skipped_already_written": counts.skipped,
-            "failed": counts.failed,
-            "retries": counts.retries,
-            "interrupted": self.interrupted,
-            "inputs_per_second": round(rate, 3),
-            "parts": writer.parts_written,
+            "state": state,
         }
-        ids = existing_ids(self.directory)
+        if writer is None:
+            return record
+        record.update(
+            seconds=round(seconds, 3),
+            inputs_written=counts.written,
+            rows_written=writer.rows_written,
+            skipped_already_written=counts.skipped,
+            failed=counts.failed,
+            retries=counts.retries,
+            inputs_per_second=round(counts.written / seconds if seconds > 0 else 0.0, 3),
+            parts=writer.parts_written,
+        )
+        if stopped_by is not None:
+            record["error"] = f"{type(stopped_by).__name__}: {stopped_by}"
+        return record
+
+    def _write_manifest(
+        self, plan: dict[str, Any], proxies: list[Proxy], runs: list[dict[str, Any]], ids: int
+    ) -> None:
         document = {
             **plan,
             "capture": proxies[0].document,
-            "counts": {"rows": count_rows(self.directory), "ids": len(ids)},
+            "counts": {"rows": count_rows(self.directory), "ids": ids},
             "parts": [p.name for p in part_files(self.directory)],
             "errors": ERRORS,
-            "runs": [*(manifest or {}).get("runs", []), run],
+            "runs": runs,
         }
         write_manifest(self.directory, document)
+
+    def _summary(
+        self, writer: DatasetWriter, seconds: float, stopped_by: Exception | None, ids: int
+    ) -> None:
+        counts = self.counts
+        rate = counts.written / seconds if seconds > 0 else 0.0
+        if stopped_by is not None:
+            self.stderr.write("".join(traceback.format_exception(stopped_by)))
         summary = (
             f"{counts.written} inputs written ({writer.rows_written} rows) in {seconds:.1f} s "
             f"({rate:.1f} inputs/s); {counts.skipped} skipped (already in the dataset); "
             f"{counts.failed} failed"
             + (f" (see {self.directory / ERRORS})" if counts.failed else "")
-            + f"; {counts.retries} retries; the dataset holds {len(ids)} ids"
+            + f"; {counts.retries} retries; the dataset holds {ids} ids"
         )
-        if self.interrupted:
+        if stopped_by is not None:
+            summary += (
+                f"; stopped by {type(stopped_by).__name__}: {stopped_by}: run again with "
+                "--resume to finish"
+            )
+        elif self.interrupted:
             summary += "; interrupted: run again with --resume to finish"
         self._say(summary)
 
@@ -533,6 +515,11 @@ def client_transport() -> httpx.AsyncBaseTransport:
 
     limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY)
     return AiohttpTransport(limits=limits)
+
+
+async def _sleep(seconds: float) -> None:
+    """The wait before a retry (the tests' seam: they record it instead)."""
+    await asyncio.sleep(seconds)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -552,7 +539,8 @@ def run_extract(
     stderr: IO[str] | None = None,
 ) -> int:
     """Run ``extract`` (the exit status: 0 when every input was written, 1 when some failed,
-    130 when interrupted, 2 when nothing could start)."""
+    2 when nothing could start, 3 when an error no input explains stopped it, 130 when
+    interrupted)."""
     extraction = Extraction(
         Path(input_path),
         options,
