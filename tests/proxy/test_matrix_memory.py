@@ -364,22 +364,23 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(
 def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
     ring_dir: str, big_writer: RingWriter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reader that takes a piece every half --send-timeout never misses the per-send bound,
+    """A reader that takes a piece every quarter --send-timeout never misses the per-send bound,
     but is cut once the whole answer's deadline (--send-timeout + its size at the least rate)
-    has passed, long before it would have read the answer."""
-    monkeypatch.setattr(answer_body, "MIN_SEND_RATE", 64 * MIB)  # 0.5 s + 21 MiB: 0.8 s
+    has passed, long before it would have read the answer. No bound on the test's own timing:
+    the reader has four times the per-send bound's margin, and what is checked is the state (cut,
+    its memory given back, the answer unread)."""
+    monkeypatch.setattr(answer_body, "MIN_SEND_RATE", 64 * MIB)  # 4 s + 21 MiB: 4.3 s
     rows = 16 * MIB // ROW
     vllm = matrix_vllm(big_writer, rows)
-    send_timeout = 0.5
+    send_timeout = 4.0
     settings = settings_for(ring_dir, send_timeout=send_timeout)
     body = orjson.dumps(flagged("a b c"))
     with served(settings, vllm) as (port, server, state):
         client = silent_client(port, request_head(COMPLETIONS, body) + body)
-        client.settimeout(send_timeout)  # a piece always comes within --send-timeout
+        client.settimeout(60)  # the proxy cuts it long before
         received = 0
-        start = time.monotonic()
         try:
-            while True:  # about 1.4 MiB every 0.25 s: 5.6 MiB/s, 4 s for the answer
+            while True:  # about 1.4 MiB a second: 15 s for the answer
                 burst = 0
                 while burst < PIECE_BYTES:
                     data = client.recv(PIECE_BYTES - burst)
@@ -387,9 +388,9 @@ def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
                         raise ConnectionResetError
                     burst += len(data)
                 received += burst
-                time.sleep(send_timeout / 2)
+                time.sleep(send_timeout / 4)
         except ConnectionResetError:
-            took = time.monotonic() - start
+            pass
         finally:
             client.close()
         wait_until(
@@ -399,7 +400,6 @@ def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
         )
         assert state.metrics.send_cuts == 1
     assert received < 16 * MIB, received  # cut before its answer (21 MiB of base64) was read
-    assert took < 3, took
 
 
 def test_a_stream_event_with_a_matrix_has_a_send_deadline(
