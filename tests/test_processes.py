@@ -7,6 +7,7 @@ import fcntl
 import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     ServerExited,
     WaitStopped,
+    ephemeral_ports,
     free_port,
     healthy,
     http_status,
@@ -103,9 +105,14 @@ def test_offline_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert offline_environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
-def test_free_port_is_bindable() -> None:
-    port = free_port()
-    assert 0 < port < 65536
+def test_free_ports_are_bindable_distinct_and_below_the_ephemeral_range() -> None:
+    """Below the range vLLM's own ports (binds to port 0) come from, so they cannot take one."""
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= port < ephemeral_ports()[0] for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_log_tail(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -63,8 +64,41 @@ def vllm_command(
     ]
 
 
+#: Ports :func:`free_port` has handed out in this process (never twice).
+_HANDED_OUT: set[int] = set()
+#: How far below the kernel's ephemeral range :func:`free_port` looks.
+_BELOW_EPHEMERAL = 12000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports of binds to port 0 and of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now, below the kernel's ephemeral range. vLLM's own ports (data parallel's,
+    ZMQ's: binds to port 0) and every connection's local port come from that range, so none of
+    them can take this one between its choice and its bind by whoever it is for (with a port
+    of that range, vLLM's data-parallel ports once took the proxy's: "address already in
+    use"). Never the same port twice in one process."""
+    low = ephemeral_ports()[0]
+    choose = random.Random()
+    for _ in range(1000):
+        port = choose.randrange(max(1024, low - _BELOW_EPHEMERAL), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # that range is full: any port the kernel gives
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
