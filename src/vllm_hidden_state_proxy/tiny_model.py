@@ -8,6 +8,7 @@ seconds and needs ``torch`` and ``transformers`` (present wherever vLLM is).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,8 +16,6 @@ from typing import Any
 
 from vllm_hidden_state_proxy.protocol import TINY_MODEL_DIR_ENV
 
-#: Bump when anything below changes, so cached copies are rebuilt.
-TINY_MODEL_REVISION = "3"
 _MARKER = "hidden_state_proxy_tiny_model.json"
 
 #: Default location of the built model (override with ``TINY_MODEL_DIR_ENV``).
@@ -63,6 +62,23 @@ What is the capital of France? Paris. What is two plus two? Four. Is the sky blu
 
 def tiny_model_dir() -> Path:
     return Path(os.environ.get(TINY_MODEL_DIR_ENV) or DEFAULT_TINY_MODEL_DIR)
+
+
+def source_revision(*builders: str | os.PathLike[str]) -> str:
+    """The revision of a model built by the code in ``builders`` (source files): a digest of that
+    code, this module's (the tokenizer and template every tiny model shares) and the versions of
+    the libraries that write the files, so a cached build is rebuilt whenever any changes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    for source in (__file__, *builders):
+        digest.update(Path(source).read_bytes())
+    for library in ("transformers", "tokenizers", "torch"):
+        try:
+            digest.update(f"{library}=={version(library)}".encode())
+        except PackageNotFoundError:
+            digest.update(f"{library} absent".encode())
+    return digest.hexdigest()[:16]
 
 
 def is_built(path: Path, marker_name: str, revision: str) -> bool:
@@ -126,7 +142,8 @@ def _train_tokenizer(vocab_size: int) -> Any:
 def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
     """Build (or reuse) the tiny chat model at ``path`` and return its directory."""
     target = Path(path) if path is not None else tiny_model_dir()
-    if not force and is_built(target, _MARKER, TINY_MODEL_REVISION):
+    revision = source_revision()
+    if not force and is_built(target, _MARKER, revision):
         return target
 
     import torch
@@ -157,5 +174,5 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool 
     torch.manual_seed(1234)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(target, safe_serialization=True)
-    finish_model_dir(target, _MARKER, TINY_MODEL_REVISION)
+    finish_model_dir(target, _MARKER, revision)
     return target

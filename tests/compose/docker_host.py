@@ -26,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import http.server
+import inspect
 import os
 import shlex
 import shutil
@@ -43,8 +44,6 @@ from vllm_hidden_state_proxy.processes import free_port
 #: Debian suite of the stand-in base image (the suite of python:3.11-slim-bookworm).
 BASE_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-#: Bump when the base image's recipe changes, so a cached one is rebuilt.
-BASE_REVISION = "1"
 BASE_PACKAGES = ("python3", "python3-venv", "python-is-python3", "ca-certificates")
 #: The suite whose ``docker-compose`` package holds the Compose v2 plugin (2.26.1).
 COMPOSE_SUITE = "trixie"
@@ -313,8 +312,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def base_image_tag(cert: Path | None) -> str:
-    """The stand-in base image's tag: it names the recipe and the certificates it trusts."""
-    digest = hashlib.sha256(BASE_REVISION.encode())
+    """The stand-in base image's tag: a digest of its recipe (the code that builds it, its suite,
+    mirror and packages) and the certificates it trusts, so a changed recipe builds a new one."""
+    recipe = (inspect.getsource(ensure_base_image), inspect.getsource(_import))
+    digest = hashlib.sha256(repr((recipe, BASE_SUITE, DEBIAN_MIRROR, BASE_PACKAGES)).encode())
     if cert is not None:
         digest.update(cert.read_bytes())
     return f"vllm-hidden-state-test/python:3.11-{BASE_SUITE}-{digest.hexdigest()[:12]}"

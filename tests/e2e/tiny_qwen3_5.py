@@ -38,10 +38,9 @@ from vllm_hidden_state_proxy.tiny_model import (
     chatml_tokenizer,
     finish_model_dir,
     is_built,
+    source_revision,
 )
 
-#: Bump when anything below changes, so cached copies are rebuilt.
-TINY_QWEN3_5_REVISION = "2"
 _MARKER = "hidden_state_proxy_tiny_qwen3_5.json"
 
 HIDDEN_SIZE = 128
@@ -53,7 +52,8 @@ LINEAR_DT_BIAS = -4.0
 
 def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
     """Build (or reuse) the tiny Qwen3.5 at ``target`` and return it."""
-    if not force and is_built(target, _MARKER, TINY_QWEN3_5_REVISION):
+    revision = source_revision(__file__)
+    if not force and is_built(target, _MARKER, revision):
         return target
 
     import torch
@@ -91,5 +91,5 @@ def build_tiny_qwen3_5(target: Path, *, force: bool = False) -> Path:
                 linear.dt_bias.fill_(LINEAR_DT_BIAS)
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(target, safe_serialization=True)
-    finish_model_dir(target, _MARKER, TINY_QWEN3_5_REVISION, dtype="bfloat16")
+    finish_model_dir(target, _MARKER, revision, dtype="bfloat16")
     return target

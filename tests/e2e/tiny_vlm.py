@@ -37,10 +37,9 @@ from vllm_hidden_state_proxy.tiny_model import (
     chatml_tokenizer,
     finish_model_dir,
     is_built,
+    source_revision,
 )
 
-#: Bump when anything below changes, so cached copies are rebuilt.
-TINY_VLM_REVISION = "1"
 _MARKER = "hidden_state_proxy_tiny_vlm.json"
 
 #: Default location of the built model (override with HIDDEN_STATE_PROXY_TINY_VLM_DIR).
@@ -98,7 +97,8 @@ def tiny_vlm_dir() -> Path:
 def build_tiny_vlm(path: str | os.PathLike[str] | None = None, *, force: bool = False) -> Path:
     """Build (or reuse) the tiny vision-language model at ``path`` and return its directory."""
     target = Path(path) if path is not None else tiny_vlm_dir()
-    if not force and is_built(target, _MARKER, TINY_VLM_REVISION):
+    revision = source_revision(__file__)
+    if not force and is_built(target, _MARKER, revision):
         return target
 
     import torch
@@ -164,5 +164,5 @@ def build_tiny_vlm(path: str | os.PathLike[str] | None = None, *, force: bool = 
     torch.manual_seed(1234)
     model = Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
     model.save_pretrained(target, safe_serialization=True)
-    finish_model_dir(target, _MARKER, TINY_VLM_REVISION)
+    finish_model_dir(target, _MARKER, revision)
     return target
