@@ -132,18 +132,21 @@ def run_tests(env: dict[str, str], timeout: float) -> dict[str, Any]:
         return {"ok": False, "summary": f"timed out after {timeout:.0f} s", "log": output}
     seconds = time.monotonic() - started
     output = done.stdout + done.stderr
+    last = _tail(done.stdout, 1)  # pytest's "12 passed, 3 skipped in 30.1s"
     counts = {
         word: int(number)
-        for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", output)
+        for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", last)
     }
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "no summary"
-    skips = [line for line in output.splitlines() if line.startswith("SKIPPED")]
+    skipped: dict[str, int] = {}  # why -> how many; from "SKIPPED [n] file:line: why"
+    for number, why in re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", output, re.M):
+        skipped[why] = skipped.get(why, 0) + int(number)
     return {
         "ok": done.returncode == 0,
         "exit": done.returncode,
         "summary": f"{summary} in {seconds:.1f} s",
         "counts": counts,
-        "skipped": skips,
+        "skipped": skipped,
         "log": output,
     }
 
@@ -215,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     env = _environment()
-    missing = _missing() + ([] if importlib.util.find_spec("torch") else ["torch"])
+    if importlib.util.find_spec("torch") is None:
+        _say(f"[gpu-check] {sys.executable} has no torch: run this with the Python that has")
+        _say("[gpu-check] CUDA torch (make gpu-check GPU_PYTHON=/path/to/python)")
+        return 3
+    missing = _missing()
     if missing:
         _say(f"[gpu-check] missing: {', '.join(missing)}. Carry the wheels:")
         _say(WHEEL_COMMAND.format(names=" ".join(missing)))
@@ -242,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         tests = run_tests(env, timeout=max(60.0, BUDGET_S - 90 - (time.monotonic() - started)))
         ok &= tests["ok"]
         _say(f"[tests] python -m pytest tests/gpu: {tests['summary']}")
-        for line in tests.get("skipped", []):  # "SKIPPED [n] where: why"
-            _say(f"[tests]   {line}")
+        for why, number in tests.get("skipped", {}).items():
+            _say(f"[tests]   {number} skipped: {why}")
         if not tests["ok"]:
             _say(_tail(tests["log"], 60))
         results["tests"] = {k: v for k, v in tests.items() if k != "log"}
