@@ -185,7 +185,7 @@ def run_racecheck(env: dict[str, str], steps: int, timeout: float) -> dict[str, 
         "-k",
         "in_flight and cuda",
     ]
-    child_env = {**env, "HSP_GPU_STRESS_STEPS": str(steps)}
+    child_env = {**env, "HSP_GPU_STRESS_STEPS": str(steps), "HSP_GPU_SANITIZER": "1"}
     started = time.monotonic()
     try:
         done = subprocess.run(

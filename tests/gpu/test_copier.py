@@ -44,6 +44,9 @@ from vllm_hidden_state_proxy.worker_hook.publication_queue import PublicationQue
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Steps of the stress run (fewer under compute-sanitizer, which is slow).
 STRESS_STEPS = int(os.environ.get("HSP_GPU_STRESS_STEPS", "300"))
+#: Set by ``run.py`` under compute-sanitizer, which serializes the device's work with the host's:
+#: the copies are then rarely still in flight, and only what they hold is checked.
+UNDER_SANITIZER = os.environ.get("HSP_GPU_SANITIZER") == "1"
 
 
 def special_values(dtype: Any, hidden: int) -> torch.Tensor:
@@ -237,7 +240,9 @@ def test_no_buffer_is_handed_out_while_its_copy_is_in_flight(
     assert not expected, f"{len(expected)} records never published"
     assert verified > STRESS_STEPS
     assert pool.in_flight == set()
-    # The run was a stress: buffers were reused, and several copies were in flight at once.
     assert pool.reused > 0
-    assert pool.most_in_flight > 4
-    assert started_unfinished > 0
+    if not UNDER_SANITIZER:
+        # The run was a stress: several copies were in flight at once, some unfinished when
+        # the next was started.
+        assert pool.most_in_flight > 4
+        assert started_unfinished > 0
