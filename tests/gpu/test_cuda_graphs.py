@@ -13,7 +13,8 @@ N, ahead of replay N + 1. So nothing waits, and yet the copy of step N is step N
   forward on a stream of its own (``torch.cuda.stream``): the hook's copy goes to that stream;
 - :func:`test_a_copy_on_another_stream_reads_the_next_replay` -- what the order is for: the
   same copy on another stream, started after replay N but not ordered before replay N + 1,
-  reads step N + 1's states; made to wait for it (``wait_stream``), it reads step N's.
+  reads step N + 1's states; with replay N + 1 made to wait for it (``wait_stream``), step
+  N's.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def graph_asks(tokens: int) -> list[list[Ask]]:
                 POOLINGS[i],
                 key(1 + step * REQUESTS + i),
                 (0, 2, FINAL) if i % 2 else (FINAL,),
-                spans=((1, prompt // 2), (0, prompt)),
+                spans=((1, prompt // 2), (0, prompt)) if POOLINGS[i] == "spans" else (),
             )
             for i in range(REQUESTS)
         ]
