@@ -6,6 +6,7 @@
 #                  against vLLM 0.34.0's own wheel (make test-vllm-next)
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
 #   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
+#   make gpu-check on a CUDA machine: tests/gpu, a racecheck and the hook's figures (issue #49)
 #   make compose-up    the CPU stack in Docker (vLLM + the proxy on :8000; docs/deploy.md)
 
 SHELL := /bin/bash
@@ -31,7 +32,7 @@ export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: install demo test test-unit test-e2e test-e2e-v2 test-own-server test-compose test-vllm-next \
-	next-venv lint typecheck serve bench compose-up compose-down clean
+	next-venv lint typecheck serve bench gpu-check compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -159,6 +160,17 @@ serve: install
 # bench-results/bench.{md,json} and its figures (bench-*.png).
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
+
+# The hook's device path on a CUDA machine (issue #49; CONTRIBUTING.md, "The GPU check"):
+# tests/gpu on the GPU, compute-sanitizer's racecheck of the copier, and the figures (the time
+# the hook adds to a step, a 64 MiB matrix's copy), in under 5 minutes. It runs this checkout's
+# src/ as is, with a Python that has CUDA torch (not .venv's CPU torch) and no vLLM; where make
+# is missing, run its command: python3 tests/gpu/run.py. Without a CUDA device it says so
+# (exit 2); GPU_CHECK_ARGS="--device cpu --smoke" runs its code on CPU with tiny sizes.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) tests/gpu/run.py $(GPU_CHECK_ARGS)
 
 # compose.yaml's CPU pair built from this checkout on the public base images (Docker Compose v2,
 # Docker Engine 20.10+): builds the proxy and CPU vLLM images, starts both and returns once both

@@ -498,6 +498,24 @@ def test_pool_sizes_buffers_to_the_rows_and_keeps_a_few() -> None:
     assert made[-1] == (8, 8)
 
 
+def test_pool_takes_and_drops_any_free_buffer_not_only_the_first() -> None:
+    """The free buffers are found by identity: taking (or dropping) one behind another in the
+    free list compared their tensors once, which raised (found by tests/gpu's stress run)."""
+    pool = PinnedBufferPool(unpinned, max_free=2, min_rows=8)
+    large, small = pool.take(9, 4), pool.take(1, 4)
+    pool.release(large)
+    pool.release(small)
+    assert pool.take(1, 4) is small  # behind `large` in the free list
+    same_size = pool.take(9, 4)
+    assert same_size is large
+    other = pool.take(9, 4)  # a new one of the same size
+    pool.release(other)
+    pool.release(same_size)
+    pool.release(small)  # three free: the smallest goes, from the end of the list
+    assert pool.free_count == 2
+    assert pool.take(9, 4) in (other, same_size)
+
+
 # -- vLLM's outputs -------------------------------------------------------------------------------
 
 

@@ -117,9 +117,14 @@ class SyncRowCopier:
 # -- devices: asynchronous ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class HostBuffers:
-    """Host memory for up to ``capacity`` float32 rows."""
+    """Host memory for up to ``capacity`` float32 rows.
+
+    Compared by identity (``eq=False``): the pool finds a buffer in its free list with
+    ``list.remove``, and a value comparison would compare the tensors, which raises for two of
+    different sizes (and is ambiguous for two of the same).
+    """
 
     rows: Any  # float32 tensor [capacity, hidden_size]
 

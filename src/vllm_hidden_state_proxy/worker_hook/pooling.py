@@ -138,8 +138,8 @@ class SpanPooling(_InFlight[_SpanSums]):
                     dtype=torch.float32,
                     device=device,
                 ),
-                torch.tensor([start for start, _ in spans], dtype=torch.long, device=device),
-                torch.tensor([end for _, end in spans], dtype=torch.long, device=device),
+                _positions([start for start, _ in spans], device),
+                _positions([end for _, end in spans], device),
             )
         count = rows.end - rows.first
         begin = rows.covered - count  # the prompt position of the step's first added row
@@ -165,6 +165,19 @@ class SpanPooling(_InFlight[_SpanSums]):
         lengths = (state.ends - state.starts).to(torch.float32)
         means = state.total / lengths[None, :, None]
         return means.reshape(len(layers) * len(spans), means.shape[-1])
+
+
+def _positions(values: list[int], device: Any) -> Any:
+    """``values`` as an int64 tensor on ``device``, the host not waiting for the device: a
+    ``torch.tensor(values, device=...)`` is a blocking copy, which on a GPU waits for every
+    step queued on the stream (the main thread would stall, and async scheduling with it)."""
+    import torch
+
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    # From pinned memory, copied in stream order; torch keeps the pinned block until then.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
