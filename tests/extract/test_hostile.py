@@ -572,3 +572,20 @@ def test_an_answer_of_another_hidden_size_fails_its_input(tmp_path: Path) -> Non
     [failed] = errors(tmp_path / "out")
     assert failed["status"] == 200
     assert failed["reason"] == f"the answer's layer 0 has shape (2,), not ({HIDDEN_SIZE},)"
+
+
+def test_a_dataset_of_an_earlier_release_resumes_with_its_extra_body(tmp_path: Path) -> None:
+    """Its manifest has no extra_body and its parts no settings: the first run's command line
+    says the request body, the parts' columns are checked."""
+    thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    inputs, out = made(tmp_path, extra_body=thinking)
+    document = manifest(out)
+    del document["extra_body"]
+    document["runs"][0]["command_line"] = ["extract", "--extra-body", json.dumps(thinking)]
+    (out / "_manifest.json").write_text(json.dumps(document), encoding="utf-8")
+    part = out / "part-00000.parquet"
+    pq.write_table(pq.read_table(part).replace_schema_metadata(None), part)
+    refused(inputs, out, "extra_body", resume=True)
+    status, stderr = run(inputs, options(out, resume=True, extra_body=thinking), FakeProxy())
+    assert status == 0, stderr
+    assert len(ids_once(out)) == 24

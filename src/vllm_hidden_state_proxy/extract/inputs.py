@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,21 +64,21 @@ def input_format(path: Path, given: str | None) -> str:
 
 
 def check_corpus(path: Path, fmt: str) -> None:
-    """:class:`CorpusError` if ``path`` is not a readable file of its format."""
+    """:class:`CorpusError` if ``path`` is not a readable file of its format (JSONL is not read
+    here: it may be a pipe, ``<(zcat corpus.jsonl.gz)``, read once)."""
     if not path.exists():
         raise CorpusError(f"{path} does not exist")
-    if not path.is_file():
-        raise CorpusError(f"{path} is not a file")
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
+    if path.is_dir():
+        raise CorpusError(f"{path} is a directory, not a file of inputs")
+    if not os.access(path, os.R_OK):
+        raise CorpusError(f"{path} cannot be read (permission denied)")
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
 
+        try:
             pq.ParquetFile(path)  # reads the footer: its schema and row groups
-        else:
-            with path.open("rb") as source:
-                source.read(1)
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise CorpusError(f"{path} cannot be read as {fmt}: {exc}") from None
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise CorpusError(f"{path} cannot be read as Parquet: {exc}") from None
 
 
 def _not_a_json_number(name: str) -> Any:

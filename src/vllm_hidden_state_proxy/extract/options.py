@@ -30,9 +30,16 @@ def _not_a_json_number(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of a float's range: no JSON number")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text, parse_constant=_not_a_json_number)
+        value = json.loads(text, parse_constant=_not_a_json_number, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc!r}") from None
     if not isinstance(value, dict):

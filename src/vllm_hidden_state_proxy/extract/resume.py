@@ -37,7 +37,30 @@ def _differing(made: Mapping[str, Any], plan: Mapping[str, Any]) -> str | None:
     return ", ".join(f"{key} ({made.get(key)!r}, now {plan[key]!r})" for key in differing)
 
 
+def _extra_body_of_command_line(manifest: Mapping[str, Any]) -> Any:
+    """A manifest of an earlier release has no ``extra_body``: its first run's command line
+    says what it was (``None`` if it gave none, or it cannot be read)."""
+    runs = manifest.get("runs") or [{}]
+    words = runs[0].get("command_line") if isinstance(runs[0], dict) else None
+    if not isinstance(words, list):
+        return None
+    for i, word in enumerate(words):
+        given = None
+        if word == "--extra-body" and i + 1 < len(words):
+            given = words[i + 1]
+        elif isinstance(word, str) and word.startswith("--extra-body="):
+            given = word.split("=", 1)[1]
+        if isinstance(given, str):
+            try:
+                return json.loads(given) or None
+            except ValueError:
+                return None
+    return None
+
+
 def check_manifest(directory: Path, manifest: Mapping[str, Any], plan: Mapping[str, Any]) -> None:
+    if "extra_body" not in manifest:
+        manifest = {**manifest, "extra_body": _extra_body_of_command_line(manifest)}
     differing = _differing(manifest, plan)
     if differing is not None:
         raise ResumeRefused(f"--resume: {directory}'s dataset was made with other {differing}")
