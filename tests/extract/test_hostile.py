@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import threading
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -196,6 +197,25 @@ def test_an_input_that_cannot_be_read_stops_before_anything_is_made(
     assert status == 2, stderr
     assert str(inputs) in stderr and "Traceback" not in stderr
     assert not out.exists() and not fake.sent
+
+
+def test_a_jsonl_input_may_be_a_pipe(tmp_path: Path) -> None:
+    fifo = tmp_path / "corpus.jsonl"
+    os.mkfifo(fifo)
+    lines = "".join(json.dumps(r) + "\n" for r in corpus(5)).encode()
+
+    def write() -> None:
+        with fifo.open("wb") as writer:
+            writer.write(lines)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        status, stderr = run(fifo, options(tmp_path / "out", progress=True), FakeProxy())
+    finally:
+        writer.join(30)
+    assert status == 0, stderr
+    assert len(ids_once(tmp_path / "out")) == 5
 
 
 # -- bounds ------------------------------------------------------------------------------------

@@ -34,7 +34,10 @@ class Counts:
 
 
 def count_inputs(path: Path, fmt: str) -> int | None:
-    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines."""
+    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines (not of a
+    pipe, which is read once)."""
+    if not path.is_file():
+        return None
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
