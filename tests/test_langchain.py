@@ -14,7 +14,11 @@ import pytest
 from langchain_core.messages import AIMessageChunk, BaseMessageChunk
 from pydantic import SecretStr
 
-from vllm_hidden_state_proxy.client import hidden_state_fields
+from vllm_hidden_state_proxy.client import (
+    HiddenStateDecodeError,
+    HiddenStateServerError,
+    hidden_state_fields,
+)
 from vllm_hidden_state_proxy.langchain import (
     HiddenStateChatOpenAI,
     HiddenStateEmbeddings,
@@ -176,3 +180,79 @@ def test_the_embeddings_never_tokenize_with_tiktoken() -> None:
     assert embeddings._invocation_params["extra_body"] == {"layer": 3}
     with pytest.raises(ValueError, match="tiktoken"):
         HiddenStateEmbeddings(model="m", api_key=SecretStr("k"), check_embedding_ctx_length=True)
+
+
+# -- hostile answers and chunks (issue #50) ----------------------------------------------------
+
+
+def test_chunks_merge_by_choice_without_comparing_arrays() -> None:
+    """The same entry added again merges (LangChain compared the arrays: "the truth value of an
+    array is ambiguous"); a stream's second entry for one choice is refused clearly."""
+    chat = model()
+    generation = chat._convert_chunk_to_generation_chunk(
+        chunk(0, "a", b64(1.0)), AIMessageChunk, {}
+    )
+    assert generation is not None
+    merged = generation.message + generation.message  # type: ignore[operator]
+    np.testing.assert_array_equal(hidden_states_of(merged).vector, np.full(HIDDEN, 1.0))  # type: ignore[arg-type]
+
+    kvs = [None, None, {"last_hidden_state": b64(2.0)}, {"last_hidden_state": b64(2.0)}]
+    body = sse_stream(kvs).replace(b'"index": 1', b'"index": 0')  # both for choice 0
+    fields = hidden_state_fields(pooling="last_answer")
+    for use_async in (False, True):
+        chat = streaming_model(body, [], n=2, extra_body=fields)
+        with pytest.raises(HiddenStateDecodeError, match="choice 0's hidden states came twice"):
+            merged_stream(chat, use_async)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["stream", "astream"])
+def test_a_streamed_entry_for_a_choice_the_request_has_not_is_refused(use_async: bool) -> None:
+    kvs = [None, None, {"last_hidden_state": b64(2.0)}, None]
+    body = sse_stream(kvs).replace(b'"index": 1', b'"index": 5')
+    chat = streaming_model(body, [], extra_body=hidden_state_fields(pooling="last_answer"))
+    with pytest.raises(HiddenStateDecodeError, match=r"choice 5.*1 choice"):
+        merged_stream(chat, use_async)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["stream", "astream"])
+def test_vllms_error_chunk_is_a_server_error(use_async: bool) -> None:
+    error = {"object": "error", "message": "the engine died", "type": "InternalServerError",
+             "code": 500}  # fmt: skip
+    body = sse_stream([None, None, None, None]).replace(
+        b"data: [DONE]", b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]"
+    )
+    chat = streaming_model(body, [], extra_body=hidden_state_fields())
+    with pytest.raises(HiddenStateServerError, match="the engine died"):
+        merged_stream(chat, use_async)
+
+
+def two_choices(*indices: Any) -> list[dict[str, Any]]:
+    return [
+        {"index": i, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}
+        for i in indices
+    ]
+
+
+#: JSON answers whose entries do not match their choices, and what the refusal says.
+MISMATCHED: list[tuple[dict[str, Any], str]] = [
+    # last_answer, n = 2, one entry: choice 1 got choice 0's vector
+    ({"choices": two_choices(0, 1), "kv_transfer_params": {
+        "last_hidden_states": [b64(1.0)]}}, "1 entries of hidden states for 2 choices"),
+    ({"choices": two_choices(0, 7), "kv_transfer_params": {
+        "last_hidden_states": [b64(1.0), b64(2.0)]}}, r"choices\[1\]\.index is 7"),
+    ({"choices": two_choices(0, "1"), "kv_transfer_params": {
+        "last_hidden_states": [b64(1.0), b64(2.0)]}}, r"choices\[1\]\.index is '1'"),
+    ({"choices": two_choices(0, 0), "kv_transfer_params": {
+        "last_hidden_states": [b64(1.0), b64(2.0)]}}, r"choices\[1\]\.index is 0"),
+    ({"choices": two_choices(0, 1), "kv_transfer_params": {
+        "last_hidden_state": b64(1.0),
+        "last_hidden_state_info": {"pooling": "last_answer"}}}, "one entry of last_answer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("answer", "fragment"), MISMATCHED, ids=[f for _, f in MISMATCHED])
+def test_a_json_answer_whose_entries_do_not_match_its_choices_is_refused(
+    answer: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(HiddenStateDecodeError, match=fragment):
+        model()._create_chat_result(answer)

@@ -224,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         key_option = dict(option_table.options(CheckOptions))["api_key"]
         return run_check(args.url, args.api_key or key_option.read(), args.model, args.timeout)
     if args.command == "extract":
-        from vllm_hidden_state_proxy.extract.runner import options_from_arguments, run_extract
+        from vllm_hidden_state_proxy.extract.options import options_from_arguments
+        from vllm_hidden_state_proxy.extract.runner import run_extract
 
         try:
             options = options_from_arguments(args)

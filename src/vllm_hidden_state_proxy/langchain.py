@@ -12,6 +12,14 @@ each of the request's ``n`` choices). Base64 values are read in the dtype the an
 (the proxy writes ``last_hidden_state_dtype`` beside 16-bit ones), so a per-call
 ``extra_body`` asking for bfloat16 reads as right as one given to the constructor.
 
+Entries are merged by choice, never by comparing arrays (:class:`HiddenStates` compare by
+identity): a stream whose chunks carry a choice's vectors twice, or vectors for a choice the
+request did not ask for, raises :class:`~vllm_hidden_state_proxy.client.HiddenStateDecodeError`,
+and so does a JSON answer whose entries do not match its choices (one entry of an answer pooling
+for two choices, a choice index that is not one of them); vLLM's error chunk
+(``{"object": "error", ...}``) raises
+:class:`~vllm_hidden_state_proxy.client.HiddenStateServerError`.
+
 ``OpenAIEmbeddings`` by default tokenizes text with OpenAI's tiktoken and sends those ids, which
 the proxy takes as this model's ids: wrong vectors, no error. :class:`HiddenStateEmbeddings`
 always sends the text (``check_embedding_ctx_length`` is off and cannot be turned on), and
@@ -27,7 +35,13 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 from pydantic import model_validator
 
-from vllm_hidden_state_proxy.client import HiddenStates, HiddenStateStream, read_hidden_states
+from vllm_hidden_state_proxy.client import (
+    HiddenStateDecodeError,
+    HiddenStates,
+    HiddenStateStream,
+    read_hidden_states,
+)
+from vllm_hidden_state_proxy.client.answers import is_per_entry, server_error
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
     BY_LAYER,
@@ -36,6 +50,7 @@ from vllm_hidden_state_proxy.protocol import (
     VECTOR,
     VECTORS,
 )
+from vllm_hidden_state_proxy.request_fields import is_int
 
 #: The ``response_metadata`` key of the decoded vectors: ``{choice index: HiddenStates}``.
 METADATA_KEY = "hidden_states"
@@ -65,28 +80,27 @@ class HiddenStateChatOpenAI(ChatOpenAI):
     them with ``extra_body=hidden_state_fields(...)``; read them with :func:`hidden_states_of`
     or ``message.response_metadata["hidden_states"]``."""
 
-    def _choices_sharing_the_prompt(self, call: dict[str, Any]) -> int:
-        """How many choices a streamed entry is for: the request's ``n`` with a prompt
-        pooling (one entry, on the stream's first chunk with a choice), else 1 (an answer
-        pooling's entry is its own choice's). ``call``: this call's keyword arguments, which
-        LangChain lays over the model's own (``n``, ``extra_body``) to build the request."""
+    def _stream_choices(self, call: dict[str, Any]) -> _StreamChoices:
+        """What a stream's entries may be: one per choice of the request's ``n``, or with a
+        prompt pooling one for all (on the stream's first chunk with a choice). ``call``: this
+        call's keyword arguments, which LangChain lays over the model's own (``n``,
+        ``extra_body``) to build the request."""
         params = {**self._default_params, **call}
         extra_body = params.get("extra_body")
         kv = extra_body.get(KV) if isinstance(extra_body, dict) else None
-        if isinstance(kv, dict) and kv.get(POOLING) in ANSWER_POOLINGS:
-            return 1
+        answer_pooling = isinstance(kv, dict) and kv.get(POOLING) in ANSWER_POOLINGS
         n = params.get("n")
-        return n if isinstance(n, int) and n > 1 else 1
+        return _StreamChoices(n if is_int(n) and n > 1 else 1, not answer_pooling)
 
     def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        choices = self._choices_sharing_the_prompt(kwargs)
+        choices = self._stream_choices(kwargs)
         for generation in super()._stream(*args, **kwargs):
-            yield _for_every_choice(generation, choices)
+            yield choices.checked(generation)
 
     async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        choices = self._choices_sharing_the_prompt(kwargs)
+        choices = self._stream_choices(kwargs)
         async for generation in super()._astream(*args, **kwargs):
-            yield _for_every_choice(generation, choices)
+            yield choices.checked(generation)
 
     def _create_chat_result(
         self, response: Any, generation_info: dict[str, Any] | None = None
@@ -96,13 +110,24 @@ class HiddenStateChatOpenAI(ChatOpenAI):
         if not _has_vectors(document):
             return result
         entries = read_hidden_states(document).entries
-        choices = document.get("choices") or []
-        for position, generation in enumerate(result.generations):
-            index = (
-                choices[position].get("index", position) if position < len(choices) else position
-            )
-            entry = entries[0] if len(entries) == 1 else entries[index]
-            generation.message.response_metadata[METADATA_KEY] = {index: entry}
+        count = len(result.generations)
+        indices = _choice_indices(document.get("choices"), count)
+        if is_per_entry(document[KV]):  # one entry per choice
+            if len(entries) != count:
+                raise HiddenStateDecodeError(
+                    f"the answer carries {len(entries)} entries of hidden states for {count} "
+                    "choices: one each was expected"
+                )
+        else:  # the prompt's entry, every choice's (or an answer pooling's one choice)
+            info = entries[0].info or {}
+            if info.get("pooling") in ANSWER_POOLINGS and count > 1:
+                raise HiddenStateDecodeError(
+                    f"the answer carries one entry of {info['pooling']} for {count} choices: "
+                    "one each was expected"
+                )
+            entries = (entries[0],) * count
+        for generation, index in zip(result.generations, indices, strict=True):
+            generation.message.response_metadata[METADATA_KEY] = {index: entries[index]}
         return result
 
     def _convert_chunk_to_generation_chunk(
@@ -111,12 +136,15 @@ class HiddenStateChatOpenAI(ChatOpenAI):
         default_chunk_class: type,
         base_generation_info: dict[str, Any] | None,
     ) -> ChatGenerationChunk | None:
+        error = server_error(chunk)  # vLLM's {"object": "error"}: the SDK lets it through
+        if error is not None:
+            raise error
         generation = super()._convert_chunk_to_generation_chunk(
             chunk, default_chunk_class, base_generation_info
         )
         if generation is None or not _has_vectors(chunk):
             return generation
-        entry = HiddenStateStream().feed(chunk)
+        entry = HiddenStateStream().feed(chunk)  # checks the choice's index
         choices = chunk.get("choices") or [{}]
         index = choices[0].get("index", 0)
         if entry is not None:
@@ -124,13 +152,51 @@ class HiddenStateChatOpenAI(ChatOpenAI):
         return generation
 
 
-def _for_every_choice(generation: ChatGenerationChunk, choices: int) -> ChatGenerationChunk:
-    """``generation`` with its prompt pooling's entry under each of ``choices`` indices."""
-    by_choice = generation.message.response_metadata.get(METADATA_KEY)
-    if choices > 1 and by_choice and len(by_choice) == 1:
-        [entry] = by_choice.values()
-        generation.message.response_metadata[METADATA_KEY] = dict.fromkeys(range(choices), entry)
-    return generation
+def _choice_indices(choices: Any, count: int) -> list[int]:
+    """The ``count`` choices' indices: 0 to ``count - 1``, each once (in any order)."""
+    if not isinstance(choices, list) or len(choices) != count:
+        raise HiddenStateDecodeError(f"the answer's choices are not a list of {count}")
+    indices: list[int] = []
+    for position, choice in enumerate(choices):
+        index = choice.get("index", position) if isinstance(choice, dict) else None
+        if not (is_int(index) and 0 <= index < count) or index in indices:
+            raise HiddenStateDecodeError(
+                f"choices[{position}].index is {index!r}: not one of the answer's {count} "
+                "choices, each once"
+            )
+        indices.append(index)
+    return indices
+
+
+class _StreamChoices:
+    """One stream's entries, as its chunks come: each choice's at most once and within the
+    request's ``n``; with a prompt pooling, the one entry given to every choice."""
+
+    def __init__(self, n: int, shared: bool) -> None:
+        self.n = n
+        self.shared = shared
+        self.seen: set[int] = set()
+
+    def checked(self, generation: ChatGenerationChunk) -> ChatGenerationChunk:
+        by_choice = generation.message.response_metadata.get(METADATA_KEY)
+        if not by_choice:
+            return generation
+        [(index, entry)] = by_choice.items()  # one chunk, one choice
+        if index >= self.n:
+            raise HiddenStateDecodeError(
+                f"a chunk of the stream carries hidden states for choice {index}, but the "
+                f"request asked for {self.n} choice{'s' if self.n > 1 else ''}"
+            )
+        indices = range(self.n) if self.shared else (index,)
+        for choice in indices:
+            if choice in self.seen:
+                raise HiddenStateDecodeError(
+                    f"choice {choice}'s hidden states came twice in the stream"
+                )
+        self.seen.update(indices)
+        if self.shared and self.n > 1:
+            generation.message.response_metadata[METADATA_KEY] = dict.fromkeys(indices, entry)
+        return generation
 
 
 class HiddenStateEmbeddings(OpenAIEmbeddings):

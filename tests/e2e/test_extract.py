@@ -163,3 +163,25 @@ def test_extract_matrices_and_spans_equal_transformers_rows(
                     for j in range(len(every[0]))
                 ]
                 assert_matches(actual, want, f"layer {layer}, spans (extract)")
+
+
+def test_extract_with_its_defaults_takes_no_front_door_503s(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    """More inputs than the default serve takes connections (1024), with extract's defaults:
+    its in flight stays below what the proxy's front server accepts (issue #50: at 1024 against
+    1024 the front server refused hundreds with its plain-text 503)."""
+    inputs = tmp_path / "short.jsonl"
+    lines = [json.dumps({"id": i, "prompt": f"Short text {i}."}) + "\n" for i in range(1100)]
+    inputs.write_text("".join(lines), encoding="utf-8")
+    output = tmp_path / "defaults"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    defaults = [sys.executable, "-m", "vllm_hidden_state_proxy.cli", "extract", str(inputs),
+                "--url", stack.proxy_url, "--output", str(output), "--layers", "-1"]  # fmt: skip
+    done = subprocess.run(defaults, env=env, stderr=subprocess.PIPE, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    manifest = json.loads((output / "_manifest.json").read_text())
+    connections = manifest["capture"]["limits"]["max_client_connections"]
+    [run] = manifest["runs"]
+    assert run["concurrency"] < connections and run["inputs_written"] == 1100
+    assert "503 front server" not in run["retries_by_cause"], run["retries_by_cause"]

@@ -10,10 +10,14 @@ tell each input's row apart. A prompt (or a chat's last message) may ask for tro
 - ``"lack K ..."``: a 200 answer without layer K;
 - ``"garble ..."``: a 200 answer whose base64 is not base64;
 - ``"odd ..."``: a 200 answer whose info's ``position`` is not an integer;
+- ``"far ..."``: a 200 answer whose info's ``position`` is an integer no int32 column holds;
 - ``"crash ..."``: the transport raises ``RuntimeError`` (what no input explains: a bug).
 
 ``on_request`` (awaited with the POST's 1-based number before it is answered) lets a test act
 mid-run: send a signal, hold requests (:meth:`FakeProxy.stall`) until the run cancels them.
+``override`` (called with the prompt's text and the request body) answers a request its own
+way when it returns a response (a hostile answer). ``limits`` are laid over the capture
+description's.
 """
 
 from __future__ import annotations
@@ -35,23 +39,33 @@ LAYERS = [0, 1, 2]
 
 
 def capture_document(
-    slots: int = 1024, model: str = "fake", instance: str = "00"
+    slots: int = 1024,
+    model: str = "fake",
+    instance: str = "00",
+    limits: Mapping[str, int | None] | None = None,
 ) -> dict[str, Any]:
     engine = {
         "instance": instance, "engine": 0, "runner": "fake", "hidden_size": HIDDEN_SIZE,
         "num_hidden_layers": NUM_LAYERS, "layers": LAYERS, "slots": slots,
         "arena_bytes": 1 << 20, "max_record_bytes": 1 << 16,
     }  # fmt: skip
-    return {
+    document: dict[str, Any] = {
         "object": "hidden_state_capture", "model": model, "models": [model],
         "hidden_size": HIDDEN_SIZE, "num_hidden_layers": NUM_LAYERS, "layers": LAYERS,
         "poolings": ["last", "mean", "last_answer", "all_prompt", "all_answer"],
         "formats": ["float", "base64"], "dtypes": ["float32", "float16", "bfloat16"],
         "limits": {"max_prompts": 2048, "max_spans": 1024, "max_layers": 1024,
                    "max_record_bytes": 1 << 16, "arena_bytes": 1 << 20,
-                   "max_embedding_inputs": 2048, "max_body_bytes": 1 << 25},
+                   "max_embedding_inputs": 2048, "max_body_bytes": 1 << 25,
+                   "max_client_connections": 1024},
         "engines": [engine],
     }  # fmt: skip
+    for name, value in (limits or {}).items():  # None: a limit an earlier release did not say
+        if value is None:
+            del document["limits"][name]
+        else:
+            document["limits"][name] = value
+    return document
 
 
 def expected_vector(text: str, layer: int) -> np.ndarray:
@@ -87,7 +101,11 @@ class FakeProxy:
         model: str = "fake",
         on_request: Callable[[int], Awaitable[None]] | None = None,
         instance: str = "00",
+        override: Callable[[str, dict[str, Any]], httpx.Response | None] | None = None,
+        limits: Mapping[str, int | None] | None = None,
     ) -> None:
+        self.override = override
+        self.limits = limits
         self.slots = slots
         self.model = model
         self.instance = instance
@@ -116,7 +134,8 @@ class FakeProxy:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
-            return httpx.Response(200, json=capture_document(self.slots, self.model, self.instance))
+            document = capture_document(self.slots, self.model, self.instance, self.limits)
+            return httpx.Response(200, json=document)
         self.requests += 1
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -124,7 +143,7 @@ class FakeProxy:
             if self.on_request is not None:
                 await self.on_request(self.requests)
             await asyncio.sleep(0)
-            return self._answer(request)
+            return unread(self._answer(request))
         finally:
             self.in_flight -= 1
 
@@ -133,6 +152,10 @@ class FakeProxy:
         text = _text(body)
         self.tries[text] += 1
         words = text.split()
+        if self.override is not None:
+            answer = self.override(text, body)
+            if answer is not None:
+                return answer
         if words[0] == "bad":
             return httpx.Response(400, json={"error": {"message": "too long", "code": 400}})
         if words[0] == "crash":
@@ -167,7 +190,8 @@ def _answer(text: str, words: list[str], kv: Mapping[str, Any]) -> dict[str, Any
             data = "*" + data[1:]
         matrix = {"shape": [rows, HIDDEN_SIZE], "dtype": dtype, "data": data}
         by_layer[str(k)] = data if rows is None else matrix
-    info = {"position": "three" if words[0] == "odd" else 3, "num_prompt_tokens": 4,
+    position = {"odd": "three", "far": 1 << 40}.get(words[0], 3)
+    info = {"position": position, "num_prompt_tokens": 4,
             "hidden_size": HIDDEN_SIZE,
             "dtype": dtype, "pooling": kv["last_hidden_state_pooling"]}  # fmt: skip
     answer = {"kv_transfer_params": {"last_hidden_states_by_layer": by_layer,
@@ -175,6 +199,17 @@ def _answer(text: str, words: list[str], kv: Mapping[str, Any]) -> dict[str, Any
     if dtype != "float32":  # as the proxy: the dtype beside 16-bit values
         answer["kv_transfer_params"]["last_hidden_state_dtype"] = dtype
     return answer
+
+
+def unread(response: httpx.Response) -> httpx.Response:
+    """``response`` as a network transport gives it: its body not yet read (httpx reads an
+    in-memory body when the response is made, and decodes it)."""
+    if not response.is_stream_consumed:
+        return response
+    headers = [(k, v) for k, v in response.headers.raw if k.lower() != b"content-encoding"]
+    return httpx.Response(
+        response.status_code, headers=headers, stream=httpx.ByteStream(response.content)
+    )
 
 
 def routed(proxies: Mapping[str, FakeProxy]) -> httpx.MockTransport:

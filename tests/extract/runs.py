@@ -30,8 +30,9 @@ def options(output: Path, **changes: Any) -> ExtractOptions:
 
 
 def run(
-    inputs: Path, opts: ExtractOptions, fake: FakeProxy | httpx.AsyncBaseTransport
+    inputs: Path, opts: ExtractOptions, fake: FakeProxy | httpx.AsyncBaseTransport | None
 ) -> tuple[int, str]:
+    """``extract`` against the fake (or a transport; ``None``: its own, over the network)."""
     stderr = io.StringIO()
     transport = fake.transport() if isinstance(fake, FakeProxy) else fake
     status = run_extract(inputs, opts, command_line=["test"], transport=transport, stderr=stderr)

@@ -145,11 +145,11 @@ def test_concurrency_stays_within_the_proxy_slots(tmp_path: Path) -> None:
 def test_the_default_concurrency_is_what_the_proxy_allows(tmp_path: Path) -> None:
     inputs = write_jsonl(tmp_path / "in.jsonl", corpus(3))
     out = tmp_path / "out"
-    status, stderr = run(inputs, options(out), FakeProxy(slots=600))
+    status, stderr = run(inputs, options(out), FakeProxy(slots=300))
     assert status == 0 and "more than the proxies allow" not in stderr
-    assert manifest(out)["runs"][0]["concurrency"] == 600  # not a guess at vLLM's batch
-    status, _ = run(inputs, options(tmp_path / "n3", n=3), FakeProxy(slots=600))
-    assert status == 0 and manifest(tmp_path / "n3")["runs"][0]["concurrency"] == 200
+    assert manifest(out)["runs"][0]["concurrency"] == 300  # not a guess at vLLM's batch
+    status, _ = run(inputs, options(tmp_path / "n3", n=3), FakeProxy(slots=300))
+    assert status == 0 and manifest(tmp_path / "n3")["runs"][0]["concurrency"] == 100
 
 
 def test_float16_is_asked_for_and_stored(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_the_command_line_needs_a_url_and_reads_the_key_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from vllm_hidden_state_proxy.cli import build_parser, main
-    from vllm_hidden_state_proxy.extract.runner import options_from_arguments
+    from vllm_hidden_state_proxy.extract.options import options_from_arguments
 
     with pytest.raises(SystemExit):
         main(["extract", "in.jsonl", "--output", str(tmp_path)])

@@ -6,6 +6,7 @@ behind ``httpx.MockTransport`` that publishes into a real ring, and a raw client
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -71,12 +72,15 @@ class Served:
         return self.upstream[self.seen_before :]
 
 
-def fake_vllm(writer: RingWriter, seen: list[httpx.Request]) -> FakeVLLM:
+def fake_vllm(writer: RingWriter, seen: list[httpx.Request], latency: float = 0.0) -> FakeVLLM:
     """Answers like vLLM with the worker hook: publishes the vector for the proxy's key; 400
-    for a generation body that is not a JSON object; SSE for ``stream: true``."""
+    for a generation body that is not a JSON object; SSE for ``stream: true``. ``latency``:
+    seconds each request takes (vLLM's step), none by default."""
 
     async def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request)
+        if latency:
+            await asyncio.sleep(latency)
         if request.url.path == "/v1/hop-by-hop":
             headers = {"connection": "x-up", "x-up": "1", "keep-alive": "timeout=5", "x-ok": "1"}
             return httpx.Response(200, headers={**headers, "proxy-authenticate": "Basic"})
@@ -258,13 +262,15 @@ def assert_vector_answer(reply: Reply, served: Served) -> None:
 
 
 @contextmanager
-def serving(settings: ProxySettings) -> Iterator[Served]:
+def serving(settings: ProxySettings, upstream_latency: float = 0.0) -> Iterator[Served]:
     """uvicorn with ``server_config(settings)`` on a free loopback port, the app in front of
-    the fake vLLM and a real ring in ``settings.ring_dir`` (64 slots); stopped at the end."""
+    the fake vLLM (each request taking ``upstream_latency`` seconds) and a real ring in
+    ``settings.ring_dir`` (64 slots); stopped at the end."""
     writer = create_writer(settings.ring_dir, slot_count=64)
     seen: list[httpx.Request] = []
     config = server_config(settings)
-    app = create_app(settings, fake_vllm(writer, seen).transport)  # real RingDirectory
+    vllm = fake_vllm(writer, seen, upstream_latency)
+    app = create_app(settings, vllm.transport)  # real RingDirectory
     config.app = app
     errors = ErrorLog()
     sock = socket.socket()

@@ -56,6 +56,7 @@ async def test_two_engines_of_one_server_are_described(tmp_path: Path) -> None:
         "arena_bytes": 1 << 16,
         "max_embedding_inputs": settings.max_embedding_inputs,
         "max_body_bytes": settings.max_body_bytes,
+        "max_client_connections": settings.max_client_connections,
     }
     assert [e["engine"] for e in document["engines"]] == [0, 1]
     assert document["engines"][0]["layers"] == [0, 2, FINAL]

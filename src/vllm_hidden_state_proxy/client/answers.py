@@ -7,6 +7,7 @@ import base64
 import binascii
 import codecs
 import json
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,12 +46,16 @@ def _strict_base64(text: str) -> bytes:
     return base64.b64decode(text, validate=True)
 
 
-def decode_values(value: Any, dtype: str = "float32", where: str = VECTOR) -> Array:
+def decode_values(
+    value: Any, dtype: str = "float32", where: str = VECTOR, *, stated: str | None = None
+) -> Array:
     """One vector or matrix of the answer as float32: a base64 string (little-endian
     ``dtype``), a JSON list of numbers (``null``: not finite, read as NaN), or a matrix object
-    ``{"shape", "dtype", "data"}``. ``where`` names the field in errors."""
+    ``{"shape", "dtype", "data"}``. ``where`` names the field in errors. ``stated``: the dtype
+    the answer declares (or the reader was asked for), which a matrix's own ``dtype`` must not
+    contradict."""
     if isinstance(value, Mapping):
-        return _decode_matrix(value, where)
+        return _decode_matrix(value, where, stated)
     if isinstance(value, str):
         return _from_base64(value, dtype, where)
     if isinstance(value, (list, tuple)):
@@ -64,7 +69,7 @@ def decode_values(value: Any, dtype: str = "float32", where: str = VECTOR) -> Ar
 
 
 def _from_base64(text: str, dtype: str, where: str) -> Array:
-    if dtype not in _ITEM_SIZE:
+    if not isinstance(dtype, str) or dtype not in _ITEM_SIZE:
         raise HiddenStateDecodeError(f"{where}: unknown dtype {dtype!r} (one of {DTYPES}).")
     try:
         raw = _strict_base64(text)
@@ -90,14 +95,19 @@ def _from_list(values: Sequence[Any], where: str, rows: int | None) -> Array:
             else [np.nan if v is None else v for v in values],
             dtype=np.float32,
         )
-    except (TypeError, ValueError) as exc:
+    # OverflowError: an integer of hundreds of digits; RecursionError: lists nested deep
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise HiddenStateDecodeError(f"{where} is not a list of numbers ({exc}).") from None
     if array.ndim != (1 if rows is None else 2):
         raise HiddenStateDecodeError(f"{where} is not a flat list of numbers.")
     return array
 
 
-def _decode_matrix(matrix: Mapping[str, Any], where: str) -> Array:
+#: A matrix's rows and hidden size are each below this (token positions, the ring's sizes).
+_MAX_DIMENSION = 1 << 31
+
+
+def _decode_matrix(matrix: Mapping[str, Any], where: str, stated: str | None = None) -> Array:
     for name in ("shape", "dtype", "data"):
         if name not in matrix:
             raise HiddenStateDecodeError(f"{where} is a matrix object without its {name!r}.")
@@ -105,13 +115,21 @@ def _decode_matrix(matrix: Mapping[str, Any], where: str) -> Array:
     if (
         not isinstance(shape, (list, tuple))
         or len(shape) != 2
-        or not all(_is_int(n) and n >= 0 for n in shape)
+        or not all(_is_int(n) and 0 <= n < _MAX_DIMENSION for n in shape)
     ):
-        raise HiddenStateDecodeError(f"{where}: shape {shape!r} is not [rows, hidden_size].")
+        raise HiddenStateDecodeError(
+            f"{where}: shape {shape!r} is not [rows, hidden_size] (each below 2**31)."
+        )
     rows, width = shape
     data = matrix["data"]
     if isinstance(data, str):
-        flat = _from_base64(data, str(matrix["dtype"]), where)
+        dtype = matrix["dtype"]
+        if stated is not None and dtype != stated:
+            raise HiddenStateDecodeError(
+                f"{where} is a matrix of {dtype!r} values (its dtype), not the {stated} the "
+                f"answer says ({KV}.{DTYPE}) or the reader was asked for."
+            )
+        flat = _from_base64(data, dtype, where)
     elif isinstance(data, (list, tuple)):
         if len(data) != rows:
             raise HiddenStateDecodeError(f"{where} has {len(data)} rows, not the shape's {rows}.")
@@ -125,13 +143,16 @@ def _decode_matrix(matrix: Mapping[str, Any], where: str) -> Array:
     return flat.reshape(rows, width)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HiddenStates:
     """One entry: one prompt's vectors (or matrices), or with an answer pooling one choice's.
 
     ``vector`` is the final layer's (``last_hidden_state``), when the final layer was asked
     for or no layers were given; ``by_layer`` maps each requested layer, as written in the
     request (``-1`` stays ``-1``), to its array; ``info`` is ``last_hidden_state_info``.
+
+    Compared by identity: ``==`` never compares arrays (numpy's element-wise ``==`` has no
+    truth value, and LangChain's merging of chunks compares what they carry).
     """
 
     vector: Array | None
@@ -194,14 +215,16 @@ def as_document(answer: Any) -> dict[str, Any]:
     if isinstance(answer, (str, bytes, bytearray)):
         try:
             document = json.loads(answer)
-        except ValueError as exc:
-            raise HiddenStateDecodeError(f"the answer is not JSON ({exc}).") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise HiddenStateDecodeError(f"the answer is not JSON ({exc!r}).") from None
         return as_document(document)
     status = getattr(answer, "status_code", None)
     if _is_int(status) and callable(getattr(answer, "json", None)):  # httpx, requests
         try:
             document = answer.json()
-        except ValueError:
+        except (ValueError, RecursionError) as exc:
+            if status == 200:
+                raise HiddenStateDecodeError(f"the answer is not JSON ({exc!r}).") from None
             document = None
         if status != 200 or not isinstance(document, Mapping):
             message = error_message(document) or str(getattr(answer, "text", ""))[:500]
@@ -218,17 +241,31 @@ def as_document(answer: Any) -> dict[str, Any]:
     )
 
 
+def server_error(document: Any) -> HiddenStateServerError | None:
+    """The error a document is, if it is one: OpenAI's ``{"error": {"message", "code"}}``
+    (the proxy's, vLLM's today) or vLLM's older ``{"object": "error", "message", "code"}``."""
+    if not isinstance(document, Mapping):
+        return None
+    error = document.get("error")
+    if isinstance(error, Mapping):
+        found = error
+    elif document.get("object") == "error":
+        found = document
+    else:
+        return None
+    code = found.get("code")
+    return HiddenStateServerError(str(found.get("message")), code if _is_int(code) else None)
+
+
 def error_message(document: Any) -> str | None:
-    if isinstance(document, Mapping) and isinstance(document.get("error"), Mapping):
-        return str(document["error"].get("message"))
-    return None
+    error = server_error(document)
+    return None if error is None else error.message
 
 
 def _params_of(document: Mapping[str, Any]) -> Mapping[str, Any]:
-    message = error_message(document)
-    if message is not None:
-        code = document["error"].get("code")
-        raise HiddenStateServerError(message, code if _is_int(code) else None)
+    error = server_error(document)
+    if error is not None:
+        raise error
     kv = document.get(KV)
     if kv is None and isinstance(document.get("response"), Mapping):  # a responses event
         kv = document["response"].get(KV)
@@ -248,7 +285,7 @@ def _declared_dtype(kv: Mapping[str, Any], dtype: str | None) -> str | None:
     declared = kv.get(DTYPE)
     if declared is None:
         return dtype
-    if declared not in _ITEM_SIZE:
+    if not isinstance(declared, str) or declared not in _ITEM_SIZE:
         raise HiddenStateDecodeError(f"{KV}.{DTYPE} is {declared!r}, not one of {DTYPES}.")
     if dtype is not None and dtype != declared:
         raise HiddenStateDecodeError(
@@ -257,31 +294,43 @@ def _declared_dtype(kv: Mapping[str, Any], dtype: str | None) -> str | None:
     return str(declared)
 
 
-def _dtype_of(info: Any, dtype: str | None) -> str:
-    if dtype is not None:
-        return dtype
+def _info_dtype(info: Any) -> str | None:
     if isinstance(info, Mapping) and isinstance(info.get("dtype"), str):
         return str(info["dtype"])
-    return "float32"
+    return None
+
+
+#: A layer key as the proxy writes it (``str`` of the index as requested): ``"0"``, ``"-1"``;
+#: never ``"-0"``, ``" 0"``, ``"00"``, ``"0_0"`` or other digits, which ``int()`` would all take.
+_LAYER_KEY = re.compile(r"-?(?:0|[1-9][0-9]{0,8})")
+
+
+def _layer_of(label: Any, where: str) -> int:
+    if _is_int(label):
+        return label
+    if isinstance(label, str) and _LAYER_KEY.fullmatch(label) and label != "-0":
+        return int(label)
+    raise HiddenStateDecodeError(f"{where}{BY_LAYER} has the key {label!r}, not a layer index.")
 
 
 def _entry(vector: Any, by_layer: Any, info: Any, dtype: str | None, where: str) -> HiddenStates:
     if info is not None and not isinstance(info, Mapping):
         raise HiddenStateDecodeError(f"{where}{INFO} is not an object.")
-    dtype = _dtype_of(info, dtype)
-    decoded = None if vector is None else decode_values(vector, dtype, f"{where}{VECTOR}")
+    stated = dtype if dtype is not None else _info_dtype(info)
+    dtype = stated or "float32"
+    decoded = (
+        None if vector is None else decode_values(vector, dtype, f"{where}{VECTOR}", stated=stated)
+    )
     layers: dict[int, Array] = {}
     if by_layer is not None:
         if not isinstance(by_layer, Mapping):
             raise HiddenStateDecodeError(f"{where}{BY_LAYER} is not an object.")
         for label, value in by_layer.items():
-            try:
-                layer = int(label)
-            except (TypeError, ValueError):
-                raise HiddenStateDecodeError(
-                    f"{where}{BY_LAYER} has the key {label!r}, not a layer index."
-                ) from None
-            layers[layer] = decode_values(value, dtype, f"{where}{BY_LAYER}[{label!r}]")
+            layer = _layer_of(label, where)
+            if layer in layers:
+                raise HiddenStateDecodeError(f"{where}{BY_LAYER} has layer {layer} twice.")
+            place = f"{where}{BY_LAYER}[{label!r}]"
+            layers[layer] = decode_values(value, dtype, place, stated=stated)
     if decoded is None and not layers:
         raise HiddenStateDecodeError(f"{where}{KV} holds neither {VECTOR} nor {BY_LAYER}.")
     widths = {array.shape[-1] for array in (decoded, *layers.values()) if array is not None}
@@ -295,10 +344,15 @@ def _entry(vector: Any, by_layer: Any, info: Any, dtype: str | None, where: str)
     return HiddenStates(decoded, layers, info)
 
 
+def is_per_entry(kv: Mapping[str, Any]) -> bool:
+    """Whether ``kv`` holds the plural fields (one entry per prompt of a list, or per choice
+    with an answer pooling and several choices) rather than one entry."""
+    return VECTORS in kv or INFOS in kv or isinstance(kv.get(BY_LAYER), list)
+
+
 def _entries(kv: Mapping[str, Any], dtype: str | None) -> tuple[HiddenStates, ...]:
     dtype = _declared_dtype(kv, dtype)
-    plural = VECTORS in kv or INFOS in kv or isinstance(kv.get(BY_LAYER), list)
-    if not plural:
+    if not is_per_entry(kv):
         if VECTOR not in kv and BY_LAYER not in kv:
             raise HiddenStateDecodeError(
                 f"{KV} holds neither {VECTOR} nor {BY_LAYER} (it has {sorted(kv)})."
@@ -351,6 +405,11 @@ def _event_payload(event: str) -> str | None:
     return event.strip()
 
 
+#: The most characters one event of a stream's text may hold, by default: any answer of a proxy
+#: at its defaults (256 MiB of float32 vectors, ``--max-vectors-size``, are 342 MiB of base64).
+DEFAULT_MAX_EVENT_SIZE = 512 * 1024 * 1024
+
+
 class HiddenStateStream:
     """Fed a flagged stream's chunks (chat, completions: SDK objects or dicts, or the SSE
     text as it arrives) or events (responses), one by one; :meth:`result` gives what
@@ -360,17 +419,30 @@ class HiddenStateStream:
     or end anywhere inside one (httpx's ``iter_text()``/``iter_bytes()``; with ``iter_lines()``,
     feed each ``line + "\n"``: the line ends are the stream's). Events end at a blank line;
     the rest waits for the next piece, except a ``data:`` line that already holds whole JSON,
-    which is read at once (so one event, or one ``data:`` line, per call works too).
+    which is read at once (so one event, or one ``data:`` line, per call works too; an event
+    fed in pieces without its blank line is read by :meth:`result` at the latest).
+
+    The work is linear in the text fed: each piece is looked at once, and an event that is not
+    yet whole is tried as JSON again only once it has doubled. An event longer than
+    ``max_event_size`` characters raises :class:`HiddenStateDecodeError` (nothing holds more
+    of it than that).
 
     The vectors ride on the first chunk with a choice (prompt poolings), on each choice's
     last chunk (answer poolings, one entry per choice, in choice order), or on
     ``response.completed`` (responses). An error event raises :class:`HiddenStateServerError`.
     """
 
-    def __init__(self, *, dtype: Dtype | None = None) -> None:
+    def __init__(
+        self, *, dtype: Dtype | None = None, max_event_size: int = DEFAULT_MAX_EVENT_SIZE
+    ) -> None:
+        if not (_is_int(max_event_size) and max_event_size > 0):
+            raise ValueError(f"max_event_size must be a positive integer, not {max_event_size!r}")
         self._dtype: Dtype | None = dtype
+        self._max_event_size = max_event_size
         self._by_choice: dict[int, HiddenStates] = {}
         self._pending: list[str] = []  # the pieces of an event not yet complete
+        self._pending_size = 0
+        self._tried_at = 0  # the pending size when it last failed to read as whole JSON
         self._held_cr = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")()  # a character cut between bytes
 
@@ -378,37 +450,63 @@ class HiddenStateStream:
         """Read one chunk or event, or a piece of the stream's text; the entry it carried
         (the last one, if the text held several), if any."""
         if isinstance(chunk, (bytes, bytearray)):
-            chunk = self._utf8.decode(bytes(chunk))
+            try:
+                chunk = self._utf8.decode(bytes(chunk))
+            except UnicodeDecodeError as exc:
+                raise HiddenStateDecodeError(f"the stream's bytes are not UTF-8 ({exc}).") from None
         if isinstance(chunk, str):
             return self._feed_text(chunk)
         return self._read(as_document(chunk))
 
+    def _hold(self, piece: str) -> None:
+        self._pending.append(piece)
+        self._pending_size += len(piece)
+        if self._pending_size > self._max_event_size:
+            raise HiddenStateDecodeError(
+                f"an event of the stream is longer than max_event_size ({self._max_event_size} "
+                "characters): raise it for larger answers, or is the stream not SSE?"
+            )
+
+    def _take_pending(self) -> str:
+        event = "".join(self._pending)
+        self._pending, self._pending_size, self._tried_at = [], 0, 0
+        return event
+
     def _feed_text(self, text: str) -> HiddenStates | None:
         # Each piece is looked at once (a matrix's event can be many MiB in small pieces): the
-        # event so far is kept as a list of pieces, joined only when it ends.
+        # event so far is kept as a list of pieces, joined only when it ends, and the text is
+        # walked by position (slicing off each event would copy the rest each time).
         text = self._held_cr + text
         self._held_cr = "\r" if text.endswith("\r") else ""  # maybe half of a "\r\n"
         text = text[: len(text) - len(self._held_cr)].replace("\r\n", "\n").replace("\r", "\n")
         found = None
-        while text:
-            if self._pending and self._pending[-1].endswith("\n") and text.startswith("\n"):
-                end, rest = 0, 1  # the blank line begun at the end of the last piece
+        start = 0
+        while start < len(text):
+            if self._pending and self._pending[-1].endswith("\n") and text.startswith("\n", start):
+                end, rest = start, start + 1  # the blank line begun at the end of the last piece
             else:
-                end = text.find("\n\n")
+                end = text.find("\n\n", start)
                 rest = end + 2
             if end < 0:
                 break
-            self._pending.append(text[:end])
-            _, entry = self._read_event("".join(self._pending), ended=True)
+            self._hold(text[start:end])
+            _, entry = self._read_event(self._take_pending(), ended=True)
             found = entry or found
-            self._pending, text = [], text[rest:]
-        if text:
-            self._pending.append(text)
-            if text.rstrip("\n").endswith(("}", "[DONE]")):  # maybe a whole data line already
+            start = rest
+        if start < len(text):
+            piece = text[start:]
+            self._hold(piece)
+            # Maybe a whole data line already: tried when it ends like one, and again only once
+            # the event has doubled since it last failed, so that the tries add up to at most
+            # twice the event (a piece of a long event ends in "}" now and then).
+            ends_like_json = piece.rstrip("\n").endswith(("}", "[DONE]"))
+            if ends_like_json and self._pending_size >= 2 * self._tried_at:
                 read, entry = self._read_event("".join(self._pending), ended=False)
                 if read:
-                    self._pending = []
+                    self._take_pending()
                     found = entry or found
+                else:
+                    self._tried_at = self._pending_size
         return found
 
     def _read_event(self, event: str, *, ended: bool) -> tuple[bool, HiddenStates | None]:
@@ -421,17 +519,21 @@ class HiddenStateStream:
             return True, self._read(as_document(payload))
         try:
             document = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return False, None  # the rest comes with the next piece
         if not isinstance(document, dict):  # (a cut number could parse, a cut object not)
             return False, None
         return True, self._read(document)
 
     def _read(self, document: Mapping[str, Any]) -> HiddenStates | None:
-        if error_message(document) is not None or document.get("type") in ("error",):
-            message = error_message(document) or str(document.get("message"))
+        error = server_error(document)
+        if error is not None:
+            raise error
+        if document.get("type") == "error":  # the Responses API's error event
             code = document.get("code")
-            raise HiddenStateServerError(message, code if _is_int(code) else None)
+            raise HiddenStateServerError(
+                str(document.get("message")), code if _is_int(code) else None
+            )
         kv = document.get(KV)
         response = document.get("response")
         if kv is None and isinstance(response, Mapping):
@@ -442,7 +544,11 @@ class HiddenStateStream:
         index = 0
         if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
             found = choices[0].get("index", 0)
-            index = found if _is_int(found) else 0
+            if not (_is_int(found) and found >= 0):
+                raise HiddenStateDecodeError(
+                    f"choices[0].index is {found!r}, not a choice's index."
+                )
+            index = found
         if index in self._by_choice:
             raise HiddenStateDecodeError(f"choice {index}'s vectors came twice in the stream.")
         entry = _entries(kv, self._dtype)
@@ -460,11 +566,15 @@ class HiddenStateStream:
     def result(self) -> HiddenStateAnswer:
         """Every entry the stream carried, in choice order; ``HiddenStateDecodeError`` if none,
         or if the text fed ended inside an event."""
-        payload = _event_payload("".join(self._pending))
-        if payload is not None and payload != "[DONE]":
-            raise HiddenStateDecodeError(
-                f"the stream's text ended inside an event ({payload[:60]!r}...): was all of it fed?"
-            )
+        if self._pending:  # an event fed without its blank line is whole, or was cut
+            event = "".join(self._pending)
+            read, _ = self._read_event(event, ended=False)
+            if not read:
+                raise HiddenStateDecodeError(
+                    f"the stream's text ended inside an event ({event[:60]!r}...): was all of "
+                    "it fed?"
+                )
+            self._take_pending()
         if not self._by_choice:
             raise HiddenStateDecodeError(
                 f"no chunk of the stream carried {KV} with vectors: was the request flagged, "

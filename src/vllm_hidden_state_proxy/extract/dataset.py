@@ -11,7 +11,10 @@
       _errors.jsonl         this run's inputs that failed: {"line", "id", "status", "reason"}
 
 (Names that start with ``_`` or ``.`` are what pyarrow's datasets skip: ``pq.read_table(DIR)``
-reads the parts alone.)
+reads the parts alone.) Every file is created exclusively (``O_EXCL``: never onto a name that
+exists, never through a symbolic link); what else the directory may hold is ``output_dir.py``'s.
+Each part's schema carries the settings it was made with (:data:`SETTINGS_KEY`), which
+``--resume`` compares (``resume.py``).
 
 A layer column is ``layer_K`` (``K`` the absolute index: ``-1`` is ``num_hidden_layers``): a
 fixed-size list of ``hidden_size`` floats (a vector), or for matrices a list of them (one per
@@ -24,22 +27,42 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 MANIFEST = "_manifest.json"
 ERRORS = "_errors.jsonl"
 _PART_GLOB = "part-*.parquet"
+#: A part's name, and a part's while it is written.
+PART = re.compile(r"part-(\d{5,})\.parquet")
+UNFINISHED_PART = re.compile(r"\.part-(\d{5,})\.parquet\.tmp")
+#: The manifest while it is written (a fresh name each time), before it replaces the last.
+UNFINISHED_MANIFEST = re.compile(r"\._manifest\.json(\.[0-9a-f]+)?\.tmp")
+#: The key of each part's schema metadata that holds the settings it was made with (JSON).
+SETTINGS_KEY = b"vllm_hidden_state_proxy.settings"
+#: Flags of every file the dataset's writer creates: a new name only, never through a link.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
 #: A row group is written early once its arrays hold this many bytes (matrices of long prompts:
 #: a few rows can hold hundreds of MiB).
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
 def part_files(directory: Path) -> list[Path]:
+    """Every ``part-*.parquet`` (a name not :data:`PART`'s is refused by ``output_dir.py``)."""
     return sorted(directory.glob(_PART_GLOB))
+
+
+def create_file(path: Path, mode: str = "w") -> IO[Any]:
+    """A new file at ``path``: ``FileExistsError`` if anything is there (a link included)."""
+    descriptor = os.open(path, _CREATE, 0o666)
+    if "b" in mode:
+        return os.fdopen(descriptor, mode)
+    return os.fdopen(descriptor, mode, encoding="utf-8")
 
 
 def existing_ids(directory: Path) -> set[str]:
@@ -59,6 +82,7 @@ def count_rows(directory: Path) -> int:
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest as written (``output_dir.py`` checks one a run is to trust)."""
     path = directory / MANIFEST
     if not path.exists():
         return None
@@ -66,13 +90,44 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
 
 
 def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
-    temporary = directory / f".{MANIFEST}.tmp"
-    temporary.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    """Write the manifest whole under a fresh name, then put it in place (a reader sees the
+    last one or this one, never half)."""
+    temporary = directory / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"
+    with create_file(temporary) as file:
+        file.write(json.dumps(manifest, indent=2) + "\n")
     os.replace(temporary, directory / MANIFEST)
 
 
 def column_name(layer: int) -> str:
     return f"layer_{layer}"
+
+
+def dataset_schema(
+    layers: Sequence[int],
+    *,
+    hidden_size: int,
+    matrix: bool,
+    dtype: str,
+    settings: Mapping[str, Any] | None = None,
+) -> Any:
+    """The parts' Arrow schema; ``settings`` (what made the vectors) in its metadata."""
+    import pyarrow as pa
+
+    value = pa.float16() if dtype == "float16" else pa.float32()
+    vector = pa.list_(value, hidden_size)
+    fields = [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("choice", pa.int32(), nullable=False),
+        pa.field("position", pa.int32()),
+        pa.field("num_prompt_tokens", pa.int32()),
+        pa.field("num_output_tokens", pa.int32()),
+    ]
+    fields += [
+        pa.field(column_name(k), pa.list_(vector) if matrix else vector, nullable=False)
+        for k in layers
+    ]
+    metadata = None if settings is None else {SETTINGS_KEY: json.dumps(settings).encode()}
+    return pa.schema(fields, metadata=metadata)
 
 
 class DatasetWriter:
@@ -90,6 +145,7 @@ class DatasetWriter:
         dtype: str,
         rows_per_file: int,
         row_group_rows: int,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         import pyarrow as pa
 
@@ -101,26 +157,19 @@ class DatasetWriter:
         self.dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.rows_per_file = rows_per_file
         self.row_group_rows = row_group_rows
-        value = pa.float16() if dtype == "float16" else pa.float32()
-        vector = pa.list_(value, hidden_size)
-        fields = [
-            pa.field("id", pa.string(), nullable=False),
-            pa.field("choice", pa.int32(), nullable=False),
-            pa.field("position", pa.int32()),
-            pa.field("num_prompt_tokens", pa.int32()),
-            pa.field("num_output_tokens", pa.int32()),
-        ]
-        fields += [
-            pa.field(column_name(k), pa.list_(vector) if matrix else vector, nullable=False)
-            for k in self.layers
-        ]
-        self.schema = pa.schema(fields)
-        self._next_part = 1 + max(
-            (int(p.stem.split("-")[1]) for p in part_files(directory)), default=-1
+        self.schema = dataset_schema(
+            self.layers, hidden_size=hidden_size, matrix=matrix, dtype=dtype, settings=settings
         )
+        numbers = [
+            int(found.group(1))
+            for path in directory.iterdir()
+            if (found := PART.fullmatch(path.name) or UNFINISHED_PART.fullmatch(path.name))
+        ]
+        self._next_part = 1 + max(numbers, default=-1)
         self._rows: list[dict[str, Any]] = []
         self._buffered_bytes = 0
         self._writer: Any = None
+        self._file: IO[Any] | None = None
         self._temporary: Path | None = None
         self._part_rows = 0
         self.rows_written = 0
@@ -170,26 +219,20 @@ class DatasetWriter:
         name = f"part-{self._next_part:05d}.parquet"
         self._next_part += 1
         self._temporary = self.directory / f".{name}.tmp"
-        self._writer = pq.ParquetWriter(self._temporary, self.schema)
+        self._file = create_file(self._temporary, "wb")
+        self._writer = pq.ParquetWriter(self._file, self.schema)
         self._part_rows = 0
 
     def _close_part(self) -> None:
-        if self._writer is None or self._temporary is None:
+        if self._writer is None or self._temporary is None or self._file is None:
             return
         self._writer.close()
+        self._file.close()
         final = self.directory / self._temporary.name[1:].removesuffix(".tmp")
         os.replace(self._temporary, final)
         self.parts_written.append(final.name)
-        self._writer = self._temporary = None
+        self._writer = self._temporary = self._file = None
 
     def close(self) -> None:
         self._flush()
         self._close_part()
-
-
-def remove_unfinished(directory: Path) -> list[Path]:
-    """Remove the temporary parts a killed run left (never renamed: not part of the dataset)."""
-    left = sorted(directory.glob(".part-*.tmp"))
-    for path in left:
-        path.unlink()
-    return left

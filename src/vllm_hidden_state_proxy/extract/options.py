@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_hidden_state_proxy import option_table
@@ -26,13 +26,34 @@ def _layers(text: str) -> tuple[int, ...]:
     return layers
 
 
+def _not_a_json_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of a float's range: no JSON number")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        value = json.loads(text, parse_constant=_not_a_json_number, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text}")
     return value
 
 
@@ -105,7 +126,8 @@ class ExtractOptions:
         # proxy does not report it. The proxy's own limit is what it can take: at the default
         # 1024 ring slots, as much as any default batch, the rest waiting in vLLM's queue.
         shown_default="what each proxy's capture description allows: its smallest ring's "
-        "slots over --n (1024 by default), for matrices its arena over its largest record",
+        "slots over --n (1024 by default), half its --max-client-connections (512 of 1024), "
+        "for matrices its arena over its largest record; at most fewer than its connections",
     )
     max_tokens: int = option(
         1,
@@ -133,18 +155,35 @@ class ExtractOptions:
         False,
         "--resume",
         "keep the dataset in DIR and skip the ids it holds (new part files; the same model, "
-        "layers, pooling and dtype)",
+        "layers, pooling, spans, dtype, --max-tokens, --n and --extra-body, checked against the "
+        "manifest and each part)",
         parse=bool,
     )
     retries: int = option(
         5,
         "--retries",
-        "retries of one input after 429, 503, 504 or a connection error (exponential backoff "
-        "from 0.5 s, at most 30 s, or the server's Retry-After)",
+        "retries of one input after 429, 503, 504, a connection error or --timeout "
+        "(exponential backoff from 0.5 s, at most 30 s, or the server's Retry-After)",
         metavar="N",
         parse=int,
     )
-    timeout: float = option(600.0, "--timeout", "per request", metavar="SECONDS", parse=float)
+    timeout: float = option(
+        600.0,
+        "--timeout",
+        "per request, all of it: connecting, waiting in the server's queue, reading the "
+        "whole answer (each retry has its own)",
+        metavar="SECONDS",
+        parse=_positive_seconds,
+    )
+    max_answer_size: int | None = option(
+        None,
+        "--max-answer-size",
+        "the most bytes of one answer read, counted decoded (gzip); a longer one fails its input",
+        metavar="BYTES",
+        parse=_positive,
+        shown_default="what the request can carry: its vectors in base64 (matrices: the "
+        "proxies' largest record each) and 64 MiB of vLLM's answer",
+    )
     rows_per_file: int = option(
         100_000, "--rows-per-file", "rows per part file", metavar="N", parse=_positive
     )
@@ -171,3 +210,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_table() -> str:
     """The Markdown table of ``extract``'s options (``docs/extract.md`` carries it)."""
     return option_table.markdown_table(spec for _, spec in option_table.options(ExtractOptions))
+
+
+def options_from_arguments(args: Any) -> ExtractOptions:
+    """The parsed command line as :class:`ExtractOptions`; ``ValueError`` for what argparse
+    cannot check (a required repeatable ``--url``)."""
+    specs = dict(option_table.options(ExtractOptions))
+    values = {f.name: getattr(args, f.name) for f in fields(ExtractOptions)}
+    if not values["urls"]:
+        raise ValueError("the following arguments are required: --url")
+    if values["api_key"] is None or values["api_key"] == "":
+        values["api_key"] = specs["api_key"].read()
+    values["urls"] = tuple(values["urls"])
+    for name in ("spans", "resume", "progress"):
+        values[name] = bool(values[name])
+    return ExtractOptions(**values)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -18,22 +19,47 @@ class Counts:
     failed: int = 0
     retries: int = 0
     seen: int = 0
+    #: Each retry's cause: the status (``"503"``; ``"503 front server"`` for the front
+    #: server's plain-text 503 at its connection bound), ``"connection"`` or ``"timeout"``.
+    retries_by_cause: Counter[str] = field(default_factory=Counter)
+
+    def retried(self, cause: str) -> None:
+        self.retries += 1
+        self.retries_by_cause[cause] += 1
+
+    def retries_said(self) -> str:
+        """``"5 retries (503: 2, connection: 3)"``, causes in order of their names."""
+        causes = ", ".join(f"{c}: {n}" for c, n in sorted(self.retries_by_cause.items()))
+        return f"{self.retries} retries" + (f" ({causes})" if causes else "")
 
 
 def count_inputs(path: Path, fmt: str) -> int | None:
-    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines."""
+    """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines (not of a
+    pipe, which is read once)."""
+    if not path.is_file():
+        return None
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
             return int(pq.ParquetFile(path).metadata.num_rows)
-        count = 0
-        with path.open("rb") as source:
-            for line in source:
-                count += bool(line.strip())
-        return count
+        return _count_lines(path)
     except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError: not Parquet
         return None
+
+
+def _count_lines(path: Path) -> int:
+    """JSONL's lines that are not blank, read in pieces (a line may be longer than memory)."""
+    count = 0
+    blank = True  # the line so far holds only whitespace
+    with path.open("rb") as source:
+        while piece := source.read(1 << 20):
+            lines = piece.split(b"\n")
+            for line in lines[:-1]:
+                count += not (blank and not line.strip())
+                blank = True
+            blank = blank and not lines[-1].strip()
+    return count + (not blank)
 
 
 class Progress:

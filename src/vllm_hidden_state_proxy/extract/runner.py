@@ -1,11 +1,18 @@
 """The run: inputs in, flagged requests out to the proxies with bounded concurrency, answers
 decoded by the client module and written as they arrive.
 
-Each input is sent once (retried after 429, 503, 504 or a connection error, with backoff) and
-ends in exactly one place: the dataset (one row per choice), the errors file (with its reason),
-or, after Ctrl-C or an error no input explains, nowhere yet: ``--resume`` sends it. The
-manifest is written before the first request (the settings ``--resume`` checks, the run
-``running``) and again at the end.
+Each input is sent once (retried after 429, 503, 504, a connection error or a timeout, with
+backoff) and ends in exactly one place: the dataset (one row per choice), the errors file (with
+its reason), or, after Ctrl-C or an error no input explains, nowhere yet: ``--resume`` sends it.
+Whatever one input or its answer holds is at most that input's failure: its reading
+(``inputs.py``), its request and answer (``exchange.py``: bounded in size and time), its rows
+(``rows.py``). The manifest is written before the first request (the settings ``--resume``
+checks, the run ``running``) and again at the end; Ctrl-C and SIGTERM are handled from the one
+to the other (a second one while the run wraps up waits for the manifest).
+
+Setup (``ExtractSetupError``, exit 2, nothing sent): INPUT (``inputs.check_corpus``), the
+proxies' capture descriptions, ``--output`` (``output_dir.py``) and ``--resume``'s checks
+(``resume.py``).
 """
 
 from __future__ import annotations
@@ -30,39 +37,53 @@ from vllm_hidden_state_proxy.client import (
     HiddenStateServerError,
     hidden_state_fields,
     read_capture,
-    read_hidden_states,
 )
 from vllm_hidden_state_proxy.extract.dataset import (
     ERRORS,
     DatasetWriter,
     column_name,
     count_rows,
+    dataset_schema,
     existing_ids,
     part_files,
-    read_manifest,
-    remove_unfinished,
     write_manifest,
 )
+from vllm_hidden_state_proxy.extract.exchange import Refused, encode_body, exchange
 from vllm_hidden_state_proxy.extract.inputs import (
+    CorpusError,
     Input,
     InputProblem,
+    check_corpus,
     input_format,
     read_inputs,
 )
+from vllm_hidden_state_proxy.extract.limits import answer_limit, body_limit
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
+from vllm_hidden_state_proxy.extract.output_dir import (
+    OutputRefused,
+    check_output_path,
+    open_errors,
+    prepare_output,
+    remove_unfinished,
+)
 from vllm_hidden_state_proxy.extract.progress import Counts, Progress, count_inputs
-from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight, proxy_limit
-from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, MATRIX_POOLINGS
-from vllm_hidden_state_proxy.request_fields import is_int
+from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight, proxy_limits
+from vllm_hidden_state_proxy.extract.resume import (
+    ResumeRefused,
+    check_manifest,
+    check_parts,
+    settings_of,
+)
+from vllm_hidden_state_proxy.extract.rows import answer_rows
+from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 
 #: Answers worth another try: the server is busy or a vector came late, not the input's fault.
 RETRIED_STATUSES = frozenset({429, 503, 504})
 BACKOFF_FIRST = 0.5
 BACKOFF_MOST = 30.0
-#: What the dataset must share with a run that resumes it.
-_RESUME_KEYS = ("model", "hidden_size", "layers", "pooling", "spans", "dtype", "max_tokens", "n")
-#: The answer info's integers that become columns (beside ``id`` and ``choice``).
-_INFO_COLUMNS = ("position", "num_prompt_tokens", "num_output_tokens")
+#: Inputs that are not sent (a problem, an id already written) between two turns of the event
+#: loop: a million duplicates must not hold off Ctrl-C or the connections' keep-alive.
+_INPUTS_PER_TURN = 64
 EXIT_FAILED = 1
 EXIT_SETUP = 2
 #: A worker failed in a way no input explains: the others stopped, the dataset is whole.
@@ -71,14 +92,7 @@ EXIT_INTERRUPTED = 130
 
 
 class ExtractSetupError(Exception):
-    """Nothing was sent: the options, the servers or the output directory do not fit."""
-
-
-class _Failure(Exception):
-    def __init__(self, reason: str, status: int | None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
+    """Nothing was sent: the options, INPUT, the servers or the output directory do not fit."""
 
 
 class Extraction:
@@ -102,6 +116,10 @@ class Extraction:
         self.counts = Counts()
         self.interrupted = False
         self._turn = 0
+        self._workers: list[asyncio.Future[None]] = []
+        self._wrapping_up = False
+        self._body_limit = 0
+        self._answer_limit = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -115,8 +133,8 @@ class Extraction:
                 capture = read_capture(response)
             except (httpx.HTTPError, HiddenStateServerError, HiddenStateDecodeError) as exc:
                 raise ExtractSetupError(f"{url}: cannot read {CAPTURE_PATH}: {exc}") from None
-            limit = proxy_limit(capture, matrix=matrix, n=options.n)
-            proxies.append(Proxy(url.rstrip("/"), capture, response.json(), limit))
+            limit, default = proxy_limits(capture, matrix=matrix, n=options.n)
+            proxies.append(Proxy(url.rstrip("/"), capture, response.json(), limit, default))
         first = proxies[0].capture
         for proxy in proxies[1:]:
             theirs = proxy.capture
@@ -165,36 +183,42 @@ class Extraction:
             "dtype": options.dtype,
             "max_tokens": options.max_tokens,
             "n": options.n,
+            "extra_body": dict(options.extra_body) if options.extra_body else None,
         }
 
     def _prepare_directory(self, plan: dict[str, Any]) -> tuple[set[str], dict[str, Any] | None]:
+        """The ids the dataset holds and its manifest (``None``: a new dataset), once
+        ``--output`` and ``--resume``'s checks passed (``ExtractSetupError`` otherwise)."""
         directory = self.directory
-        manifest = read_manifest(directory)
-        if not self.options.resume:
-            if manifest is not None or part_files(directory):
-                raise ExtractSetupError(
-                    f"{directory} already holds a dataset: --resume to add to it, or another "
-                    "--output"
-                )
-            directory.mkdir(parents=True, exist_ok=True)
-            return set(), None
-        directory.mkdir(parents=True, exist_ok=True)
-        if manifest is not None:
-            differing = [k for k in _RESUME_KEYS if manifest.get(k) != plan[k]]
-            if differing:
-                raise ExtractSetupError(
-                    f"--resume: {directory}'s dataset was made with other "
-                    + ", ".join(f"{k} ({manifest.get(k)!r}, now {plan[k]!r})" for k in differing)
-                )
-        if manifest is not None and (manifest.get("runs") or [{}])[-1].get("state") == "running":
+        try:
+            manifest = prepare_output(directory, resume=self.options.resume)
+            if manifest is None:
+                return set(), None
+            check_manifest(directory, manifest, plan)
+            schema = dataset_schema(
+                plan["layers"],
+                hidden_size=plan["hidden_size"],
+                matrix=plan["matrix"],
+                dtype=plan["dtype"],
+            )
+            check_parts(directory, schema, plan)
+        except (OutputRefused, ResumeRefused) as refused:
+            raise ExtractSetupError(str(refused)) from None
+        if (manifest.get("runs") or [{}])[-1].get("state") == "running":
             # Nothing locks the directory: two runs at once would each write the same ids.
             self._say(
                 f"the last run on {directory} never ended (killed?); its whole parts are kept. "
                 "Make sure it is not still running."
             )
+        try:
+            done = existing_ids(directory)
+        except (OSError, ValueError) as exc:  # a part whose footer reads but whose data not
+            raise ExtractSetupError(
+                f"--resume: {directory}'s parts cannot be read: {exc}"
+            ) from None
         for left in remove_unfinished(directory):
-            self._say(f"removed {left.name}, a part an earlier run did not finish")
-        return existing_ids(directory), manifest
+            self._say(f"removed {left.name}, a file an earlier run did not finish")
+        return done, manifest
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -232,69 +256,49 @@ class Extraction:
         try:
             path, body = self._body(item, plan)
         except ValueError as exc:  # the client module's checks (spans)
-            raise _Failure(str(exc), 400) from None
+            raise Refused(str(exc), 400) from None
+        content = encode_body(body, max_bytes=self._body_limit)
         attempt = 0
+        timeout = self.options.timeout
         while True:
             proxy = self._pick(proxies)
             proxy.in_flight += 1
             wait: float | None = None
             try:
-                response = await client.post(proxy.url + path, json=body)
+                answer = await exchange(
+                    client,
+                    proxy.url + path,
+                    content,
+                    max_bytes=self._answer_limit,
+                    timeout=timeout,
+                )
+            except asyncio.TimeoutError:
+                status, cause = None, "timeout"
+                reason = f"{proxy.url}: no whole answer within --timeout {timeout:g} s"
+            except httpx.TimeoutException as exc:
+                status, cause, reason = None, "timeout", f"{proxy.url}: {type(exc).__name__}: {exc}"
             except httpx.TransportError as exc:
-                status, reason = None, f"{proxy.url}: {type(exc).__name__}: {exc}"
+                status, cause = None, "connection"
+                reason = f"{proxy.url}: {type(exc).__name__}: {exc}"
             else:
-                status = response.status_code
+                status = answer.status
                 if status == 200:
-                    return self._rows(item, response, plan)
-                try:
-                    reason = str(response.json()["error"]["message"])
-                except (ValueError, KeyError, TypeError):
-                    reason = response.text[:500]
-                wait = _retry_after(response)
+                    return answer_rows(item.id, answer.body, plan)
+                reason, cause, wait = (
+                    answer.error_reason(),
+                    answer.retry_cause(),
+                    answer.retry_after(),
+                )
             finally:
                 proxy.in_flight -= 1
             if status is not None and status not in RETRIED_STATUSES:
-                raise _Failure(reason, status)
+                raise Refused(reason, status)
             if attempt >= self.options.retries:
-                raise _Failure(f"{reason} (after {attempt} retries)", status)
+                raise Refused(f"{reason} (after {attempt} retries)", status)
             backoff = min(BACKOFF_MOST, BACKOFF_FIRST * 2**attempt) * random.uniform(0.5, 1.0)
             attempt += 1
-            self.counts.retries += 1
+            self.counts.retried(cause)
             await _sleep(backoff if wait is None else min(wait, BACKOFF_MOST))
-
-    def _rows(
-        self, item: Input, response: httpx.Response, plan: dict[str, Any]
-    ) -> list[dict[str, Any]]:
-        """A 200 answer's rows, checked whole before any is written: an answer that cannot
-        make them is this input's failure (a line of the errors file), never the run's."""
-        try:
-            entries = read_hidden_states(response, dtype=plan["dtype"]).entries
-        except (HiddenStateDecodeError, HiddenStateServerError) as exc:
-            raise _Failure(f"the answer: {exc}", 200) from None
-        wanted = plan["n"] if plan["pooling"] in ANSWER_POOLINGS else 1
-        if len(entries) != wanted:  # one row short would be an id --resume skips
-            raise _Failure(f"the answer held {len(entries)} entries, not {wanted}", 200)
-        rows = []
-        for choice, entry in enumerate(entries):
-            info = entry.info or {}
-            row: dict[str, Any] = {"id": item.id, "choice": choice}
-            for name in _INFO_COLUMNS:
-                value = info.get(name)
-                if value is not None and not is_int(value):
-                    raise _Failure(f"the answer's info has {name} {value!r}, not an integer", 200)
-                row[name] = value
-            for layer in plan["layers"]:
-                try:
-                    array = entry.layer(layer)
-                except KeyError:
-                    reason = f"the answer lacked layer {layer} (it has {sorted(entry.by_layer)})"
-                    raise _Failure(reason, 200) from None
-                expected = 2 if plan["matrix"] else 1
-                if array.ndim != expected or array.shape[-1] != plan["hidden_size"]:
-                    raise _Failure(f"the answer's layer {layer} has shape {array.shape}", 200)
-                row[column_name(layer)] = array
-            rows.append(row)
-        return rows
 
     def _fail(
         self, errors: IO[str], line: int, id_: str | None, reason: str, status: int | None
@@ -308,8 +312,11 @@ class Extraction:
     async def run(self) -> int:
         options = self.options
         fmt = input_format(self.input_path, options.input_format)
-        if not self.input_path.exists():
-            raise ExtractSetupError(f"{self.input_path} does not exist")
+        try:
+            check_corpus(self.input_path, fmt)
+            check_output_path(self.directory)
+        except (CorpusError, OutputRefused) as problem:
+            raise ExtractSetupError(str(problem)) from None
         headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         async with httpx.AsyncClient(
             transport=self.transport or client_transport(),
@@ -320,54 +327,97 @@ class Extraction:
             proxies = await self._read_proxies(client)
             plan = self._plan(proxies)
             done, manifest = self._prepare_directory(plan)
+            self._body_limit = body_limit([proxy.capture for proxy in proxies])
+            records = max(proxy.capture.limits.get("max_record_bytes", 0) for proxy in proxies)
+            self._answer_limit = options.max_answer_size or answer_limit(
+                plan, max_record_bytes=records
+            )
             most = most_in_flight(proxies)
-            concurrency = options.concurrency or most
+            concurrency = options.concurrency or most_in_flight(proxies, default=True)
             if concurrency > most:
                 self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
                 concurrency = most
-            writer = DatasetWriter(
-                self.directory,
-                layers=plan["layers"],
-                hidden_size=plan["hidden_size"],
-                matrix=plan["matrix"],
-                dtype=plan["dtype"],
-                rows_per_file=options.rows_per_file,
-                row_group_rows=options.row_group_rows,
-            )
+            try:
+                errors = open_errors(self.directory, replace=manifest is not None)
+            except OutputRefused as refused:
+                raise ExtractSetupError(str(refused)) from None
+            writer = self._writer(plan)
             show = options.progress or self.stderr.isatty()
             progress = Progress(
                 self.stderr, count_inputs(self.input_path, fmt) if show else None, show
             )
-            inputs = read_inputs(self.input_path, fmt, spans=options.spans)
+            inputs = read_inputs(
+                self.input_path, fmt, spans=options.spans, max_line_bytes=self._body_limit
+            )
             runs = [*(manifest or {}).get("runs", []), self._run_record(proxies, concurrency)]
-            # Written before anything is sent: a run killed hard (SIGKILL, out of memory) leaves
-            # a manifest whose settings --resume checks, its run still "running".
-            self._write_manifest(plan, proxies, runs, ids=len(done))
             started = time.monotonic()
             stopped_by: Exception | None = None
-            with (self.directory / ERRORS).open("w", encoding="utf-8") as errors:
+            with errors, self._signals():
+                # Written before anything is sent: a run killed hard (SIGKILL, out of memory)
+                # leaves a manifest whose settings --resume checks, its run still "running".
+                self._write_manifest(plan, proxies, runs, ids=len(done))
                 try:
                     stopped_by = await self._drive(
                         client, proxies, plan, inputs, done, writer, errors, progress, concurrency
                     )
                 finally:
+                    self._wrapping_up = True  # a signal now: the manifest is written first
                     try:
                         writer.close()
                     except Exception as error:  # a full disk: the part stays .tmp (not data)
                         stopped_by = stopped_by or error
                     progress.update(self.counts, force=True)
                     progress.end()
-            seconds = time.monotonic() - started
-        state = "stopped" if stopped_by else "interrupted" if self.interrupted else "finished"
-        runs[-1] = self._run_record(proxies, concurrency, writer, seconds, state, stopped_by)
-        ids = len(existing_ids(self.directory))
-        self._write_manifest(plan, proxies, runs, ids=ids)
+                seconds = time.monotonic() - started
+                state = (
+                    "stopped" if stopped_by else "interrupted" if self.interrupted else "finished"
+                )
+                runs[-1] = self._run_record(
+                    proxies, concurrency, writer, seconds, state, stopped_by
+                )
+                ids = len(existing_ids(self.directory))
+                self._write_manifest(plan, proxies, runs, ids=ids)
         self._summary(writer, seconds, stopped_by, ids)
         if stopped_by is not None:
             return EXIT_STOPPED
         if self.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_FAILED if self.counts.failed else 0
+
+    def _writer(self, plan: dict[str, Any]) -> DatasetWriter:
+        options = self.options
+        return DatasetWriter(
+            self.directory,
+            layers=plan["layers"],
+            hidden_size=plan["hidden_size"],
+            matrix=plan["matrix"],
+            dtype=plan["dtype"],
+            rows_per_file=options.rows_per_file,
+            row_group_rows=options.row_group_rows,
+            settings=settings_of(plan),
+        )
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """Ctrl-C and SIGTERM stop the workers (:meth:`_interrupt`) from before the first
+        manifest to after the last: never a ``KeyboardInterrupt`` between them."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGINT, self._interrupt)
+            loop.add_signal_handler(signal.SIGTERM, self._interrupt)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGINT)
+                loop.remove_signal_handler(signal.SIGTERM)
+
+    def _interrupt(self) -> None:
+        if self._wrapping_up:  # the parts are closed and the manifest written: it is quick
+            return
+        self.interrupted = True
+        for worker in self._workers:  # in-flight inputs are not written: --resume sends them
+            worker.cancel()
 
     async def _drive(
         self,
@@ -387,17 +437,21 @@ class Extraction:
         counts = self.counts
 
         async def work() -> None:
+            unsent = 0
             for item in inputs:  # one iterator shared by every worker: each input once
                 counts.seen += 1
-                if isinstance(item, InputProblem):
-                    self._fail(errors, item.line, item.id, item.reason, None)
-                    continue
-                if item.id in done:
-                    counts.skipped += 1
+                if isinstance(item, InputProblem) or item.id in done:
+                    if isinstance(item, InputProblem):
+                        self._fail(errors, item.line, item.id, item.reason, None)
+                    else:
+                        counts.skipped += 1
+                    unsent += 1
+                    if unsent % _INPUTS_PER_TURN == 0:
+                        await asyncio.sleep(0)  # the loop's turn: signals, keep-alive
                     continue
                 try:
                     rows = await self._send(client, proxies, item, plan)
-                except _Failure as failure:
+                except Refused as failure:
                     self._fail(errors, item.line, item.id, failure.reason, failure.status)
                 else:
                     for row in rows:
@@ -406,25 +460,14 @@ class Extraction:
                     counts.rows += len(rows)
                 progress.update(counts)
 
-        loop = asyncio.get_running_loop()
-        workers = [asyncio.ensure_future(work()) for _ in range(concurrency)]
-
-        def interrupt() -> None:
-            self.interrupted = True
-            for worker in workers:  # in-flight inputs are not written: --resume sends them
-                worker.cancel()
-
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGINT, interrupt)
-            loop.add_signal_handler(signal.SIGTERM, interrupt)
+        if self.interrupted:  # a signal before the first input
+            return None
+        workers = self._workers = [asyncio.ensure_future(work()) for _ in range(concurrency)]
         try:
             await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             for worker in workers:  # all ended, or one failed: stop the others
                 worker.cancel()
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(signal.SIGINT)
-                loop.remove_signal_handler(signal.SIGTERM)
         ends = await asyncio.gather(*workers, return_exceptions=True)
         for end in ends:
             if isinstance(end, Exception):
@@ -461,6 +504,7 @@ class Extraction:
             skipped_already_written=counts.skipped,
             failed=counts.failed,
             retries=counts.retries,
+            retries_by_cause=dict(sorted(counts.retries_by_cause.items())),
             inputs_per_second=round(counts.written / seconds if seconds > 0 else 0.0, 3),
             parts=writer.parts_written,
         )
@@ -493,7 +537,7 @@ class Extraction:
             f"({rate:.1f} inputs/s); {counts.skipped} skipped (already in the dataset); "
             f"{counts.failed} failed"
             + (f" (see {self.directory / ERRORS})" if counts.failed else "")
-            + f"; {counts.retries} retries; the dataset holds {ids} ids"
+            + f"; {counts.retries_said()}; the dataset holds {ids} ids"
         )
         if stopped_by is not None:
             summary += (
@@ -522,14 +566,6 @@ async def _sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
 def run_extract(
     input_path: str | Path,
     options: ExtractOptions,
@@ -553,22 +589,3 @@ def run_extract(
     except ExtractSetupError as problem:
         extraction._say(str(problem))
         return EXIT_SETUP
-
-
-def options_from_arguments(args: Any) -> ExtractOptions:
-    """The parsed command line as :class:`ExtractOptions`; ``ValueError`` for what argparse
-    cannot check (a required repeatable ``--url``)."""
-    from dataclasses import fields
-
-    from vllm_hidden_state_proxy.option_table import options
-
-    specs = dict(options(ExtractOptions))
-    values = {f.name: getattr(args, f.name) for f in fields(ExtractOptions)}
-    if not values["urls"]:
-        raise ValueError("the following arguments are required: --url")
-    if values["api_key"] is None or values["api_key"] == "":
-        values["api_key"] = specs["api_key"].read()
-    values["urls"] = tuple(values["urls"])
-    for name in ("spans", "resume", "progress"):
-        values[name] = bool(values[name])
-    return ExtractOptions(**values)

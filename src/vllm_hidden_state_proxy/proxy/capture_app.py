@@ -11,14 +11,17 @@ record), the proxy's own limits and vLLM's ``/v1/models``. Clients read it
      "poolings": [...], "formats": ["float", "base64"], "dtypes": [...],
      "limits": {"max_prompts": 2048, "max_spans": 1024, "max_layers": 1024,
                 "max_record_bytes": 67108864, "arena_bytes": 268435456,
-                "max_embedding_inputs": 2048, "max_body_bytes": 33554432},
+                "max_embedding_inputs": 2048, "max_body_bytes": 33554432,
+                "max_client_connections": 1024},
      "engines": [{"instance": "3f2a9c0d1e5b7a64", "engine": 0, "runner": "vLLM 0.32.0 ...",
                   "hidden_size": 1024, "num_hidden_layers": 28, "layers": [8, 28],
                   "slots": 1024, "arena_bytes": 268435456, "max_record_bytes": 67108864}]}
 
 ``layers`` are the absolute indices every engine captures (a request may name them, or count
 from the end: ``num_hidden_layers`` is ``-1``); ``limits`` hold the smallest engine's arena and
-record size (a request may land on any engine). No live ring: the 503 a flagged request gets.
+record size (a request may land on any engine), and ``max_client_connections`` the connections
+this process's front server takes (``--max-client-connections``: what ``extract`` keeps its
+requests in flight below). No live ring: the 503 a flagged request gets.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class CaptureApp:
                 "arena_bytes": arena,
                 "max_embedding_inputs": settings.max_embedding_inputs,
                 "max_body_bytes": settings.max_body_bytes,
+                "max_client_connections": settings.max_client_connections,
             },
             "engines": [_engine(header) for header in headers],
         }
