@@ -3,7 +3,7 @@ against a bare uvicorn app. See docs/benchmark.md.
 
 - :mod:`.main`: the order of a run; :mod:`.options`: its command line.
 - The phases: :mod:`.ring_micro`, :mod:`.instant` (the hop alone, in front of
-  :mod:`.instant_upstream`, and :mod:`.granian_proxy`), :mod:`.latency` (and CPU per request),
+  :mod:`.instant_upstream`), :mod:`.latency` (and CPU per request),
   :mod:`.streaming`, :mod:`.throughput`, :mod:`.embeddings`, :mod:`.layers_cost`.
 - Their tools: :mod:`.turns` (the loop they share: arms taking turns, bursts, tallies),
   :mod:`.client` (request bodies, timed HTTP calls), :mod:`.stats`, :mod:`.usage` (CPU and

@@ -220,9 +220,9 @@ def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> 
         results.tables["instant"] = run_async(
             measure_instant(app, single, options.instant_requests, options.rounds, progress)
         )
-        # The default, and the ones that answer "what if more requests are in flight":
-        # more worker processes, granian's Rust front server.
-        in_flight = [p for p in proxies if "workers" in p.label or p.label == "granian"]
+        # The default, and the one that answers "what if more requests are in flight": more
+        # worker processes.
+        in_flight = [p for p in proxies if "workers" in p.label]
         results.tables["instant_throughput"] = run_async(
             measure_instant_throughput(
                 app, [proxies[0], *in_flight], options.instant_requests, options.rounds, progress

@@ -71,25 +71,18 @@ UDS_NAME = "upstream.sock"
 
 
 class InstantProxy(NamedTuple):
-    """A proxy of the hop phase: its label, more options, and the program that serves it."""
+    """A proxy of the hop phase: its label, and more options of ``hidden-state-proxy proxy``."""
 
     label: str
     args: tuple[str, ...] = ()
-    #: ``hidden-state-proxy proxy`` (uvicorn), or another front server taking its options.
-    program: tuple[str, ...] = (*CLI, "proxy")
 
 
-#: The same proxy app under granian instead of uvicorn (issue #25's comparison).
-GRANIAN_PROGRAM = (sys.executable, "-m", "vllm_hidden_state_proxy.bench.granian_proxy")
 #: The proxies the hop phase compares, side by side in front of one instant upstream: the
-#: default (aiohttp under httpx's interface), httpx's own client (the engine before issue #15),
-#: the default over a Unix domain socket ({uds} is replaced), the default served by granian
-#: instead of uvicorn (issue #25), and with two worker processes.
+#: default, the default over a Unix domain socket ({uds} is replaced), and with two worker
+#: processes.
 INSTANT_PROXIES: tuple[InstantProxy, ...] = (
     InstantProxy("aiohttp"),
-    InstantProxy("httpx", ("--upstream-client", "httpx")),
     InstantProxy("uds", ("--upstream-uds", "{uds}")),
-    InstantProxy("granian", program=GRANIAN_PROGRAM),
     InstantProxy("2 workers", ("--workers", "2")),
 )
 
@@ -182,13 +175,13 @@ def chat_stack(
 def instant_stack(
     log_dir: Path,
     progress: Progress,
-    proxies: Sequence[InstantProxy | tuple[str, Sequence[str]]] = INSTANT_PROXIES,
+    proxies: Sequence[tuple[str, Sequence[str]]] = INSTANT_PROXIES,
     timeout: float = 60.0,
     matrix_bytes: int = 0,
 ) -> Iterator[InstantStack]:
-    """The instant upstream and proxies in front of it (each: a label, more options and
-    optionally the program; ``hidden-state-proxy proxy`` by default); with ``matrix_bytes``,
-    the upstream publishes ``"all_prompt"`` matrices of that size."""
+    """The instant upstream and ``hidden-state-proxy proxy`` processes in front of it (each: a
+    label and more options); with ``matrix_bytes``, the upstream publishes ``"all_prompt"``
+    matrices of that size."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
     app_port = free_port()
@@ -213,11 +206,10 @@ def instant_stack(
                 )
             )
             started_proxies = []
-            for number, entry in enumerate(proxies):
-                label, args, program = InstantProxy(entry[0], tuple(entry[1]), *entry[2:])
+            for number, (label, args) in enumerate(proxies):
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                command = [*program, "--upstream", app_url, "--ring-dir", ring_dir]
+                command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
                 command += ["--port", str(port), "--log-level", "warning"]
                 command += [arg.replace("{uds}", uds) for arg in args]
                 process = running.enter_context(
