@@ -6,6 +6,8 @@
 #                  against vLLM 0.34.0's own wheel (make test-vllm-next)
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
 #   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
+#   make bench-micro   developer checks of the parts: rings, the hop against a bare app, matrices,
+#                  layers (benchmarks/; docs/benchmark.md) [MICRO_ARGS="--smoke --checks ring"]
 #   make compose-up    the CPU stack in Docker (vLLM + the proxy on :8000; docs/deploy.md)
 
 SHELL := /bin/bash
@@ -25,13 +27,14 @@ PYTEST_ARGS ?=
 MODEL ?= Qwen/Qwen3-0.6B
 ARGS ?=
 BENCH_ARGS ?=
+MICRO_ARGS ?=
 
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: install demo test test-unit test-e2e test-e2e-v2 test-own-server test-compose test-vllm-next \
-	next-venv lint typecheck serve bench compose-up compose-down clean
+	next-venv lint typecheck serve bench bench-micro compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -52,8 +55,8 @@ demo: install
 	$(PY) -m vllm_hidden_state_proxy.demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -159,6 +162,12 @@ serve: install
 # bench-results/bench.{md,json} and its figures (bench-*.png).
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
+
+# The developer checks of benchmarks/ (not shipped: they measure the parts for the project's own
+# decisions): writes bench-results/micro.{md,json} and bench-{cpu,matrix-cost}.png. The layers
+# check starts four vLLM servers one after the other (holding the vLLM lock).
+bench-micro: install
+	$(PY) -m benchmarks $(MICRO_ARGS)
 
 # compose.yaml's CPU pair built from this checkout on the public base images (Docker Compose v2,
 # Docker Engine 20.10+): builds the proxy and CPU vLLM images, starts both and returns once both

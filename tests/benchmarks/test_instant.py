@@ -1,5 +1,5 @@
-"""The hop alone (bench/instant.py, servers.instant_stack): real proxies in front of the real
-instant upstream, with small counts. No timing thresholds: the numbers must only be there."""
+"""The hop alone (benchmarks/instant.py, benchmarks/servers.py): real proxies in front of the
+real instant upstream, with small counts. No timing thresholds: the numbers must only be there."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
-
-from vllm_hidden_state_proxy.bench.instant import (
+from benchmarks.instant import (
     cpu_arms,
     measure_instant,
     measure_instant_throughput,
 )
+from benchmarks.servers import Server, instant_stack
+
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
-from vllm_hidden_state_proxy.bench.servers import Server, instant_stack
 
 #: Per arm: enough that each server's CPU time spans several of Linux's 10 ms ticks.
 REQUESTS = 300
@@ -92,8 +92,8 @@ def test_two_workers_give_every_flagged_request_its_vector_and_count_it_once(
 
     import httpx
     import psutil
+    from benchmarks.instant_upstream import HIDDEN_SIZE
 
-    from vllm_hidden_state_proxy.bench.instant_upstream import HIDDEN_SIZE
     from vllm_hidden_state_proxy.protocol import WORKER_METRICS_ENV
     from vllm_hidden_state_proxy.proxy import metrics
 
