@@ -5,7 +5,8 @@
 #                  runner V1, then the V2 subset: make test-e2e-v2), then the hook's tests
 #                  against vLLM 0.34.0's own wheel (make test-vllm-next)
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
-#   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
+#   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"
+#                  or "--phases latency,streaming"; `hidden-state-proxy bench --help` lists them]
 #   make bench-micro   developer checks of the parts: rings, the hop against a bare app, matrices,
 #                  layers (benchmarks/; docs/benchmark.md) [MICRO_ARGS="--smoke --checks ring"]
 #   make compose-up    the CPU stack in Docker (vLLM + the proxy on :8000; docs/deploy.md)
@@ -159,7 +160,8 @@ serve: install
 	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
 
 # Starts its own vLLM server (holding the machine-wide vLLM lock); writes
-# bench-results/bench.{md,json} and its figures (bench-*.png).
+# bench-results/bench.{md,json} and its figures (bench-latency.png; extract-throughput.png with
+# --phases extract). BENCH_ARGS="--phases latency,streaming" runs some phases only.
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
 

@@ -9,6 +9,7 @@ what a user runs): ``make bench-micro`` (``python -m benchmarks``) runs them and
 - :mod:`.matrices`: one proxy serving 64 MiB matrices, and matrix size against cost (no vLLM);
 - :mod:`.layers_cost`: what ``--hidden-state-layers`` costs all traffic (four vLLM servers,
   one after the other);
+- :mod:`.beside`: ordinary chats beside one client's flagged chats of each kind (one vLLM);
 - :mod:`.report`: their targets and figures.
 
 They use the package's bench harness (``vllm_hidden_state_proxy.bench``): its servers, turns,

@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--checks ring,hop,matrices,layers] [--smoke] [--output-dir DIR]``
+"""``python -m benchmarks [--checks ring,hop,matrices,layers,beside] [--smoke] [--output-dir DIR]``
 (``make bench-micro``): the developer checks, in that order; the report is ``micro.md`` and
 ``micro.json`` beside ``hidden-state-proxy bench``'s, with ``bench-cpu.png`` and
 ``bench-matrix-cost.png``."""
@@ -11,22 +11,24 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.beside import ORDINARY_CONCURRENCY, measure_beside
 from benchmarks.instant import measure_instant, measure_instant_throughput
 from benchmarks.layers_cost import KINDS, LAYERS, VISITS, layers_table, measure_visit
 from benchmarks.matrices import MAX_PULLS, MIN_PULLS, run_matrix_arm, run_size_sweep
-from benchmarks.report import FIGURES, TARGETS
+from benchmarks.report import FIGURES, TARGETS, redraw
 from benchmarks.ring_micro import measure_ring
 from benchmarks.servers import instant_stack
 from vllm_hidden_state_proxy.bench.client import BenchError
 from vllm_hidden_state_proxy.bench.figures import write_figures
-from vllm_hidden_state_proxy.bench.main import host_meta, run_async
+from vllm_hidden_state_proxy.bench.main import host_meta
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Results, evaluate, render_markdown, write_reports
 from vllm_hidden_state_proxy.bench.servers import chat_stack, vllm_lock
-from vllm_hidden_state_proxy.bench.turns import Tally
+from vllm_hidden_state_proxy.bench.turns import Tally, run_async
 from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
+from vllm_hidden_state_proxy.tiny_model import build_tiny_model
 
-CHECKS = ("ring", "hop", "matrices", "layers")
+CHECKS = ("ring", "hop", "matrices", "layers", "beside")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--matrix-mib", type=int, help="the matrix arm's size (64; smoke 4)")
     parser.add_argument("--matrix-sizes", help="the size sweep's MiB (1,4,16,64; smoke 1,4)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument(
+        "--redraw", action="store_true", help="only draw the figures of --output-dir's reports"
+    )
     return parser
 
 
@@ -63,8 +68,6 @@ def measure_layers(
     args: argparse.Namespace, requests: int, rounds: int, progress: Progress
 ) -> Results:
     """One server at a time, without and with every layer captured (the lock is held)."""
-    from vllm_hidden_state_proxy.tiny_model import build_tiny_model
-
     model_dir = build_tiny_model(args.model_dir)
     tallies = {(server, kind): Tally() for server in VISITS for kind, _ in KINDS}
     with vllm_lock(progress):
@@ -90,6 +93,18 @@ def measure_layers(
                     )
                 )
     return Results({}, {"layers": layers_table(tallies)})
+
+
+def measure_beside_flagged(
+    args: argparse.Namespace, burst: int, rounds: int, progress: Progress
+) -> Results:
+    """Ordinary traffic beside flagged traffic of each kind, on one ``serve`` of the tiny
+    model (the lock is held)."""
+    model_dir = build_tiny_model(args.model_dir)
+    timeout = args.startup_timeout
+    with vllm_lock(progress), chat_stack(model_dir, args.output_dir, timeout, progress) as stack:
+        table = run_async(measure_beside(stack, rounds, burst, progress))
+    return Results({}, {"beside": table})
 
 
 def run(args: argparse.Namespace, checks: Sequence[str], progress: Progress) -> Results:
@@ -122,11 +137,21 @@ def run(args: argparse.Namespace, checks: Sequence[str], progress: Progress) -> 
     if "layers" in checks:
         layers = measure_layers(args, 9 if smoke else 600, rounds, progress)
         results.tables.update(layers.tables)
+    if "beside" in checks:
+        # Ordinary requests a turn: as the bench's throughput phase sends at that concurrency
+        # (--requests 200 over the rounds).
+        burst = ORDINARY_CONCURRENCY if smoke else max(2 * ORDINARY_CONCURRENCY, -(-200 // rounds))
+        results.tables.update(measure_beside_flagged(args, burst, rounds, progress).tables)
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.redraw:
+        for stem in ("bench", "micro"):
+            if (args.output_dir / f"{stem}.json").exists():
+                print(*redraw(args.output_dir, stem=stem), sep="\n")
+        return 0
     checks = [check.strip() for check in args.checks.split(",") if check.strip()]
     progress = Progress()
     if unknown := sorted(set(checks) - set(CHECKS)):

@@ -1,8 +1,15 @@
 """The developer checks' targets and figures (``benchmarks/__main__.py`` runs the checks): the
-same report types as ``hidden-state-proxy bench``'s, for the tables only these checks write."""
+same report types as ``hidden-state-proxy bench``'s, for the tables only these checks write;
+and :func:`redraw`, a run's figures drawn again from its JSON (after a change to the drawing,
+without running anything again: ``python -m benchmarks --redraw DIR``)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_hidden_state_proxy.bench import figures as bench_figures
 from vllm_hidden_state_proxy.bench.figures import (
     Bars,
     BenchFigure,
@@ -11,8 +18,9 @@ from vllm_hidden_state_proxy.bench.figures import (
     Value,
     column_values,
     table_rows,
+    write_figures,
 )
-from vllm_hidden_state_proxy.bench.report import Results, Target
+from vllm_hidden_state_proxy.bench.report import Results, Table, Target
 
 TARGETS = (
     Target(
@@ -133,3 +141,14 @@ FIGURES = (
         INSTANT,
     ),
 )
+
+
+def redraw(
+    output_dir: Path,
+    figures: Sequence[BenchFigure] = (*bench_figures.FIGURES, *FIGURES),
+    stem: str = "bench",
+) -> list[Path]:
+    """The figures of the run whose ``{stem}.json`` is in ``output_dir``, drawn again."""
+    document = json.loads((output_dir / f"{stem}.json").read_text())
+    tables = {name: Table(**table) for name, table in document["tables"].items()}
+    return write_figures(Results(document["meta"], tables), output_dir, figures)

@@ -9,13 +9,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from benchmarks.report import redraw
 
 from benchmarks import report as micro
 from vllm_hidden_state_proxy.bench import figures
 from vllm_hidden_state_proxy.bench.figures import (
     Bars,
     Lines,
-    redraw,
     save_figure,
     subtitle,
     write_figures,

@@ -81,7 +81,7 @@ def test_without_the_key_the_keyed_proxy_refuses_the_bench(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert bench(stack, keyed_proxy[0], tmp_path, "--no-embeddings") == 1
+    assert bench(stack, keyed_proxy[0], tmp_path, "--phases", "latency") == 1
     assert "HTTP 401" in capsys.readouterr().err
 
 

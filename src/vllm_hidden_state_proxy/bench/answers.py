@@ -21,15 +21,12 @@ matrices' rows say what moving every position costs, beside the bytes of their a
 
 from __future__ import annotations
 
-import itertools
-
-import httpx
-
-from vllm_hidden_state_proxy.bench.client import CHAT_PATH, ChatStack, Route, chat_body, timed_post
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route
+from vllm_hidden_state_proxy.bench.latency import one_at_a_time
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
-from vllm_hidden_state_proxy.bench.stats import ratio, summarize
-from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.bench.stats import ratio
 
 #: Tokens per answer (``ignore_eos``: exactly that many).
 ANSWER_TOKENS = 16
@@ -67,49 +64,32 @@ def routes(stack: ChatStack) -> list[Route]:
     ]
 
 
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    return await measure_answers(stack, max(1, options.requests // 4), options.warmup, progress)
+
+
 async def measure_answers(
     stack: ChatStack, requests: int, warmup: int, progress: Progress
 ) -> Table:
     arms = routes(stack)
-    indices = itertools.count(5_000_000)
-    samples: dict[str, list[float]] = {route.name: [] for route in arms}
-    sizes: dict[str, list[int]] = {route.name: [] for route in arms}
-
-    async def warm_up(client: httpx.AsyncClient, route: Route) -> None:
-        await stack.chat_request(client, route, indices, ANSWER_TOKENS)()
-
-    async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
-        body = chat_body(
-            stack.model,
-            next(indices),
-            flag=route.flag,
-            max_tokens=ANSWER_TOKENS,
-            pooling=route.pooling,
-        )
-        timed = (await timed_post(client, CHAT_PATH, body)).require_ok(
-            route.name, route.flag is not None
-        )
-        samples[route.name].append(timed.seconds)
-        sizes[route.name].append(len(timed.body))
-        return 1
-
-    task = progress.task("answers (one request at a time, arms interleaved)", requests * len(arms))
-    await take_turns(
-        arms, stack.client, turn, requests, task, warm_up=warm_up, warm_up_rounds=warmup
+    found = await one_at_a_time(
+        stack,
+        arms,
+        requests,
+        warmup,
+        progress,
+        what="answers",
+        first_index=5_000_000,
+        max_tokens=ANSWER_TOKENS,
     )
-    task.done()
-    summaries = {name: summarize(values, 1e3) for name, values in samples.items()}
+    direct, last = found["direct"][0].p50, found["flagged_last"][0].p50
     rows: list[Row] = []
     for route in arms:
-        p50 = summaries[route.name].p50
-        row: Row = {
-            "arm": route.name,
-            "what": route.description,
-            **summary_cells(summaries[route.name]),
-        }
-        row["p50 / direct"] = ratio(p50, summaries["direct"].p50)
+        summary, size = found[route.name]
+        row: Row = {"arm": route.name, "what": route.description, **summary_cells(summary)}
+        row["p50 / direct"] = ratio(summary.p50, direct)
         if route.pooling != "last":
-            row["p50 / flagged_last"] = ratio(p50, summaries["flagged_last"].p50)
-        row["answer bytes"] = sum(sizes[route.name]) // max(len(sizes[route.name]), 1)
+            row["p50 / flagged_last"] = ratio(summary.p50, last)
+        row["answer bytes"] = size
         rows.append(row)
     return Table(TITLE, rows)

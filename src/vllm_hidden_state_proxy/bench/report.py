@@ -17,29 +17,15 @@ Cell = float | int | str | None
 Row = dict[str, Cell]
 
 #: The order of the report's sections (tables not named here follow in the order measured).
-ORDER = (
-    "latency",
-    "streaming",
-    "answers",
-    "beside",
-    "throughput",
-    "embeddings",
-    "cpu",
-    "memory",
-)
+ORDER = ("latency", "streaming", "answers", "beside", "throughput", "embeddings", "cpu", "memory")
 #: The memory table's row of the proxy's peak RSS during the throughput and embeddings phases.
 PEAK = "proxy, peak under load"
 
 
 def summary_cells(summary: Summary) -> Row:
     """A summary of milliseconds as cells."""
-    return {
-        "p50 ms": summary.p50,
-        "p90 ms": summary.p90,
-        "p99 ms": summary.p99,
-        "mean ms": summary.mean,
-        "n": summary.n,
-    }
+    s = summary
+    return {"p50 ms": s.p50, "p90 ms": s.p90, "p99 ms": s.p99, "mean ms": s.mean, "n": s.n}
 
 
 @dataclass
@@ -73,25 +59,16 @@ class Target:
 
 TARGETS = (
     Target("flagged / direct, latency p50", "latency", "flagged_float", "p50 / direct", "<=", 1.1),
-    Target(
-        "passthrough / direct, latency p50", "latency", "passthrough", "p50 / direct", "<=", 1.08
-    ),
-    Target(
-        "flagged / passthrough, p50", "latency", "flagged_float", "p50 / passthrough", "<=", 1.02
-    ),
-    Target(
-        "flagged / direct, req/s at 16 in flight", "throughput", 16, "flagged / direct", ">=", 0.95
-    ),
-    Target(
-        "proxy / direct, inter-token mean",
-        "streaming",
-        "stream_proxy",
-        "ITL mean / direct",
-        "<=",
-        1.02,
-    ),
+    Target("passthrough / direct, latency p50",
+           "latency", "passthrough", "p50 / direct", "<=", 1.08),
+    Target("flagged / passthrough, p50",
+           "latency", "flagged_float", "p50 / passthrough", "<=", 1.02),
+    Target("flagged / direct, req/s at 16 in flight",
+           "throughput", 16, "flagged / direct", ">=", 0.95),
+    Target("proxy / direct, inter-token mean",
+           "streaming", "stream_proxy", "ITL mean / direct", "<=", 1.02),
     Target("proxy peak RSS under load", "memory", PEAK, "RSS MiB", "<=", 150.0, "MiB"),
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,12 +133,9 @@ def _burst_note(results: Results) -> str:
 
 def evaluate(results: Results, targets: Sequence[Target] = TARGETS) -> None:
     """Each target's value and verdict."""
+    note = _burst_note(results)
     results.verdicts = [
-        Verdict(
-            t,
-            results.value(t.table, t.row, t.column),
-            _burst_note(results) if t.table == "streaming" else "",
-        )
+        Verdict(t, results.value(t.table, t.row, t.column), note if t.table == "streaming" else "")
         for t in targets
     ]
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from vllm_hidden_state_proxy.bench.client import ChatStack, Route
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
@@ -27,6 +28,12 @@ def load_routes(stack: ChatStack) -> list[Route]:
         stack.via_proxy("passthrough", "through the proxy, unflagged"),
         stack.via_proxy("flagged", "through the proxy, flagged (float)", "float"),
     ]
+
+
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    return await measure_throughput(
+        stack, options.concurrency, options.rounds, options.throughput_burst, progress
+    )
 
 
 async def measure_throughput(
