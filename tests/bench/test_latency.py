@@ -9,12 +9,15 @@ import anyio
 import pytest
 
 from tests.bench.fakes import FakeServers
+from vllm_hidden_state_proxy.bench import latency
 from vllm_hidden_state_proxy.bench.client import BenchError
-from vllm_hidden_state_proxy.bench.latency import measure_latency
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.turns import round_robin
 
 ARMS = ["direct", "passthrough", "flagged_float", "flagged_base64"]
+#: 5 requests per arm after a warm-up request each (--smoke's).
+FIVE = BenchOptions(requests=5, smoke=True)
 
 
 def arm_of(host: str, document: dict[str, Any]) -> str:
@@ -26,7 +29,7 @@ def arm_of(host: str, document: dict[str, Any]) -> str:
 
 def test_the_arms_take_turns_request_by_request_each_with_a_prompt_of_its_own() -> None:
     fake = FakeServers()
-    table = anyio.run(measure_latency, fake.stack("key"), 5, 1, Progress(io.StringIO()))
+    table = anyio.run(latency.run, fake.stack("key"), FIVE, Progress(io.StringIO()))
     assert [row["arm"] for row in table.rows] == ARMS
     for row in table.rows:
         assert row["n"] == 5 and isinstance(row["p50 ms"], float) and row["p50 ms"] > 0
@@ -45,4 +48,4 @@ def test_the_arms_take_turns_request_by_request_each_with_a_prompt_of_its_own() 
 def test_a_failed_request_stops_the_run() -> None:
     fake = FakeServers(failing=3)
     with pytest.raises(BenchError, match="flagged_float: HTTP 503: busy"):
-        anyio.run(measure_latency, fake.stack(), 5, 1, Progress(io.StringIO()))
+        anyio.run(latency.run, fake.stack(), FIVE, Progress(io.StringIO()))

@@ -7,7 +7,6 @@ app, without vLLM, is a developer check (``benchmarks/instant.py``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 from vllm_hidden_state_proxy.bench.client import ChatStack
 from vllm_hidden_state_proxy.bench.latency import routes
@@ -17,20 +16,10 @@ from vllm_hidden_state_proxy.bench.report import Row, Table
 
 
 async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
-    return await measure_cpu(stack, options.cpu_requests, stack.proxy_cpu, stack.vllm_cpu, progress)
-
-
-async def measure_cpu(
-    stack: ChatStack,
-    requests: int,
-    proxy_cpu: Callable[[], float] | None,
-    vllm_cpu: Callable[[], float] | None,
-    progress: Progress,
-) -> Table:
     """CPU milliseconds per request of each latency arm, from readings of the proxy's and
     vLLM's CPU clocks (None: not on this machine) around the arm's requests, back to back."""
-    indices = itertools.count(3_000_000)
-    clocks = (proxy_cpu, vllm_cpu)
+    indices, requests = itertools.count(3_000_000), options.cpu_requests
+    clocks = (stack.proxy_cpu, stack.vllm_cpu)
     rows: list[Row] = []
     task = progress.task("CPU time per request (arms one after the other)", requests * 4)
     for route in routes(stack):

@@ -78,14 +78,8 @@ async def one_at_a_time(
 
 
 async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
-    return await measure_latency(stack, options.requests, options.warmup, progress)
-
-
-async def measure_latency(
-    stack: ChatStack, requests: int, warmup: int, progress: Progress
-) -> Table:
-    arms = routes(stack)
-    found = await one_at_a_time(stack, arms, requests, warmup, progress, what="latency")
+    arms, requests = routes(stack), options.requests
+    found = await one_at_a_time(stack, arms, requests, options.warmup, progress, what="latency")
     rows: list[Row] = []
     for route in arms:
         summary = found[route.name][0]

@@ -88,12 +88,7 @@ async def timed_stream(client: httpx.AsyncClient, body: bytes, expected: int) ->
 
 
 async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
-    return await measure_streaming(stack, options.streams, options.stream_tokens, progress)
-
-
-async def measure_streaming(
-    stack: ChatStack, streams: int, tokens: int, progress: Progress
-) -> Table:
+    streams, tokens = options.streams, options.stream_tokens
     routes = [
         stack.direct("stream_direct", "streamed chat straight to vLLM, unflagged"),
         stack.via_proxy("stream_proxy", "the same through the proxy"),

@@ -10,7 +10,6 @@ competes with them for CPU alike for every arm.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import httpx
 
@@ -31,19 +30,10 @@ def load_routes(stack: ChatStack) -> list[Route]:
 
 
 async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
-    return await measure_throughput(
-        stack, options.concurrency, options.rounds, options.throughput_burst, progress
-    )
-
-
-async def measure_throughput(
-    stack: ChatStack,
-    levels: tuple[int, ...],
-    rounds: int,
-    burst_size: Callable[[int], int],
-    progress: Progress,
-) -> Table:
-    """An arm is a route at a level: its own connections, opened by a warm-up burst."""
+    """At each ``--concurrency`` level, ``options.rounds`` rounds of a burst per arm (of
+    ``options.throughput_burst(level)`` requests); an arm is a route at a level, its own
+    connections opened by a warm-up burst."""
+    levels, rounds, burst_size = options.concurrency, options.rounds, options.throughput_burst
     routes = load_routes(stack)
     indices = itertools.count(2_000_000)
     tallies = {(route.name, level): Tally() for level in levels for route in routes}
