@@ -1,22 +1,11 @@
-"""What the answer's state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
-arms interleaved round-robin.
-
-- ``direct``: straight to vLLM, unflagged (the baseline).
-- ``flagged_last``: through the proxy, the prompt's last state (published at prefill).
-- ``flagged_last_answer``: through the proxy, the answer's state (pooling ``"last_answer"``):
-  the hook keeps a copy of each decode step's row and publishes the latest few when the answer
-  finishes; the proxy asks vLLM for the token ids, waits for the record after vLLM's answer,
-  and takes the ids out again.
-
-- ``flagged_all_prompt``: every prompt position's state (pooling ``"all_prompt"``, a matrix
-  through the ring's arena, base64; sent with a fresh ``cache_salt``: a full prefill).
-- ``flagged_all_answer``: every answer position's state (``"all_answer"``, one matrix per choice
-  through the arena when the answer finishes).
-- ``flagged_spans``: the means of 4 token spans of the prompt (``"mean"`` with spans, pooled in
-  the worker; a fresh ``cache_salt``, like mean).
-
-The ratio ``last_answer / last`` is what the answer's state adds to a flagged request; the
-matrices' rows say what moving every position costs, beside the bytes of their answers.
+"""What each kind of state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
+arms interleaved round-robin: ``direct`` (straight to vLLM, unflagged), and through the proxy
+flagged for the prompt's last state (``flagged_last``, published at prefill), the answer's
+(``flagged_last_answer``: the hook keeps each decode step's row and publishes the latest when
+the answer finishes), every prompt position (``flagged_all_prompt``: a matrix through the
+ring's arena, a full prefill), every answer position (``flagged_all_answer``), and the means of
+4 prompt spans (``flagged_spans``, pooled in the worker). The ratio to ``flagged_last`` is what
+each kind adds to a flagged request; ``answer bytes`` what moved to the client.
 """
 
 from __future__ import annotations
