@@ -15,17 +15,10 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vllm_hidden_state_proxy import processes
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.processes import (
-    NotHealthy,
-    free_port,
-    log_tail,
-    offline_environment,
-    one_vllm_at_a_time,
-    stop_process_group,
-    wait_until_healthy,
-)
+from vllm_hidden_state_proxy.processes import NotHealthy, free_port, offline_environment
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 
 SERVED_MODEL_NAME = "tiny-chat"
@@ -59,16 +52,15 @@ def started(
         )
     try:
         try:
-            wait_until_healthy(health_url, process, timeout)
+            processes.wait_until_healthy(health_url, process, timeout)
         except NotHealthy as problem:
-            raise BenchError(
-                f"{name}: {problem}; last lines of {log_path}:\n{log_tail(log_path)}"
-            ) from None
+            tail = processes.log_tail(log_path)
+            raise BenchError(f"{name}: {problem}; last lines of {log_path}:\n{tail}") from None
         progress.say(f"{name} is ready after {time.monotonic() - started_at:.0f} s")
         yield process
     finally:
         progress.say(f"stopping {name}")
-        stop_process_group(process, name, grace=STOP_GRACE)
+        processes.stop_process_group(process, name, grace=STOP_GRACE)
 
 
 def proxy_environment(api_key: str | None) -> dict[str, str]:
@@ -83,7 +75,7 @@ def proxy_environment(api_key: str | None) -> dict[str, str]:
 
 def vllm_lock(progress: Progress) -> contextlib.AbstractContextManager[None]:
     """The machine-wide lock, held while the bench's vLLM servers run."""
-    return one_vllm_at_a_time(
+    return processes.one_vllm_at_a_time(
         on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
     )
 
