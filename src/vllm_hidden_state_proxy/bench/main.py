@@ -101,7 +101,7 @@ def describe(options: BenchOptions) -> dict[str, Any]:
         **host_meta(),
         "model": f"proxy {o.proxy_url}"
         if o.proxy_url
-        else "vLLM (CPU build), the tiny offline model",
+        else "vLLM (CPU build) on the tiny offline model",
         "mode": f"{mode}; phases {','.join(o.phases)}" + (" (smoke)" if o.smoke else ""),
         "counts": f"{o.requests} requests per latency arm, {o.streams} streams per streaming "
         f"arm; rounds per turn-taking phase: {o.rounds}",
