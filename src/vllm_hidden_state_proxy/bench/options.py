@@ -108,8 +108,12 @@ class BenchOptions:
         None, "--extract-concurrency", "requests in flight in every arm of the extract phase",
         parse=_positive, metavar="N", shown_default="extract's own against the bench's proxy",
     )  # fmt: skip
-    model_dir: Path | None = option(None, "--model-dir", "the tiny model's cache", parse=Path)
-    output_dir: Path = option(Path("bench-results"), "--output-dir", "the reports", parse=Path)
+    model_dir: Path | None = option(
+        None, "--model-dir", "the tiny model's cache", parse=Path, metavar="DIR"
+    )
+    output_dir: Path = option(
+        Path("bench-results"), "--output-dir", "the reports", parse=Path, metavar="DIR"
+    )
     startup_timeout: float = option(
         600.0, "--startup-timeout", "per server", parse=float, metavar="SECONDS"
     )
