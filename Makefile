@@ -5,7 +5,10 @@
 #                  runner V1, then the V2 subset: make test-e2e-v2), then the hook's tests
 #                  against vLLM 0.34.0's own wheel (make test-vllm-next)
 #   make serve MODEL=Qwen/Qwen3-0.6B [ARGS="--max-model-len 4096"]
-#   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"]
+#   make bench     the proxy's cost against vLLM alone (docs/benchmark.md) [BENCH_ARGS="--smoke"
+#                  or "--phases latency,streaming"; `hidden-state-proxy bench --help` lists them]
+#   make bench-micro   developer checks of the parts: rings, the hop against a bare app, matrices,
+#                  layers (benchmarks/; docs/benchmark.md) [MICRO_ARGS="--smoke --checks ring"]
 #   make gpu-check on a CUDA machine: tests/gpu, a racecheck and the hook's figures (issue #49)
 #   make compose-up    the CPU stack in Docker (vLLM + the proxy on :8000; docs/deploy.md)
 
@@ -26,13 +29,14 @@ PYTEST_ARGS ?=
 MODEL ?= Qwen/Qwen3-0.6B
 ARGS ?=
 BENCH_ARGS ?=
+MICRO_ARGS ?=
 
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export VLLM_NO_USAGE_STATS := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
 .PHONY: install demo test test-unit test-e2e test-e2e-v2 test-own-server test-compose test-vllm-next \
-	next-venv lint typecheck serve bench gpu-check compose-up compose-down clean
+	next-venv lint typecheck serve bench bench-micro gpu-check compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -53,8 +57,8 @@ demo: install
 	$(PY) -m vllm_hidden_state_proxy.demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -157,9 +161,16 @@ serve: install
 	$(VENV)/bin/hidden-state-proxy serve $(MODEL) $(ARGS)
 
 # Starts its own vLLM server (holding the machine-wide vLLM lock); writes
-# bench-results/bench.{md,json} and its figures (bench-*.png).
+# bench-results/bench.{md,json} and its figures (bench-latency.png; extract-throughput.png with
+# --phases extract). BENCH_ARGS="--phases latency,streaming" runs some phases only.
 bench: install
 	$(VENV)/bin/hidden-state-proxy bench $(BENCH_ARGS)
+
+# The developer checks of benchmarks/ (not shipped: they measure the parts for the project's own
+# decisions): writes bench-results/micro.{md,json} and bench-{cpu,matrix-cost}.png. The layers
+# check starts four vLLM servers one after the other (holding the vLLM lock).
+bench-micro: install
+	$(PY) -m benchmarks $(MICRO_ARGS)
 
 # The hook's device path on a CUDA machine (issue #49; CONTRIBUTING.md, "The GPU check"):
 # tests/gpu on the GPU, compute-sanitizer's racecheck of the copier, and the figures (the time

@@ -1,6 +1,6 @@
-"""The docs' tables of options and variables (docs/api.md, docs/extract.md) are the code's
-tables, rendered: each sits between ``<!-- NAME: begin -->`` and ``<!-- NAME: end -->`` and must
-equal its renderer's output.
+"""The docs' tables of options and variables (docs/api.md, docs/extract.md, docs/benchmark.md)
+are the code's tables, rendered: each sits between ``<!-- NAME: begin -->`` and
+``<!-- NAME: end -->`` and must equal its renderer's output.
 
 After changing a table, rewrite the docs with ``python -m tests.test_docs_tables``.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_hidden_state_proxy import serve_options
+from vllm_hidden_state_proxy.bench import options as bench_options
 from vllm_hidden_state_proxy.extract import options as extract_options
 from vllm_hidden_state_proxy.option_table import marked_section, with_section
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
@@ -21,6 +22,7 @@ from vllm_hidden_state_proxy.worker_hook import settings as hook_settings
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 API_MD = DOCS / "api.md"
 EXTRACT_MD = DOCS / "extract.md"
+BENCHMARK_MD = DOCS / "benchmark.md"
 
 #: Each marked section of a document, and the table it holds.
 TABLES: dict[Path, dict[str, Callable[[], str]]] = {
@@ -30,6 +32,7 @@ TABLES: dict[Path, dict[str, Callable[[], str]]] = {
         "hook-environment-table": hook_settings.environment_table,
     },
     EXTRACT_MD: {"extract-options-table": extract_options.options_table},
+    BENCHMARK_MD: {"bench-options-table": bench_options.options_table},
 }
 
 

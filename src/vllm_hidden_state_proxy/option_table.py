@@ -45,7 +45,8 @@ class Option(Generic[T]):
     #: Variables read, in order, when ``env`` is unset or empty (e.g. vLLM's ``VLLM_API_KEY``).
     fallback_env: tuple[str, ...] = ()
     metavar: str | None = None
-    #: Passed to ``serve``'s proxy child through ``env`` instead of its command line.
+    #: Passed to ``serve``'s proxy child through ``env`` instead of its command line, and left
+    #: out of its table's ``repr``.
     secret: bool = False
     choices: tuple[str, ...] | None = None
     #: How the default reads in help and docs, when the value itself would mislead.
@@ -78,7 +79,7 @@ class Option(Generic[T]):
 def option(default: Any, flag: str, help: str, *, parse: Any = str, **details: Any) -> Any:
     """A dataclass field that users can set from the command line (see :class:`Option`)."""
     spec = Option(default, help, parse, flag=flag, **details)
-    return field(default=default, metadata={"option": spec})
+    return field(default=default, repr=not spec.secret, metadata={"option": spec})
 
 
 def option_like(base: Option[Any], default: Any, **changes: Any) -> Any:

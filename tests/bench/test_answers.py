@@ -8,7 +8,9 @@ from typing import Any
 import anyio
 
 from tests.bench.fakes import FakeServers
-from vllm_hidden_state_proxy.bench.answers import ANSWER_TOKENS, measure_answers
+from vllm_hidden_state_proxy.bench import answers
+from vllm_hidden_state_proxy.bench.answers import ANSWER_TOKENS
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.turns import round_robin
 
@@ -33,7 +35,8 @@ def arm_of(document: dict[str, Any]) -> str:
 
 def test_the_arms_take_turns_with_answers_of_the_same_length() -> None:
     fake = FakeServers()
-    table = anyio.run(measure_answers, fake.stack("key"), 4, 1, Progress(io.StringIO()))
+    options = BenchOptions(requests=16, smoke=True)  # 4 requests per arm, one warm-up each
+    table = anyio.run(answers.run, fake.stack("key"), options, Progress(io.StringIO()))
     assert [row["arm"] for row in table.rows] == ARMS
     assert table.get("direct", "p50 / direct") == 1.0
     assert table.get("flagged_last_answer", "p50 / flagged_last") is not None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 from typing import Any
 
 import anyio
+import orjson
 import pytest
 
 from tests.bench.fakes import HIDDEN, FakeServers
@@ -14,10 +16,15 @@ from vllm_hidden_state_proxy.bench.client import BenchError
 from vllm_hidden_state_proxy.bench.embeddings import (
     FAN_OUT_LIMIT,
     check_embeddings,
+    embedding_chat_body,
+    embedding_inputs_body,
+    embedding_text,
     measure_embeddings,
 )
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.proxy.embeddings_plan import EmbeddingsDefaults, plan_embeddings
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 
@@ -26,12 +33,11 @@ def run(fake: FakeServers, batches: tuple[int, ...], per_round: int, limit: int 
 
     async def main() -> Table:
         return await measure_embeddings(
-            fake.stack("key"),
+            dataclasses.replace(fake.stack("key"), proxy_cpu=lambda: next(clock)),
             batches,
-            3,
             lambda batch: per_round,
+            3,
             Progress(io.StringIO()),
-            lambda: next(clock),
             limit,
         )
 
@@ -84,3 +90,20 @@ def test_a_whole_answer_is_checked_item_by_item() -> None:
 
 def test_the_direct_arm_keeps_as_many_chats_in_flight_as_the_proxy_by_default() -> None:
     assert ProxySettings.fan_out_limit == FAN_OUT_LIMIT
+
+
+def test_embedding_inputs_are_distinct_texts_and_the_direct_chat_is_the_proxys() -> None:
+    body = orjson.loads(embedding_inputs_body("m", [10, 11]))
+    assert body == {
+        "model": "m",
+        "input": [embedding_text(10), embedding_text(11)],
+        "encoding_format": "float",
+    }
+    plan = plan_embeddings(
+        {"model": "m", "input": [embedding_text(5), embedding_text(6)]},
+        EmbeddingsDefaults(template=DEFAULT_TEMPLATE, max_inputs=16),
+    )
+    assert [path for path, _ in plan.calls] == ["/v1/chat/completions"] * 2
+    assert [orjson.loads(embedding_chat_body("m", i)) for i in (5, 6)] == [
+        document for _, document in plan.calls
+    ]  # the proxy adds only the flag on its way to vLLM

@@ -1,5 +1,6 @@
 """The report's figures (bench/figures.py): PNGs from plain data, linked after their tables, and
-none (nor a link) for a phase the run left out."""
+none (nor a link) for a phase the run left out. The developer checks' figures
+(benchmarks/report.py) stand beside the bench's here: one drawing code serves both."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from benchmarks.report import redraw
 
+from benchmarks import report as micro
+from vllm_hidden_state_proxy.bench import figures
 from vllm_hidden_state_proxy.bench.figures import (
-    FIGURES,
     Bars,
     Lines,
-    redraw,
     save_figure,
     subtitle,
     write_figures,
@@ -21,6 +23,8 @@ from vllm_hidden_state_proxy.bench.figures import (
 from vllm_hidden_state_proxy.bench.report import Results, Table, render_markdown, write_reports
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: The bench's figures and the developer checks'.
+FIGURES = (*figures.FIGURES, *micro.FIGURES)
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -91,7 +95,7 @@ def sample() -> Results:
 
 def test_every_figure_is_a_png_linked_after_the_table_it_illustrates(tmp_path: Path) -> None:
     results = sample()
-    written = write_figures(results, tmp_path)
+    written = write_figures(results, tmp_path, FIGURES)
     assert [path.name for path in written] == [
         "bench-latency.png",
         "bench-cpu.png",
@@ -108,26 +112,26 @@ def test_every_figure_is_a_png_linked_after_the_table_it_illustrates(tmp_path: P
     assert markdown.count("![") == 3
     document = json.loads(json_path.read_text())
     assert document["figures"]["instant"] == [
-        {"file": "bench-cpu.png", "caption": FIGURES[1].title}
+        {"file": "bench-cpu.png", "caption": micro.FIGURES[0].title}
     ]
 
 
 def test_a_run_is_drawn_again_from_its_json(tmp_path: Path) -> None:
     results = sample()
-    write_figures(results, tmp_path)
+    write_figures(results, tmp_path, FIGURES)
     write_reports(results, tmp_path)
     first = {path.name: path.read_bytes() for path in tmp_path.glob("*.png")}
     for path in tmp_path.glob("*.png"):
         path.unlink()
-    assert {path.name: path.read_bytes() for path in redraw(tmp_path)} == first
+    assert {path.name: path.read_bytes() for path in redraw(tmp_path, FIGURES)} == first
 
 
 def test_a_phase_left_out_has_no_figure_and_no_link(tmp_path: Path) -> None:
-    write_figures(sample(), tmp_path)  # an earlier run into the same directory
+    write_figures(sample(), tmp_path, FIGURES)  # an earlier run into the same directory
     results = sample()
-    results.tables["instant"] = Table("The hop alone", note="skipped: --no-instant")
+    results.tables["instant"] = Table("The hop alone", note="skipped")
     del results.tables["matrix_sizes"]
-    written = write_figures(results, tmp_path)
+    written = write_figures(results, tmp_path, FIGURES)
     assert [path.name for path in written] == ["bench-latency.png"]
     assert not (tmp_path / "bench-cpu.png").exists()  # the stale one is gone too
     assert not (tmp_path / "bench-matrix-cost.png").exists()
@@ -182,7 +186,7 @@ def test_the_subtitle_names_the_machine_the_upstream_and_the_day() -> None:
     assert subtitle(results, None) == (
         "2 CPU cores (AMD EPYC), no GPU · vLLM (CPU build) on the tiny offline model · 2026-12-03"
     )
-    assert "instant upstream" in subtitle(results, FIGURES[1].upstream or "")
+    assert "instant upstream" in subtitle(results, micro.FIGURES[0].upstream or "")
     assert subtitle(Results(meta={}), None) == ""
 
 

@@ -1,21 +1,23 @@
-"""The latency and CPU-time arms (bench/latency.py), against fake servers."""
+"""The latency arms (bench/latency.py), against fake servers."""
 
 from __future__ import annotations
 
 import io
-import itertools
 from typing import Any
 
 import anyio
 import pytest
 
 from tests.bench.fakes import FakeServers
+from vllm_hidden_state_proxy.bench import latency
 from vllm_hidden_state_proxy.bench.client import BenchError
-from vllm_hidden_state_proxy.bench.latency import measure_cpu, measure_latency
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.turns import round_robin
 
 ARMS = ["direct", "passthrough", "flagged_float", "flagged_base64"]
+#: 5 requests per arm after a warm-up request each (--smoke's).
+FIVE = BenchOptions(requests=5, smoke=True)
 
 
 def arm_of(host: str, document: dict[str, Any]) -> str:
@@ -27,7 +29,7 @@ def arm_of(host: str, document: dict[str, Any]) -> str:
 
 def test_the_arms_take_turns_request_by_request_each_with_a_prompt_of_its_own() -> None:
     fake = FakeServers()
-    table = anyio.run(measure_latency, fake.stack("key"), 5, 1, Progress(io.StringIO()))
+    table = anyio.run(latency.run, fake.stack("key"), FIVE, Progress(io.StringIO()))
     assert [row["arm"] for row in table.rows] == ARMS
     for row in table.rows:
         assert row["n"] == 5 and isinstance(row["p50 ms"], float) and row["p50 ms"] > 0
@@ -46,23 +48,4 @@ def test_the_arms_take_turns_request_by_request_each_with_a_prompt_of_its_own() 
 def test_a_failed_request_stops_the_run() -> None:
     fake = FakeServers(failing=3)
     with pytest.raises(BenchError, match="flagged_float: HTTP 503: busy"):
-        anyio.run(measure_latency, fake.stack(), 5, 1, Progress(io.StringIO()))
-
-
-def test_cpu_per_request_is_read_around_each_arms_requests() -> None:
-    fake = FakeServers()
-    proxy_clock, vllm_clock = itertools.count(0.0, 0.5), itertools.count(0.0, 2.0)
-    table = anyio.run(
-        measure_cpu,
-        fake.stack(),
-        10,
-        lambda: next(proxy_clock),
-        lambda: next(vllm_clock),
-        Progress(io.StringIO()),
-    )
-    assert [row["arm"] for row in table.rows] == ARMS
-    for row in table.rows:  # one tick of each clock per arm, over its 10 requests
-        assert (row["requests"], row["proxy CPU ms"], row["vLLM CPU ms"]) == (10, 50.0, 200.0)
-    assert fake.count("vllm") + fake.count("proxy") == 4 * 11  # and a request to connect
-    no_clocks = anyio.run(measure_cpu, fake.stack(), 2, None, None, Progress(io.StringIO()))
-    assert no_clocks.get("direct", "proxy CPU ms") is None
+        anyio.run(latency.run, fake.stack(), FIVE, Progress(io.StringIO()))

@@ -13,15 +13,18 @@ from vllm_hidden_state_proxy.cli import build_parser, main
 
 
 def test_bad_options_exit_2_and_say_why(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["bench", "--requests", "0"])
+    args = build_parser().parse_args(["bench", "--proxy-url", "http://127.0.0.1:9"])
     assert run_bench(args) == 2
-    assert "--requests must be at least 1" in capsys.readouterr().err
+    assert "--proxy-url and --vllm-url go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--requests", "0"])
+    assert exit.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
 
 
 def test_a_server_that_is_not_there_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "--smoke", "--no-instant", "--proxy-url", "http://127.0.0.1:9"]
+    argv = ["bench", "--smoke", "--proxy-url", "http://127.0.0.1:9"]
     argv += ["--vllm-url", "http://127.0.0.1:9", "--output-dir", str(tmp_path)]
     assert main(argv) == 1
     assert "cannot list the models of http://127.0.0.1:9" in capsys.readouterr().err

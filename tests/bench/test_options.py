@@ -1,4 +1,4 @@
-"""The bench's command line (bench/options.py)."""
+"""The bench's command line (bench/options.py): one table of options, --phases among them."""
 
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ def test_a_default_run_measures_every_phase() -> None:
     options = parse()
     assert options.proxy_url is None and options.requests == bench_options.DEFAULT_REQUESTS
     assert options.concurrency == (1, 4, 16, 64) and options.embedding_batches == (1, 16, 256)
-    assert options.instant_requests == 2000 and options.rounds == 6
+    assert options.rounds == 6
     assert options.throughput_burst(64) == 128  # every connection twice a round
     assert options.throughput_burst(1) * options.rounds >= options.requests
     # About 4 x --requests inputs per arm and batch size over the rounds, >= 1 request a round.
     assert [options.embedding_requests(b) for b in (1, 16, 256)] == [134, 9, 1]
     assert options.cpu_requests == 100
-    assert options.matrix_mib == 64 and options.matrix_sizes == (1, 4, 16, 64)
 
 
 def test_smoke_is_tiny_but_keeps_enough_requests_for_cpu_time() -> None:
@@ -40,17 +39,21 @@ def test_smoke_is_tiny_but_keeps_enough_requests_for_cpu_time() -> None:
     assert options.throughput_burst(16) == 16
     assert [options.embedding_requests(b) for b in (1, 16, 256)] == [3, 1, 1]
     assert options.cpu_requests == bench_options.MIN_CPU_REQUESTS
-    assert options.instant_requests == bench_options.SMOKE_INSTANT_REQUESTS
-    assert options.matrix_mib == 4 and options.matrix_sizes == (1, 4)
 
 
-def test_phases_can_be_left_out() -> None:
-    assert parse("--no-embeddings").embedding_batches == ()
-    assert parse("--no-instant").instant_requests == 0
+def test_the_phases_are_chosen_by_one_option_and_run_in_their_order() -> None:
+    assert parse().phases == bench_options.DEFAULT_PHASES
+    assert "extract" in bench_options.PHASES and "extract" not in parse().phases
+    assert parse("--phases", "embeddings, latency").phases == ("latency", "embeddings")
     assert parse("--embedding-batches", "4, 32").embedding_batches == (4, 32)
-    no_matrices = parse("--no-matrices", "--matrix-sizes", "2")
-    assert (no_matrices.matrix_mib, no_matrices.matrix_sizes) == (0, ())
-    assert parse("--smoke", "--matrix-sizes", "2,8").matrix_sizes == (2, 8)
+
+
+def test_the_help_lists_every_phase_in_that_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    phases = text[text.index("--phases LIST") : text.index("--proxy-url URL measure")]
+    assert all(f"{name} (" in phases for name in bench_options.PHASES)
 
 
 def test_the_api_key_defaults_to_the_proxys_variable_and_stays_out_of_reports(
@@ -82,19 +85,29 @@ def test_vllms_key_defaults_to_the_upstream_variable_and_stays_out_of_reports(
 
 
 @pytest.mark.parametrize(
+    "argv", [("--proxy-url", "http://a:1"), ("--vllm-url", "http://a:1")]
+)  # the direct arms need vLLM too
+def test_a_proxy_without_its_vllm_is_refused(argv: tuple[str, ...]) -> None:
+    with pytest.raises(OptionsError):
+        parse(*argv)
+
+
+@pytest.mark.parametrize(
     "argv",
     [
-        ("--proxy-url", "http://a:1"),  # the direct arms need vLLM too
-        ("--vllm-url", "http://a:1"),
         ("--requests", "0"),
         ("--concurrency", "1,x"),
         ("--concurrency", "0,4"),
         ("--stream-tokens", "1"),
         ("--embedding-batches", "16,0"),
         ("--api-key", "  "),
-        ("--matrix-sizes", "1,0"),
+        ("--phases", "latency,nope"),
+        ("--phases", ","),
     ],
 )
-def test_bad_options_are_refused(argv: tuple[str, ...]) -> None:
-    with pytest.raises(OptionsError):
+def test_bad_values_are_refused_by_the_parser(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
         parse(*argv)
+    assert exit.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def report(
     document: dict[str, Any] = json.loads(text)
     # The figures: each a PNG next to the report, linked from it.
     links = [link["file"] for links in document["figures"].values() for link in links]
-    assert sorted(links) == ["bench-cpu.png", "bench-latency.png", "bench-matrix-cost.png"]
+    assert links == ["bench-latency.png"]
     for name in links:
         assert (output / name).read_bytes()[:4] == b"\x89PNG" and f"]({name})" in markdown
     return document
@@ -81,7 +81,7 @@ def test_without_the_key_the_keyed_proxy_refuses_the_bench(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert bench(stack, keyed_proxy[0], tmp_path, "--no-embeddings", "--no-instant") == 1
+    assert bench(stack, keyed_proxy[0], tmp_path, "--phases", "latency") == 1
     assert "HTTP 401" in capsys.readouterr().err
 
 
@@ -123,33 +123,10 @@ def test_embeddings_cover_every_batch_size(report: dict[str, Any]) -> None:
         positive(row, "requests", "hidden size")
 
 
-def test_the_hop_alone_ring_memory_and_every_target(report: dict[str, Any]) -> None:
-    instant = rows(report, "instant")
-    positive(instant["passthrough"], "proxy CPU ms/request", "proxy / app CPU")
-    positive(instant["flagged"], "proxy CPU ms/request", "proxy / app CPU")
-    assert [row["hidden size"] for row in report["tables"]["ring"]["rows"]] == [1024, 4096, 8192]
-    assert len(rows(report, "rings")) == 4  # 1 and 8 rings, full and not
-    positive(rows(report, "rings")["8 (full)"], "hit p50 µs", "miss p50 µs")
+def test_memory_and_every_target(report: dict[str, Any]) -> None:
     memory = rows(report, "memory")
     for row in memory.values():
         positive(row, "RSS MiB")
     assert len(report["targets"]) == len(TARGETS)
-    # Target mode starts no servers, so the layers phase (which starts its own) does not run.
-    (layers,) = [target for target in report["targets"] if target["table"] == "layers"]
-    assert layers["value"] is None and layers["passed"] is None
-    for target in report["targets"]:  # the others measured (no thresholds: CI timing is noise)
-        if target["table"] == "matrices":  # differences: any sign
-            assert target["value"] is not None, target
-        elif target is not layers:
-            assert target["value"] is not None and target["value"] > 0, target
-
-
-def test_the_matrix_arm_and_the_size_sweep(report: dict[str, Any]) -> None:
-    matrices = rows(report, "matrices")
-    positive(matrices["MB/s of 4 MiB matrices, 1 client"], "value")
-    positive(matrices["ordinary p99 ms, beside pulls"], "value")
-    positive(matrices["proxy private MiB, peak under lists and silent clients"], "value")
-    sizes = report["tables"]["matrix_sizes"]["rows"]
-    assert [row["matrix MiB"] for row in sizes] == [1, 4]  # --smoke's
-    for row in sizes:
-        positive(row, "pull p50 ms", "MB/s of rows", "proxy CPU ms/matrix")
+    for target in report["targets"]:  # all measured (no thresholds: CI timing is noise)
+        assert target["value"] is not None and target["value"] > 0, target

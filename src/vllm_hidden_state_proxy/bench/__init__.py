@@ -1,12 +1,13 @@
-"""``hidden-state-proxy bench``: what the proxy costs, measured against vLLM on its own and
-against a bare uvicorn app. See docs/benchmark.md.
+"""``hidden-state-proxy bench``: what the proxy costs, side by side with vLLM alone. See
+docs/benchmark.md.
 
-- :mod:`.main`: the order of a run; :mod:`.options`: its command line.
-- The phases: :mod:`.ring_micro`, :mod:`.instant` (the hop alone, in front of
-  :mod:`.instant_upstream`, and :mod:`.granian_proxy`), :mod:`.latency` (and CPU per request),
-  :mod:`.streaming`, :mod:`.throughput`, :mod:`.embeddings`, :mod:`.layers_cost`.
-- Their tools: :mod:`.turns` (the loop they share: arms taking turns, bursts, tallies),
-  :mod:`.client` (request bodies, timed HTTP calls), :mod:`.stats`, :mod:`.usage` (CPU and
-  memory, psutil), :mod:`.servers` (what the bench starts), :mod:`.progress`, :mod:`.report`
-  (tables, targets, markdown and JSON).
+- :mod:`.main`: the order of a run; :mod:`.options`: its option table (``--phases``).
+- The phases, one module each with a ``run()``: :mod:`.latency`, :mod:`.hop` (CPU per
+  request), :mod:`.streaming`, :mod:`.answers`, :mod:`.throughput`, :mod:`.embeddings`,
+  :mod:`.extract_compare` (``extract`` against vLLM's pooling server).
+- Their harness: :mod:`.turns` (arms taking turns, bursts, tallies), :mod:`.client` (request
+  bodies, timed HTTP calls), :mod:`.stats`, :mod:`.usage` (CPU and memory, psutil),
+  :mod:`.servers` (what the bench starts), :mod:`.progress`, :mod:`.report` (tables, targets,
+  markdown and JSON), :mod:`.figures`. The developer checks of the parts use it too
+  (``benchmarks/`` at the repository root, ``make bench-micro``).
 """

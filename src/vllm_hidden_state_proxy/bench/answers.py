@@ -1,35 +1,21 @@
-"""What the answer's state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
-arms interleaved round-robin.
-
-- ``direct``: straight to vLLM, unflagged (the baseline).
-- ``flagged_last``: through the proxy, the prompt's last state (published at prefill).
-- ``flagged_last_answer``: through the proxy, the answer's state (pooling ``"last_answer"``):
-  the hook keeps a copy of each decode step's row and publishes the latest few when the answer
-  finishes; the proxy asks vLLM for the token ids, waits for the record after vLLM's answer,
-  and takes the ids out again.
-
-- ``flagged_all_prompt``: every prompt position's state (pooling ``"all_prompt"``, a matrix
-  through the ring's arena, base64; sent with a fresh ``cache_salt``: a full prefill).
-- ``flagged_all_answer``: every answer position's state (``"all_answer"``, one matrix per choice
-  through the arena when the answer finishes).
-- ``flagged_spans``: the means of 4 token spans of the prompt (``"mean"`` with spans, pooled in
-  the worker; a fresh ``cache_salt``, like mean).
-
-The ratio ``last_answer / last`` is what the answer's state adds to a flagged request; the
-matrices' rows say what moving every position costs, beside the bytes of their answers.
+"""What each kind of state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
+arms interleaved round-robin: ``direct`` (straight to vLLM, unflagged), and through the proxy
+flagged for the prompt's last state (``flagged_last``, published at prefill), the answer's
+(``flagged_last_answer``: the hook keeps each decode step's row and publishes the latest when
+the answer finishes), every prompt position (``flagged_all_prompt``: a matrix through the
+ring's arena, a full prefill), every answer position (``flagged_all_answer``), and the means of
+4 prompt spans (``flagged_spans``, pooled in the worker). The ratio to ``flagged_last`` is what
+each kind adds to a flagged request; ``answer bytes`` what moved to the client.
 """
 
 from __future__ import annotations
 
-import itertools
-
-import httpx
-
-from vllm_hidden_state_proxy.bench.client import CHAT_PATH, ChatStack, Route, chat_body, timed_post
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route
+from vllm_hidden_state_proxy.bench.latency import one_at_a_time
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
-from vllm_hidden_state_proxy.bench.stats import ratio, summarize
-from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.bench.stats import ratio
 
 #: Tokens per answer (``ignore_eos``: exactly that many).
 ANSWER_TOKENS = 16
@@ -67,49 +53,27 @@ def routes(stack: ChatStack) -> list[Route]:
     ]
 
 
-async def measure_answers(
-    stack: ChatStack, requests: int, warmup: int, progress: Progress
-) -> Table:
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    """A quarter of ``--requests`` per arm."""
     arms = routes(stack)
-    indices = itertools.count(5_000_000)
-    samples: dict[str, list[float]] = {route.name: [] for route in arms}
-    sizes: dict[str, list[int]] = {route.name: [] for route in arms}
-
-    async def warm_up(client: httpx.AsyncClient, route: Route) -> None:
-        await stack.chat_request(client, route, indices, ANSWER_TOKENS)()
-
-    async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
-        body = chat_body(
-            stack.model,
-            next(indices),
-            flag=route.flag,
-            max_tokens=ANSWER_TOKENS,
-            pooling=route.pooling,
-        )
-        timed = (await timed_post(client, CHAT_PATH, body)).require_ok(
-            route.name, route.flag is not None
-        )
-        samples[route.name].append(timed.seconds)
-        sizes[route.name].append(len(timed.body))
-        return 1
-
-    task = progress.task("answers (one request at a time, arms interleaved)", requests * len(arms))
-    await take_turns(
-        arms, stack.client, turn, requests, task, warm_up=warm_up, warm_up_rounds=warmup
+    found = await one_at_a_time(
+        stack,
+        arms,
+        max(1, options.requests // 4),
+        options.warmup,
+        progress,
+        what="answers",
+        first_index=5_000_000,
+        max_tokens=ANSWER_TOKENS,
     )
-    task.done()
-    summaries = {name: summarize(values, 1e3) for name, values in samples.items()}
+    direct, last = found["direct"][0].p50, found["flagged_last"][0].p50
     rows: list[Row] = []
     for route in arms:
-        p50 = summaries[route.name].p50
-        row: Row = {
-            "arm": route.name,
-            "what": route.description,
-            **summary_cells(summaries[route.name]),
-        }
-        row["p50 / direct"] = ratio(p50, summaries["direct"].p50)
+        summary, size = found[route.name]
+        row: Row = {"arm": route.name, "what": route.description, **summary_cells(summary)}
+        row["p50 / direct"] = ratio(summary.p50, direct)
         if route.pooling != "last":
-            row["p50 / flagged_last"] = ratio(p50, summaries["flagged_last"].p50)
-        row["answer bytes"] = sum(sizes[route.name]) // max(len(sizes[route.name]), 1)
+            row["p50 / flagged_last"] = ratio(summary.p50, last)
+        row["answer bytes"] = size
         rows.append(row)
     return Table(TITLE, rows)

@@ -4,7 +4,6 @@ serialised before the clock starts and parsed after it stops."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -13,10 +12,7 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE, PLACEHOLDER
-
 CHAT_PATH = "/v1/chat/completions"
-EMBEDDINGS_PATH = "/v1/embeddings"
 Flag = Literal["float", "base64"] | None
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 REQUEST_TIMEOUT = 300.0
@@ -24,11 +20,10 @@ REQUEST_TIMEOUT = 300.0
 #: close idle connections after 5 s; a request sent just as they do fails (a read error).
 #: While the other arms take their turn a connection can idle that long: retire it first.
 KEEPALIVE_EXPIRY = 2.0
-#: Two token events closer than this came in one burst (one read), not one by one.
-BURST_GAP = 1e-4
 #: In every flagged answer; a byte search for it keeps the client's work equal for every arm.
 VECTOR_MARKER = b'"last_hidden_state"'
-
+#: The spans of a bench chat's prompt that a ``"spans"`` route asks for (its prompt is longer).
+BENCH_SPANS = [[0, 8], [8, 16], [16, 24], [0, 24]]
 
 #: Sends one request and checks its answer; returns its seconds (``BenchError`` on a bad one).
 Request = Callable[[], Awaitable[float]]
@@ -67,6 +62,9 @@ class ChatStack:
     pid: int | None = None
     #: vLLM's own key, sent by the direct routes only (serve starts vLLM with one).
     vllm_api_key: str | None = field(default=None, repr=False)
+    #: CPU seconds of the proxy's and of vLLM's process trees so far (None: not on this host).
+    proxy_cpu: Callable[[], float] | None = None
+    vllm_cpu: Callable[[], float] | None = None
 
     def client(self, route: Route, connections: int = 1) -> httpx.AsyncClient:
         return new_client(route.base_url, connections, route.api_key, self.transport)
@@ -80,18 +78,12 @@ class ChatStack:
         return Route(name, description, self.proxy_url, flag, self.api_key, pooling)
 
     def chat_request(
-        self,
-        client: httpx.AsyncClient,
-        route: Route,
-        indices: Iterator[int],
-        max_tokens: int = 1,
+        self, client: httpx.AsyncClient, route: Route, indices: Iterator[int], max_tokens: int = 1
     ) -> Request:
         """The route's chats (its flag) on ``client``, request ``next(indices)`` each."""
         bodies = (
-            chat_body(
-                self.model, index, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling
-            )
-            for index in indices
+            chat_body(self.model, i, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling)
+            for i in indices
         )
         return chat_request(client, route.name, bodies, route.flag is not None)
 
@@ -99,17 +91,9 @@ class ChatStack:
 def prompt_messages(index: int) -> list[dict[str, str]]:
     """The chat of request ``index``: different for every index (no arm profits from another's
     prefix-cache entry), with a long common prefix (as real traffic has)."""
-    return [
-        {
-            "role": "user",
-            "content": f"Summarize this text in one word (request {index}): "
-            "A yellow bicycle beside a stone wall, in the morning light.",
-        }
-    ]
-
-
-#: The spans of a bench chat's prompt that a ``"spans"`` route asks for (its prompt is longer).
-BENCH_SPANS = [[0, 8], [8, 16], [16, 24], [0, 24]]
+    content = f"Summarize this text in one word (request {index}): "
+    content += "A yellow bicycle beside a stone wall, in the morning light."
+    return [{"role": "user", "content": content}]
 
 
 def chat_body(
@@ -139,37 +123,11 @@ def chat_body(
         if flag == "base64":
             kv["last_hidden_state_format"] = "base64"
         if pooling == "spans":  # "mean" over the spans the bench names
-            kv["last_hidden_state_pooling"] = "mean"
-            kv["last_hidden_state_spans"] = BENCH_SPANS
+            kv.update(last_hidden_state_pooling="mean", last_hidden_state_spans=BENCH_SPANS)
         elif pooling != "last":
             kv["last_hidden_state_pooling"] = pooling
         document["kv_transfer_params"] = kv
     return orjson.dumps(document)
-
-
-def embedding_text(index: int) -> str:
-    """Input ``index`` of the embeddings phase: a short text, different for every index."""
-    return f"Passage {index}: a yellow bicycle leans on a stone wall in the morning light."
-
-
-def embedding_inputs_body(model: str, indices: list[int]) -> bytes:
-    """A ``/v1/embeddings`` request to the proxy: the texts of ``indices``, float vectors."""
-    texts = [embedding_text(index) for index in indices]
-    return orjson.dumps({"model": model, "input": texts, "encoding_format": "float"})
-
-
-def embedding_chat_body(model: str, index: int, template: str = DEFAULT_TEMPLATE) -> bytes:
-    """The one-token chat the proxy sends vLLM for input ``index`` (its default template),
-    unflagged: what vLLM alone does for that input."""
-    content = template.replace(PLACEHOLDER, embedding_text(index))
-    return orjson.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "max_completion_tokens": 1,
-            "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
-        }
-    )
 
 
 def new_client(
@@ -183,13 +141,14 @@ def new_client(
     headers = {"content-type": "application/json"}
     if api_key is not None:
         headers["authorization"] = f"Bearer {api_key}"
+    limits = httpx.Limits(
+        max_connections=connections,
+        max_keepalive_connections=connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
+    )
     return httpx.AsyncClient(
         base_url=base_url,
-        limits=httpx.Limits(
-            max_connections=connections,
-            max_keepalive_connections=connections,
-            keepalive_expiry=KEEPALIVE_EXPIRY,
-        ),
+        limits=limits,
         timeout=httpx.Timeout(REQUEST_TIMEOUT),
         trust_env=False,  # loopback only: never through an HTTP proxy from the environment
         headers=headers,
@@ -203,12 +162,6 @@ class Timed:
     status: int
     body: bytes
 
-    def json(self) -> dict[str, Any]:
-        document = orjson.loads(self.body)
-        if not isinstance(document, dict):
-            raise BenchError(f"expected a JSON object, got {self.body[:200]!r}")
-        return document
-
     def require_ok(self, what: str, vector: bool = False) -> Timed:
         """This answer if it is a 200 (holding a vector, if ``vector``); else ``BenchError``."""
         if self.status != 200:
@@ -219,12 +172,16 @@ class Timed:
         return self
 
 
+def transport_error(what: str, error: httpx.TransportError) -> BenchError:
+    return BenchError(f"{what}: {type(error).__name__}: {error}")
+
+
 async def timed_post(client: httpx.AsyncClient, path: str, body: bytes) -> Timed:
     start = time.perf_counter()
     try:
         response = await client.post(path, content=body)
     except httpx.TransportError as error:
-        raise BenchError(f"POST {client.base_url}{path}: {type(error).__name__}: {error}") from None
+        raise transport_error(f"POST {client.base_url}{path}", error) from None
     return Timed(time.perf_counter() - start, response.status_code, response.content)
 
 
@@ -239,55 +196,3 @@ def chat_request(
         return timed.require_ok(what, vector).seconds
 
     return request
-
-
-@dataclass(frozen=True)
-class StreamTiming:
-    """One streamed request: seconds to the first token, between tokens, to the last token."""
-
-    ttft: float
-    gaps: list[float]
-    total: float
-
-    @property
-    def burst(self) -> bool:
-        """The tokens came (nearly) all at once: at least 90% of the gaps under ``BURST_GAP``."""
-        return sum(1 for gap in self.gaps if gap < BURST_GAP) >= 0.9 * len(self.gaps)
-
-
-def tokens_in_event(data: bytes) -> int:
-    """How many generated tokens an SSE event carries: its first choice's ``token_ids`` (vLLM
-    merges tokens into one event when its consumer falls behind), else 1 for a content delta.
-    The opening ``role`` announcement and the closing usage event (no choices) carry none."""
-    chunk = orjson.loads(data)
-    choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    if not choices:
-        return 0
-    token_ids = choices[0].get("token_ids")
-    if isinstance(token_ids, list):
-        return len(token_ids)
-    return 0 if "role" in (choices[0].get("delta") or {}) else 1
-
-
-async def timed_stream(client: httpx.AsyncClient, body: bytes, expected: int) -> StreamTiming:
-    """Stream a chat request and time each token event as it arrives."""
-    arrivals: list[float] = []
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", CHAT_PATH, content=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread())[:500].decode(errors="replace")
-                raise BenchError(f"streaming request: HTTP {response.status_code}: {text}")
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    # Tokens that came in one event came at once: each gets its arrival.
-                    arrivals.extend([now] * tokens_in_event(line[6:].encode()))
-    except httpx.TransportError as error:
-        raise BenchError(
-            f"streaming from {client.base_url}: {type(error).__name__}: {error}"
-        ) from None
-    if len(arrivals) != expected:
-        raise BenchError(f"streaming request: {len(arrivals)} tokens, expected {expected}")
-    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
-    return StreamTiming(arrivals[0] - start, gaps, arrivals[-1] - start)

@@ -19,22 +19,23 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import orjson
 
 from vllm_hidden_state_proxy.bench.client import (
-    EMBEDDINGS_PATH,
     BenchError,
     ChatStack,
     Request,
     Timed,
     chat_request,
-    embedding_chat_body,
-    embedding_inputs_body,
     timed_post,
 )
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
+from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.proxy.embeddings_plan import EmbeddingsDefaults, plan_embeddings
 
 #: The proxy's default ``--fan-out-limit`` (docs/api.md): the direct arm keeps at most as many
 #: chats in flight.
@@ -44,25 +45,51 @@ EMBEDDING_MARKER = b'"embedding":'
 TITLE = "Embeddings: /v1/embeddings through the proxy, one request of N inputs at a time"
 #: The two arms: through the proxy's ``/v1/embeddings``, or the same chats straight to vLLM.
 ARMS = (True, False)
+EMBEDDINGS_PATH = "/v1/embeddings"
+#: The proxy's defaults for a text input (its planner turns one into one chat, as below).
+PROXY_DEFAULTS = EmbeddingsDefaults(template=DEFAULT_TEMPLATE, max_inputs=1)
 
 
-def check_embeddings(document: dict[str, Any], batch: int) -> int:
+def embedding_text(index: int) -> str:
+    """Input ``index`` of the embeddings phase: a short text, different for every index."""
+    return f"Passage {index}: a yellow bicycle leans on a stone wall in the morning light."
+
+
+def embedding_inputs_body(model: str, indices: list[int]) -> bytes:
+    """A ``/v1/embeddings`` request to the proxy: the texts of ``indices``, float vectors."""
+    texts = [embedding_text(index) for index in indices]
+    return orjson.dumps({"model": model, "input": texts, "encoding_format": "float"})
+
+
+def embedding_chat_body(model: str, index: int) -> bytes:
+    """The one-token chat the proxy sends vLLM for input ``index``, planned by the proxy's own
+    rules (``proxy/embeddings_plan.py``), unflagged: what vLLM alone does for that input."""
+    plan = plan_embeddings({"model": model, "input": embedding_text(index)}, PROXY_DEFAULTS)
+    return orjson.dumps(plan.calls[0][1])
+
+
+def check_embeddings(document: Any, batch: int) -> int:
     """The hidden size of a whole answer to ``batch`` inputs: one vector per input, in input
     order, all of one length."""
-    data = document.get("data") or []
+    data = (document.get("data") if isinstance(document, dict) else None) or []
     sizes = {len(item["embedding"]) for item in data if item.get("embedding")}
     if len(data) != batch or len(sizes) != 1 or [d["index"] for d in data] != list(range(batch)):
         raise BenchError(f"embeddings: {len(data)} vectors of sizes {sizes} for {batch} inputs")
     return sizes.pop()
 
 
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    return await measure_embeddings(
+        stack, options.embedding_batches, options.embedding_requests, options.rounds, progress
+    )
+
+
 async def measure_embeddings(
     stack: ChatStack,
     batches: tuple[int, ...],
-    rounds: int,
     requests_per_round: Callable[[int], int],
+    rounds: int,
     progress: Progress,
-    proxy_cpu: Callable[[], float] | None = None,
     limit: int = FAN_OUT_LIMIT,
 ) -> Table:
     """At each batch size a warm-up request per arm (the proxy's answer parsed and checked
@@ -99,13 +126,14 @@ async def measure_embeddings(
     async def warm_up(client: httpx.AsyncClient, arm: tuple[bool, int]) -> None:
         via_proxy, batch = arm
         if via_proxy:  # the proxy's answer parsed and checked whole
-            hidden_sizes[batch] = check_embeddings((await ask_proxy(client, batch)).json(), batch)
+            answer = orjson.loads((await ask_proxy(client, batch)).body)
+            hidden_sizes[batch] = check_embeddings(answer, batch)
         else:
             await request(client, arm)()
 
     async def turn(client: httpx.AsyncClient, arm: tuple[bool, int], _: int) -> int:
         via_proxy, batch = arm
-        clock = proxy_cpu if via_proxy else None
+        clock = stack.proxy_cpu if via_proxy else None
         count = requests_per_round(batch)
         what = "embeddings" if via_proxy else "embeddings direct"
         return batch * await burst_turn(tallies[arm], request(client, arm), what, count, 1, clock)
@@ -124,7 +152,6 @@ async def measure_embeddings(
         await take_turns(arms, client, turn, rounds, task, warm_up=warm_up)
         proxy, vllm = (tallies[arm] for arm in arms)
         proxy_s, vllm_s = summarize(proxy.latencies, 1e3), summarize(vllm.latencies, 1e3)
-        proxy_cpu_ms = proxy.cpu_ms
         rows.append(
             {
                 "inputs per request": batch,
@@ -132,7 +159,7 @@ async def measure_embeddings(
                 "requests/s": proxy.requests / sum(proxy.latencies),
                 "p50 ms": proxy_s.p50,
                 "p90 ms": proxy_s.p90,
-                "proxy CPU ms per input": None if proxy_cpu_ms is None else proxy_cpu_ms / batch,
+                "proxy CPU ms per input": proxy.cpu_ms and proxy.cpu_ms / batch,
                 "vLLM alone inputs/s": batch * vllm.requests / sum(vllm.latencies),
                 "vLLM alone p50 ms": vllm_s.p50,
                 "proxy / vLLM alone, inputs/s": median_ratio(proxy.rates, vllm.rates),

@@ -1,30 +1,18 @@
-"""PNG figures of a bench run, written next to ``bench.md`` and linked after the tables they
-illustrate (issue #39):
+"""PNG figures of a run, written next to ``bench.md`` and linked after the last table they
+illustrate (issue #39): ``bench-latency.png`` (latency by arm one request at a time, from
+``latency``; p50 by arm against the requests in flight, from ``throughput``) and
+``extract-throughput.png`` (the extract phase's vectors/s). A figure whose tables
+the run left out is not drawn, and nothing links to it.
 
-- ``bench-latency.png``: one-token chat latency by arm, one request at a time (``latency``),
-  and p50 by arm against the requests in flight (``throughput``);
-- ``bench-cpu.png``: the proxy's CPU per request against the bare uvicorn app's, behind the
-  instant upstream (``instant``);
-- ``bench-matrix-cost.png``: matrix size against the time and CPU one matrix costs
-  (``matrix_sizes``).
-
-A figure whose tables a run left out (``--no-instant``, ``--no-matrices``...) is not drawn,
-and nothing links to it.
-
-The drawing itself is a small API of plain data (:class:`Bars`, :class:`Lines`,
-:func:`save_figure`) for any phase that wants a figure of its own. matplotlib (the ``bench``
-extra) is imported only when a figure is saved, with the Agg canvas and no pyplot: nothing
-else of the project imports it, the proxy least of all.
-
-``python -m vllm_hidden_state_proxy.bench.figures DIR`` draws the figures again from
-``DIR/bench.json`` (after a change to the drawing, without running the bench again).
+The drawing is a small API of plain data (:class:`Bars`, :class:`Lines`, :func:`save_figure`)
+that the developer checks (``benchmarks/``) draw theirs with too. matplotlib (the ``bench``
+extra) is imported only to save a figure, with the Agg canvas and no pyplot: nothing else of
+the project imports it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +24,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 #: Inches and dots per inch of a saved figure: ~1000 x 450 pixels, tens of KB.
-SIZE = (10.0, 4.5)
-DPI = 100
+SIZE, DPI = (10.0, 4.5), 100
 Value = float | int | None
 
 
@@ -70,9 +57,7 @@ class Lines:
 Panel = Bars | Lines
 
 
-def save_figure(
-    path: Path, title: str, panels: Sequence[Panel], subtitle: str = "", dpi: int = DPI
-) -> Path:
+def save_figure(path: Path, title: str, panels: Sequence[Panel], subtitle: str = "") -> Path:
     """``panels`` side by side under ``title`` (and a smaller ``subtitle``: the machine, the
     model), saved as a PNG at ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -80,22 +65,18 @@ def save_figure(
 
     figure = Figure(figsize=SIZE, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, len(panels), squeeze=False)[0]
-    for ax, panel in zip(axes, panels, strict=True):
-        if isinstance(panel, Bars):
-            _draw_bars(ax, panel)
-        else:
-            _draw_lines(ax, panel)
+    for ax, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        (_draw_bars if isinstance(panel, Bars) else _draw_lines)(ax, panel)  # type: ignore[arg-type]
     figure.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     # No Software entry (it names matplotlib's version) and no date: a file changes only
     # when what it shows does (with one matplotlib).
-    figure.savefig(path, dpi=dpi, metadata={"Software": None})
+    figure.savefig(path, dpi=DPI, metadata={"Software": None})
     return path
 
 
-def _number(value: Value) -> float:
-    return math.nan if value is None else float(value)
+def _numbers(values: Sequence[Value]) -> list[float]:
+    return [math.nan if value is None else float(value) for value in values]
 
 
 def _draw_bars(ax: Axes, bars: Bars) -> None:
@@ -103,9 +84,8 @@ def _draw_bars(ax: Axes, bars: Bars) -> None:
     width = 0.8 / count
     for number, (name, values) in enumerate(bars.series.items()):
         offsets = [g + (number - (count - 1) / 2) * width for g in range(len(bars.groups))]
-        drawn = ax.bar(offsets, [_number(v) for v in values], width, label=name)
-        texts = bars.labels.get(name)
-        if texts:
+        drawn = ax.bar(offsets, _numbers(values), width, label=name)
+        if texts := bars.labels.get(name):
             ax.bar_label(drawn, labels=[t or "" for t in texts], fontsize=8, padding=2)
     ax.set_xticks(range(len(bars.groups)), list(bars.groups), rotation=20, ha="right")
     ax.set_ylabel(bars.ylabel)
@@ -119,7 +99,7 @@ def _draw_lines(ax: Axes, lines: Lines) -> None:
     from matplotlib.ticker import NullLocator
 
     for name, values in lines.series.items():
-        ax.plot(list(lines.x), [_number(v) for v in values], marker="o", label=name)
+        ax.plot(list(lines.x), _numbers(values), marker="o", label=name)
     if lines.logx:
         ax.set_xscale("log", base=2)
     if lines.logy:
@@ -139,14 +119,13 @@ def _plain_log_y(ax: Axes) -> None:
     decade."""
     from matplotlib.ticker import FuncFormatter
 
+    def two_and_five(value: float, _: object) -> str:
+        leading = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+        return f"{value:g}" if round(leading) in (2, 5) else ""
+
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
-
-
-def _two_and_five(value: float, _: object) -> str:
-    leading = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
-    return f"{value:g}" if round(leading) in (2, 5) else ""
+    ax.yaxis.set_minor_formatter(FuncFormatter(two_and_five))
 
 
 def _finish(ax: Axes, title: str, axis: str) -> None:
@@ -156,39 +135,28 @@ def _finish(ax: Axes, title: str, axis: str) -> None:
     ax.legend(fontsize=8)
 
 
-# The bench's own figures, from its tables.
+def table_rows(results: Results, name: str) -> list[dict[str, Any]]:
+    return [dict(row) for row in results.tables.get(name, Table(name)).rows]
 
 
-def _rows(results: Results, name: str) -> list[dict[str, Any]]:
-    table = results.tables.get(name, Table(name))
-    return [dict(row) for row in table.rows]
-
-
-def _column(rows: Sequence[Mapping[str, Any]], column: str) -> list[Value]:
+def column_values(rows: Sequence[Mapping[str, Any]], column: str) -> list[Value]:
+    """The numbers of ``column`` (None where a row has none)."""
     values = [row.get(column) for row in rows]
-    return [v if isinstance(v, (int, float)) else None for v in values]
+    return [v if isinstance(v, (int, float)) and not isinstance(v, bool) else None for v in values]
 
 
 def latency_panels(results: Results) -> list[Panel]:
     panels: list[Panel] = []
-    one = _rows(results, "latency")
-    if one:
-        panels.append(
-            Bars(
-                groups=[str(row["arm"]) for row in one],
-                series={p: _column(one, f"{p} ms") for p in ("p50", "p90", "p99")},
-                ylabel="latency per request (ms)",
-                title="one request at a time",
-            )
-        )
-    levels = [row for row in _rows(results, "throughput") if row.get("concurrency")]
-    if levels:
+    if one := table_rows(results, "latency"):
+        series = {p: column_values(one, f"{p} ms") for p in ("p50", "p90", "p99")}
+        groups = [str(row["arm"]) for row in one]
+        panels.append(Bars(groups, series, "latency per request (ms)", "one request at a time"))
+    if levels := [row for row in table_rows(results, "throughput") if row.get("concurrency")]:
+        arms = ("direct", "passthrough", "flagged")
         panels.append(
             Lines(
                 x=[float(row["concurrency"]) for row in levels],
-                series={
-                    a: _column(levels, f"{a} p50 ms") for a in ("direct", "passthrough", "flagged")
-                },
+                series={arm: column_values(levels, f"{arm} p50 ms") for arm in arms},
                 xlabel="requests in flight",
                 ylabel="p50 latency per request (ms)",
                 title="by requests in flight",
@@ -199,92 +167,19 @@ def latency_panels(results: Results) -> list[Panel]:
     return panels
 
 
-def cpu_panels(results: Results) -> list[Panel]:
-    rows = _rows(results, "instant")
-    app = {row["arm"]: row.get("app CPU ms/request") for row in rows}
-    via_proxy = [row for row in rows if row.get("proxy CPU ms/request") is not None]
-    if not via_proxy:
-        return []
-
-    def baseline(arm: str) -> Value:
-        value = app.get("stream_direct" if arm.startswith("stream") else "direct")
-        return value if isinstance(value, (int, float)) else None
-
-    ratios = _column(via_proxy, "proxy / app CPU")
-    return [
-        Bars(
-            groups=[str(row["arm"]) for row in via_proxy],
-            series={
-                "proxy": _column(via_proxy, "proxy CPU ms/request"),
-                "bare uvicorn app (its direct arm)": [baseline(str(r["arm"])) for r in via_proxy],
-            },
-            ylabel="CPU time per request (ms)",
-            labels={"proxy": [None if r is None else f"{r:.1f}×" for r in ratios]},
-        )
-    ]
-
-
-def matrix_panels(results: Results) -> list[Panel]:
-    rows = _rows(results, "matrix_sizes")
-    if not rows:
-        return []
-    sizes = [float(row["matrix MiB"]) for row in rows]
-    return [
-        Lines(
-            x=sizes,
-            series={
-                "pull, client-side (p50)": _column(rows, "pull p50 ms"),
-                "proxy CPU": _column(rows, "proxy CPU ms/matrix"),
-            },
-            xlabel="matrix size (MiB of float32)",
-            ylabel="ms per matrix",
-            title="time and CPU per matrix",
-            logx=True,
-            logy=True,
-        ),
-        Lines(
-            x=sizes,
-            series={"one client": _column(rows, "MB/s of rows")},
-            xlabel="matrix size (MiB of float32)",
-            ylabel="matrix rows served (MB/s)",
-            title="throughput",
-            logx=True,
-        ),
-    ]
-
-
 def extract_panels(results: Results) -> list[Panel]:
-    """Issue #38's comparison: vectors/s by method and pooling, and each setup's peak memory."""
-    rows = _rows(results, "extract_compare")
-    if not rows:
+    """The extract phase: vectors/s by method and pooling (each bar's number above it)."""
+    if not (rows := table_rows(results, "extract_compare")):
         return []
     methods = list(dict.fromkeys(str(row["method"]) for row in rows))
-    rate = {(str(row["method"]), str(row["pooling"])): row["vectors/s"] for row in rows}
-    poolings = list(dict.fromkeys(str(row["pooling"]) for row in rows))
-    series = {p: [_value(rate.get((m, p))) for m in methods] for p in poolings}
-    memory = _rows(results, "extract_memory")
-    gib = [_value(row["peak RSS MiB"]) for row in memory]
-    return [
-        Bars(
-            methods,
-            series,
-            "vectors / s (log)",
-            "throughput, same inputs and concurrency",
-            labels={p: [None if v is None else f"{v:.0f}" for v in vs] for p, vs in series.items()},
-            logy=True,
-        ),
-        Bars(
-            [str(row["what"]) for row in memory],
-            {"peak RSS": [None if v is None else v / 1024 for v in gib]},
-            "peak RSS, GiB",
-            "memory",
-            labels={"peak RSS": [None if v is None else f"{v / 1024:.1f}" for v in gib]},
-        ),
-    ]
-
-
-def _value(value: Any) -> Value:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    by_arm = {(row["method"], row["pooling"]): row for row in rows}
+    series = {
+        pooling: column_values([by_arm.get((m, pooling), {}) for m in methods], "vectors/s")
+        for pooling in dict.fromkeys(str(row["pooling"]) for row in rows)
+    }
+    labels = {p: [None if v is None else f"{v:.0f}" for v in vs] for p, vs in series.items()}
+    title = "throughput, same inputs and concurrency"
+    return [Bars(methods, series, "vectors / s (log)", title, labels=labels, logy=True)]
 
 
 @dataclass(frozen=True)
@@ -294,11 +189,10 @@ class BenchFigure:
     tables: tuple[str, ...]
     title: str
     panels: Callable[[Results], list[Panel]]
-    #: The upstream the numbers come from, for the subtitle: the run's model, or a fixed one.
+    #: What answered, for the subtitle: the run's model, or a fixed upstream.
     upstream: str | None = None
 
 
-INSTANT = "instant upstream (a bare uvicorn app, no vLLM)"
 FIGURES = (
     BenchFigure(
         "bench-latency.png",
@@ -307,23 +201,9 @@ FIGURES = (
         latency_panels,
     ),
     BenchFigure(
-        "bench-cpu.png",
-        ("instant",),
-        "Proxy CPU per request against a bare uvicorn app (ratio above the bars)",
-        cpu_panels,
-        INSTANT,
-    ),
-    BenchFigure(
-        "bench-matrix-cost.png",
-        ("matrix_sizes",),
-        "Matrix size against cost: one client pulling all_prompt matrices (base64)",
-        matrix_panels,
-        INSTANT,
-    ),
-    BenchFigure(
         "extract-throughput.png",
-        ("extract_compare", "extract_parts", "extract_memory"),
-        "extract through the proxy, vLLM's pooling server and a Transformers loop",
+        ("extract_compare",),
+        "extract through the proxy against vLLM's pooling server",
         extract_panels,
     ),
 )
@@ -335,38 +215,19 @@ def subtitle(results: Results, upstream: str | None) -> str:
     return " · ".join(str(part) for part in parts if part)
 
 
-def write_figures(results: Results, output_dir: Path) -> list[Path]:
-    """Each figure whose tables the run has, into ``output_dir``; its link into ``results``.
-    A figure the run has no data for is removed there (a stale one from an earlier run into
-    the same directory would look like this run's)."""
+def write_figures(
+    results: Results, output_dir: Path, figures: Sequence[BenchFigure] = FIGURES
+) -> list[Path]:
+    """Each figure of ``figures`` whose tables the run has, into ``output_dir``, linked from
+    ``results``. A figure the run has no data for is removed there (a stale one from an
+    earlier run into the same directory would look like this run's)."""
     written = []
-    for figure in FIGURES:
-        panels = figure.panels(results)
-        if not panels:
-            (output_dir / figure.file).unlink(missing_ok=True)
+    for figure in figures:
+        path = output_dir / figure.file
+        if not (panels := figure.panels(results)):
+            path.unlink(missing_ok=True)
             continue
-        path = save_figure(
-            output_dir / figure.file,
-            figure.title,
-            panels,
-            subtitle(results, figure.upstream),
-        )
+        written.append(save_figure(path, figure.title, panels, subtitle(results, figure.upstream)))
         table = [name for name in figure.tables if name in results.tables][-1]
         results.figures.setdefault(table, []).append(FigureLink(figure.file, figure.title))
-        written.append(path)
     return written
-
-
-def redraw(output_dir: Path) -> list[Path]:
-    """The figures of the run whose ``bench.json`` is in ``output_dir``, drawn again."""
-    document = json.loads((output_dir / "bench.json").read_text())
-    results = Results(
-        meta=document["meta"],
-        tables={name: Table(**table) for name, table in document["tables"].items()},
-    )
-    return write_figures(results, output_dir)
-
-
-if __name__ == "__main__":
-    for written in redraw(Path(sys.argv[1])):
-        print(written)

@@ -1,151 +1,138 @@
-"""``hidden-state-proxy bench`` options: the argparse side and the settled values of a run."""
+"""``hidden-state-proxy bench``'s options: one table (:class:`BenchOptions`), from which its CLI
+and the table in ``docs/benchmark.md`` are built, and the counts a run derives from them."""
 
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_hidden_state_proxy import option_table
+from vllm_hidden_state_proxy.option_table import option
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 
-DEFAULT_REQUESTS = 200
+#: Each phase (its module in this package) and what it measures, in the order a run goes.
+PHASES = {
+    "latency": "one-token chats one at a time, straight to vLLM and through the proxy",
+    "hop": "the proxy's and vLLM's CPU time per request of those chats",
+    "streaming": "time to first token, between tokens and to the last",
+    "answers": "16-token chats flagged for each kind of state: answer, matrices, spans",
+    "throughput": "requests per second at each --concurrency",
+    "embeddings": "the proxy's /v1/embeddings at each --embedding-batches",
+    "extract": "extract through serve against vLLM's pooling server, vectors compared; "
+    "three vLLM servers one after the other, not in the default",
+}
+DEFAULT_PHASES = tuple(name for name in PHASES if name != "extract")
+DEFAULT_REQUESTS, SMOKE_REQUESTS, SMOKE_STREAMS, ROUNDS = 200, 3, 2, 6
 #: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
 EMBEDDING_INPUTS_PER_REQUEST = 4
-#: Requests per instant-upstream arm, per latency-arm request: thousands, so that the servers'
-#: CPU time (counted in 10 ms ticks) adds up to seconds.
-INSTANT_REQUESTS_PER_REQUEST = 10
-#: --smoke: requests per latency arm, streams per streaming arm, ring operations per size,
-#: requests per instant-upstream arm (enough CPU time for a few ticks).
-SMOKE_REQUESTS, SMOKE_STREAMS, SMOKE_RING_OPS, SMOKE_INSTANT_REQUESTS = 3, 2, 200, 200
-RING_OPS = 3000
-#: The matrix arm's matrices: the largest one request may take by default (the hook's
-#: HIDDEN_STATE_PROXY_MAX_RECORD_MIB); in smoke mode, small ones.
-MATRIX_MIB, SMOKE_MATRIX_MIB = 64, 4
-#: The matrix sizes of the size sweep (matrix size against cost), MiB.
-MATRIX_SIZES, SMOKE_MATRIX_SIZES = "1,4,16,64", "1,4"
-ROUNDS = 6
-#: The extract comparison (issue #38): inputs of its corpus, and its rounds (each arm sends
-#: the whole corpus once a round).
+#: The extract comparison's corpus, and its rounds (each arm sends the whole corpus a round).
 EXTRACT_INPUTS, SMOKE_EXTRACT_INPUTS, EXTRACT_ROUNDS = 400, 16, 3
 #: Requests per arm of the CPU-time phase, at least (the proxy's share must be many ticks).
 MIN_CPU_REQUESTS = 50
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--proxy-url", metavar="URL", help="measure this running proxy (needs --vllm-url)")
-    add("--vllm-url", metavar="URL", help="the vLLM server behind --proxy-url")
-    add("--model-dir", type=Path, help="where the tiny offline model is built and cached")
-    add("--output-dir", type=Path, default=Path("bench-results"), help="default %(default)s")
-    add("--requests", type=int, metavar="N", help=f"per latency arm (default {DEFAULT_REQUESTS})")
-    add("--concurrency", default="1,4,16,64", metavar="LIST", help="default %(default)s")
-    add("--embedding-batches", default="1,16,256", metavar="LIST", help="default %(default)s")
-    add(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        metavar="KEY",
-        help=f"for the proxy only, also the one the bench starts (default ${API_KEY_ENV})",
-    )
-    add(
-        "--vllm-api-key",
-        default=os.environ.get(UPSTREAM_API_KEY_ENV) or None,
-        metavar="KEY",
-        help="vLLM's own key, for the direct arms against --vllm-url (serve's vLLM has one: "
-        f"its --upstream-api-key) (default ${UPSTREAM_API_KEY_ENV})",
-    )
-    add("--stream-tokens", type=int, default=64, metavar="N", help="default %(default)s")
-    add("--smoke", action="store_true", help="seconds, not minutes: tiny counts")
-    add("--no-embeddings", action="store_true", help="skip the /v1/embeddings phase")
-    add("--no-instant", action="store_true", help="skip the instant-upstream phase")
-    add("--no-layers", action="store_true", help="skip the phase that starts four vLLM servers")
-    add("--no-matrices", action="store_true", help="skip the matrix arm")
-    add(
-        "--matrices-only",
-        action="store_true",
-        help="run the matrix arm alone (no vLLM: the instant upstream publishes the matrices)",
-    )
-    add(
-        "--matrix-mib",
-        type=int,
-        metavar="MIB",
-        help=f"the matrix arm's matrix size (default {MATRIX_MIB}; smoke {SMOKE_MATRIX_MIB})",
-    )
-    add(
-        "--matrix-sizes",
-        metavar="LIST",
-        help=f"the size sweep's matrix sizes in MiB (default {MATRIX_SIZES}; "
-        f"smoke {SMOKE_MATRIX_SIZES})",
-    )
-    add(
-        "--extract-compare",
-        action="store_true",
-        help="add the extract comparison: extract through the proxy, vLLM's pooling server, a "
-        "Transformers loop (starts three vLLM servers, one after the other)",
-    )
-    add("--extract-compare-only", action="store_true", help="run the extract comparison alone")
-    add(
-        "--extract-inputs",
-        type=int,
-        metavar="N",
-        help=f"the extract comparison's corpus (default {EXTRACT_INPUTS}; smoke "
-        f"{SMOKE_EXTRACT_INPUTS})",
-    )
-    add(
-        "--extract-concurrency",
-        type=int,
-        metavar="N",
-        help="requests in flight in every arm of the extract comparison (default: extract's own "
-        "default against the proxy)",
-    )
-    add("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return int(text)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers."""
+    return tuple(_positive(part) for part in text.split(",") if part.strip()) or (_positive(text),)
+
+
+def _phases(text: str) -> tuple[str, ...]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names or set(names) - set(PHASES):
+        raise argparse.ArgumentTypeError(f"{text!r}: the phases are {', '.join(PHASES)}")
+    return tuple(name for name in PHASES if name in names)  # in a run's order
+
+
+def _tokens(text: str) -> int:
+    if _positive(text) < 2:
+        raise argparse.ArgumentTypeError("at least 2: inter-token latency needs two")
+    return int(text)
+
+
+def _key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty key")
+    return text
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    output_dir: Path
-    model_dir: Path | None
-    proxy_url: str | None
-    vllm_url: str | None
-    smoke: bool
-    #: Per latency arm.
-    requests: int
-    warmup: int
-    #: Per streaming arm.
-    streams: int
-    stream_tokens: int
-    concurrency: tuple[int, ...]
-    #: Rounds of the phases whose arms take turns burst by burst.
-    rounds: int
-    ring_ops: int
-    startup_timeout: float
-    #: Inputs per ``/v1/embeddings`` request, one phase point each; empty: no embeddings phase.
-    embedding_batches: tuple[int, ...]
-    #: Requests per instant-upstream arm; 0: no instant-upstream phase.
-    instant_requests: int
-    #: Requests per kind of traffic and server visit of the layers-cost phase, in half as many
-    #: bursts as ``rounds`` (long ones: bursts of 33 varied by -30%/+100% here); 0: no phase.
-    layers_requests: int
-    #: The matrix arm's matrix size in MiB; 0: no matrix arm.
-    matrix_mib: int = 0
-    #: The size sweep's matrix sizes in MiB; empty: no sweep (with no matrix arm).
-    matrix_sizes: tuple[int, ...] = ()
-    #: Only the matrix arm (nothing that needs vLLM).
-    matrices_only: bool = False
-    #: The extract comparison's corpus; 0: no comparison.
-    extract_inputs: int = 0
-    #: Only the extract comparison.
-    extract_only: bool = False
-    #: Its requests in flight (None: extract's default).
-    extract_concurrency: int | None = None
-    #: Sent as ``Authorization: Bearer`` to the proxy only.
-    api_key: str | None = field(default=None, repr=False)
-    #: Sent as ``Authorization: Bearer`` to ``vllm_url`` only (the direct arms).
-    vllm_api_key: str | None = field(default=None, repr=False)
+    """``bench``'s options; :func:`from_args` settles the defaults that ``--smoke`` changes."""
+
+    phases: tuple[str, ...] = option(
+        DEFAULT_PHASES,
+        "--phases",
+        "the phases to run, comma-separated: "
+        + "; ".join(f"{name} ({what})" for name, what in PHASES.items()),
+        parse=_phases,
+        metavar="LIST",
+        shown_default=",".join(DEFAULT_PHASES),
+    )
+    proxy_url: str | None = option(None, "--proxy-url", "measure this running proxy", metavar="URL")
+    vllm_url: str | None = option(None, "--vllm-url", "the vLLM behind --proxy-url", metavar="URL")
+    api_key: str | None = option(
+        None, "--api-key", "sent to the proxy only; the proxy the bench starts requires it",
+        parse=_key, metavar="KEY", env=API_KEY_ENV, secret=True,
+    )  # fmt: skip
+    vllm_api_key: str | None = option(
+        None, "--vllm-api-key", "vLLM's own key, sent by the direct arms to --vllm-url only",
+        parse=_key, metavar="KEY", env=UPSTREAM_API_KEY_ENV, secret=True,
+    )  # fmt: skip
+    smoke: bool = option(False, "--smoke", "seconds, not minutes: tiny counts", parse=bool)
+    requests: int = option(
+        0, "--requests", "per latency arm; the other phases' counts follow it", parse=_positive,
+        metavar="N", shown_default=f"{DEFAULT_REQUESTS}; --smoke: {SMOKE_REQUESTS}",
+    )  # fmt: skip
+    concurrency: tuple[int, ...] = option(
+        (1, 4, 16, 64), "--concurrency", "throughput's levels", parse=_levels, metavar="LIST",
+        shown_default="1,4,16,64",
+    )  # fmt: skip
+    embedding_batches: tuple[int, ...] = option(
+        (1, 16, 256), "--embedding-batches", "inputs per /v1/embeddings request", parse=_levels,
+        metavar="LIST", shown_default="1,16,256",
+    )  # fmt: skip
+    stream_tokens: int = option(64, "--stream-tokens", "per stream", parse=_tokens, metavar="N")
+    extract_inputs: int = option(
+        0, "--extract-inputs", "the extract comparison's corpus", parse=_positive, metavar="N",
+        shown_default=f"{EXTRACT_INPUTS}; --smoke: {SMOKE_EXTRACT_INPUTS}",
+    )  # fmt: skip
+    extract_concurrency: int | None = option(
+        None, "--extract-concurrency", "requests in flight in every arm of the extract phase",
+        parse=_positive, metavar="N", shown_default="extract's own against the bench's proxy",
+    )  # fmt: skip
+    model_dir: Path | None = option(
+        None, "--model-dir", "the tiny model's cache", parse=Path, metavar="DIR"
+    )
+    output_dir: Path = option(
+        Path("bench-results"), "--output-dir", "the reports", parse=Path, metavar="DIR"
+    )
+    startup_timeout: float = option(
+        600.0, "--startup-timeout", "per server", parse=float, metavar="SECONDS"
+    )
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of the phases whose arms take turns burst by burst."""
+        return 1 if self.smoke else ROUNDS
+
+    @property
+    def warmup(self) -> int:
+        return 1 if self.smoke else 5
+
+    @property
+    def streams(self) -> int:
+        return SMOKE_STREAMS if self.smoke else max(5, self.requests // 8)
 
     @property
     def cpu_requests(self) -> int:
-        """Requests per arm of the CPU-time phase."""
         return max(MIN_CPU_REQUESTS, self.requests // 2)
 
     def throughput_burst(self, concurrency: int) -> int:
@@ -163,88 +150,43 @@ class BenchOptions:
         return max(1, -(-inputs // (self.rounds * batch)))
 
     def public(self) -> dict[str, object]:
-        """The options for the report: paths as text, the API key never (only whether set)."""
-        found: dict[str, object] = {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()
+        """The options for the report: paths as text, the API keys never (only whether set)."""
+        found = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
+        return {
+            **found,
+            "api_key": self.api_key and "(set)",
+            "vllm_api_key": self.vllm_api_key and "(set)",
         }
-        found["api_key"] = "(set)" if self.api_key else None
-        found["vllm_api_key"] = "(set)" if self.vllm_api_key else None
-        return found
 
 
 class OptionsError(ValueError):
     pass
 
 
-def parse_levels(text: str, option: str) -> tuple[int, ...]:
-    """A comma-separated list of positive integers (``option`` names it in errors)."""
-    try:
-        levels = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise OptionsError(f"{option} must be comma-separated integers, got {text!r}") from None
-    if not levels or any(level < 1 for level in levels):
-        raise OptionsError(f"{option} needs positive integers, got {text!r}")
-    return levels
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    option_table.add_arguments(parser, BenchOptions)
+
+
+def options_table() -> str:
+    """The Markdown table of ``bench``'s options (``docs/benchmark.md`` carries it)."""
+    return option_table.markdown_table(spec for _, spec in option_table.options(BenchOptions))
 
 
 def from_args(args: argparse.Namespace) -> BenchOptions:
-    if (args.proxy_url is None) != (args.vllm_url is None):
+    """The options of a parsed command line, defaults settled; :class:`OptionsError` for a
+    combination that cannot run."""
+    given = BenchOptions(
+        **{name: getattr(args, name) for name, _ in option_table.options(BenchOptions)}
+    )
+    if (given.proxy_url is None) != (given.vllm_url is None):
         raise OptionsError("--proxy-url and --vllm-url go together (the direct arms need vLLM)")
-    if args.requests is not None and args.requests < 1:
-        raise OptionsError("--requests must be at least 1")
-    for key, option in ((args.api_key, "--api-key"), (args.vllm_api_key, "--vllm-api-key")):
-        if key is not None and not key.strip():
-            raise OptionsError(f"{option} must not be empty")
-    if args.stream_tokens < 2:
-        raise OptionsError("--stream-tokens must be at least 2 (inter-token latency needs two)")
-    smoke = bool(args.smoke)
-    requests = args.requests or (SMOKE_REQUESTS if smoke else DEFAULT_REQUESTS)
-    rounds = 1 if smoke else ROUNDS
-    instant = SMOKE_INSTANT_REQUESTS if smoke else INSTANT_REQUESTS_PER_REQUEST * requests
-    batches = (
-        () if args.no_embeddings else parse_levels(args.embedding_batches, "--embedding-batches")
-    )
-    if args.matrix_mib is not None and args.matrix_mib < 1:
-        raise OptionsError("--matrix-mib must be at least 1")
-    if args.matrices_only and args.no_matrices:
-        raise OptionsError("--matrices-only and --no-matrices contradict each other")
-    matrix_mib = args.matrix_mib or (SMOKE_MATRIX_MIB if smoke else MATRIX_MIB)
-    sizes = parse_levels(
-        args.matrix_sizes or (SMOKE_MATRIX_SIZES if smoke else MATRIX_SIZES), "--matrix-sizes"
-    )
-    extract_wanted = bool(args.extract_compare or args.extract_compare_only)
-    if extract_wanted and args.proxy_url is not None:
-        raise OptionsError("the extract comparison starts its own servers: leave --proxy-url out")
-    if args.extract_compare_only and args.matrices_only:
-        raise OptionsError("--extract-compare-only and --matrices-only contradict each other")
-    for value, option in ((args.extract_inputs, "--extract-inputs"),
-                          (args.extract_concurrency, "--extract-concurrency")):  # fmt: skip
-        if value is not None and value < 1:
-            raise OptionsError(f"{option} must be at least 1")
-    extract_inputs = args.extract_inputs or (SMOKE_EXTRACT_INPUTS if smoke else EXTRACT_INPUTS)
-    return BenchOptions(
-        output_dir=args.output_dir,
-        model_dir=args.model_dir,
-        proxy_url=None if args.proxy_url is None else args.proxy_url.rstrip("/"),
-        vllm_url=None if args.vllm_url is None else args.vllm_url.rstrip("/"),
-        smoke=smoke,
-        requests=requests,
-        warmup=1 if smoke else 5,
-        streams=SMOKE_STREAMS if smoke else max(5, requests // 8),
-        stream_tokens=args.stream_tokens,
-        concurrency=parse_levels(args.concurrency, "--concurrency"),
-        rounds=rounds,
-        ring_ops=SMOKE_RING_OPS if smoke else RING_OPS,
-        startup_timeout=args.startup_timeout,
-        embedding_batches=batches,
-        instant_requests=0 if args.no_instant else max(rounds, instant),
-        layers_requests=0 if args.no_layers else max(rounds, 3 * requests),
-        matrix_mib=0 if args.no_matrices else matrix_mib,
-        matrix_sizes=() if args.no_matrices else sizes,
-        matrices_only=bool(args.matrices_only),
-        extract_inputs=extract_inputs if extract_wanted else 0,
-        extract_only=bool(args.extract_compare_only),
-        extract_concurrency=args.extract_concurrency,
-        api_key=args.api_key,
-        vllm_api_key=args.vllm_api_key,
+    if "extract" in given.phases and given.proxy_url is not None:
+        raise OptionsError("the extract phase starts its own servers: leave --proxy-url out")
+    smoke = given.smoke
+    return dataclasses.replace(
+        given,
+        proxy_url=given.proxy_url and given.proxy_url.rstrip("/"),
+        vllm_url=given.vllm_url and given.vllm_url.rstrip("/"),
+        requests=given.requests or (SMOKE_REQUESTS if smoke else DEFAULT_REQUESTS),
+        extract_inputs=given.extract_inputs or (SMOKE_EXTRACT_INPUTS if smoke else EXTRACT_INPUTS),
     )

@@ -1,39 +1,24 @@
 """Servers the bench starts itself, each writing its output to a log in the output directory:
-
-- the chat stack: ``hidden-state-proxy serve`` on the tiny offline model, holding the
-  machine-wide vLLM lock for as long as it runs;
-- the instant stack: the instant upstream (a bare uvicorn app, no vLLM) and a
-  ``hidden-state-proxy proxy`` in front of it, sharing a fresh ring directory.
+the chat stack, ``hidden-state-proxy serve`` on the tiny offline model, holding the
+machine-wide vLLM lock for as long as it runs (:func:`chat_stack`); any other server through
+:func:`started`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
+from vllm_hidden_state_proxy import processes
 from vllm_hidden_state_proxy.bench.client import BenchError, ChatStack
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.usage import tree_cpu_seconds
-from vllm_hidden_state_proxy.processes import (
-    NotHealthy,
-    free_port,
-    log_tail,
-    offline_environment,
-    one_vllm_at_a_time,
-    stop_process_group,
-    wait_until_healthy,
-)
+from vllm_hidden_state_proxy.processes import NotHealthy, free_port, offline_environment
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV, UPSTREAM_API_KEY_ENV
 
 SERVED_MODEL_NAME = "tiny-chat"
@@ -45,53 +30,6 @@ VLLM_ARGS = (
 )
 STOP_GRACE = 60.0
 CLI = (sys.executable, "-m", "vllm_hidden_state_proxy.cli")
-
-
-class Server(NamedTuple):
-    """A server the hop phase sends to: a label, its URL, its process."""
-
-    label: str
-    url: str
-    pid: int
-
-    def cpu(self) -> float:
-        """CPU seconds of the server's process tree so far (all its workers)."""
-        return tree_cpu_seconds(self.pid)
-
-
-@dataclass(frozen=True)
-class InstantStack:
-    #: The instant upstream itself, labelled "app".
-    app: Server
-    proxies: tuple[Server, ...]
-
-
-#: Where the instant upstream also listens, on a Unix domain socket (in its ring directory).
-UDS_NAME = "upstream.sock"
-
-
-class InstantProxy(NamedTuple):
-    """A proxy of the hop phase: its label, more options, and the program that serves it."""
-
-    label: str
-    args: tuple[str, ...] = ()
-    #: ``hidden-state-proxy proxy`` (uvicorn), or another front server taking its options.
-    program: tuple[str, ...] = (*CLI, "proxy")
-
-
-#: The same proxy app under granian instead of uvicorn (issue #25's comparison).
-GRANIAN_PROGRAM = (sys.executable, "-m", "vllm_hidden_state_proxy.bench.granian_proxy")
-#: The proxies the hop phase compares, side by side in front of one instant upstream: the
-#: default (aiohttp under httpx's interface), httpx's own client (the engine before issue #15),
-#: the default over a Unix domain socket ({uds} is replaced), the default served by granian
-#: instead of uvicorn (issue #25), and with two worker processes.
-INSTANT_PROXIES: tuple[InstantProxy, ...] = (
-    InstantProxy("aiohttp"),
-    InstantProxy("httpx", ("--upstream-client", "httpx")),
-    InstantProxy("uds", ("--upstream-uds", "{uds}")),
-    InstantProxy("granian", program=GRANIAN_PROGRAM),
-    InstantProxy("2 workers", ("--workers", "2")),
-)
 
 
 @contextlib.contextmanager
@@ -114,16 +52,15 @@ def started(
         )
     try:
         try:
-            wait_until_healthy(health_url, process, timeout)
+            processes.wait_until_healthy(health_url, process, timeout)
         except NotHealthy as problem:
-            raise BenchError(
-                f"{name}: {problem}; last lines of {log_path}:\n{log_tail(log_path)}"
-            ) from None
+            tail = processes.log_tail(log_path)
+            raise BenchError(f"{name}: {problem}; last lines of {log_path}:\n{tail}") from None
         progress.say(f"{name} is ready after {time.monotonic() - started_at:.0f} s")
         yield process
     finally:
         progress.say(f"stopping {name}")
-        stop_process_group(process, name, grace=STOP_GRACE)
+        processes.stop_process_group(process, name, grace=STOP_GRACE)
 
 
 def proxy_environment(api_key: str | None) -> dict[str, str]:
@@ -138,7 +75,7 @@ def proxy_environment(api_key: str | None) -> dict[str, str]:
 
 def vllm_lock(progress: Progress) -> contextlib.AbstractContextManager[None]:
     """The machine-wide lock, held while the bench's vLLM servers run."""
-    return one_vllm_at_a_time(
+    return processes.one_vllm_at_a_time(
         on_wait=lambda: progress.say("another vLLM server runs on this machine; waiting for it")
     )
 
@@ -176,62 +113,3 @@ def chat_stack(
         progress,
     ) as process:
         yield dataclasses.replace(stack, pid=process.pid)
-
-
-@contextlib.contextmanager
-def instant_stack(
-    log_dir: Path,
-    progress: Progress,
-    proxies: Sequence[InstantProxy | tuple[str, Sequence[str]]] = INSTANT_PROXIES,
-    timeout: float = 60.0,
-    matrix_bytes: int = 0,
-) -> Iterator[InstantStack]:
-    """The instant upstream and proxies in front of it (each: a label, more options and
-    optionally the program; ``hidden-state-proxy proxy`` by default); with ``matrix_bytes``,
-    the upstream publishes ``"all_prompt"`` matrices of that size."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    ring_dir = tempfile.mkdtemp(prefix="hsp-bench-instant-", dir=base)
-    app_port = free_port()
-    app_url = f"http://127.0.0.1:{app_port}"
-    app_command = [sys.executable, "-m", "vllm_hidden_state_proxy.bench.instant_upstream"]
-    uds = os.path.join(ring_dir, UDS_NAME)
-    app_command += ["--port", str(app_port), "--ring-dir", ring_dir, "--uds", uds]
-    if matrix_bytes:
-        app_command += ["--matrix-bytes", str(matrix_bytes)]
-    env = proxy_environment(None)
-    try:
-        with contextlib.ExitStack() as running:
-            app = running.enter_context(
-                started(
-                    app_command,
-                    env,
-                    log_dir / "instant-upstream.log",
-                    app_url + "/health",
-                    timeout,
-                    "the instant upstream",
-                    progress,
-                )
-            )
-            started_proxies = []
-            for number, entry in enumerate(proxies):
-                label, args, program = InstantProxy(entry[0], tuple(entry[1]), *entry[2:])
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                command = [*program, "--upstream", app_url, "--ring-dir", ring_dir]
-                command += ["--port", str(port), "--log-level", "warning"]
-                command += [arg.replace("{uds}", uds) for arg in args]
-                process = running.enter_context(
-                    started(
-                        command,
-                        env,
-                        log_dir / f"instant-proxy-{number}.log",
-                        url + "/health",
-                        timeout,
-                        f"a proxy ({label}) in front of it",
-                        progress,
-                    )
-                )
-                started_proxies.append(Server(label, url, process.pid))
-            yield InstantStack(Server("app", app_url, app.pid), tuple(started_proxies))
-    finally:
-        shutil.rmtree(ring_dir, ignore_errors=True)

@@ -13,25 +13,82 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
+from dataclasses import dataclass
 
 import httpx
+import orjson
 
 from vllm_hidden_state_proxy.bench.client import (
+    CHAT_PATH,
+    BenchError,
     ChatStack,
     Route,
-    StreamTiming,
     chat_body,
-    timed_stream,
+    transport_error,
 )
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import take_turns
 
+#: Two token events closer than this came in one burst (one read), not one by one.
+BURST_GAP = 1e-4
 
-async def measure_streaming(
-    stack: ChatStack, streams: int, tokens: int, progress: Progress
-) -> Table:
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """One streamed request: seconds to the first token, between tokens, to the last token."""
+
+    ttft: float
+    gaps: list[float]
+    total: float
+
+    @property
+    def burst(self) -> bool:
+        """The tokens came (nearly) all at once: at least 90% of the gaps under ``BURST_GAP``."""
+        return sum(1 for gap in self.gaps if gap < BURST_GAP) >= 0.9 * len(self.gaps)
+
+
+def tokens_in_event(data: bytes) -> int:
+    """How many generated tokens an SSE event carries: its first choice's ``token_ids`` (vLLM
+    merges tokens into one event when its consumer falls behind), else 1 for a content delta.
+    The opening ``role`` announcement and the closing usage event (no choices) carry none."""
+    chunk = orjson.loads(data)
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices:
+        return 0
+    token_ids = choices[0].get("token_ids")
+    if isinstance(token_ids, list):
+        return len(token_ids)
+    return 0 if "role" in (choices[0].get("delta") or {}) else 1
+
+
+async def timed_stream(client: httpx.AsyncClient, body: bytes, expected: int) -> StreamTiming:
+    """Stream a chat request and time each token event as it arrives."""
+    arrivals: list[float] = []
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", CHAT_PATH, content=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:500].decode(errors="replace")
+                raise BenchError(f"streaming request: HTTP {response.status_code}: {text}")
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    # Tokens that came in one event came at once: each gets its arrival.
+                    arrivals.extend([now] * tokens_in_event(line[6:].encode()))
+    except httpx.TransportError as error:
+        raise transport_error(f"streaming from {client.base_url}", error) from None
+    if len(arrivals) != expected:
+        raise BenchError(f"streaming request: {len(arrivals)} tokens, expected {expected}")
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+    return StreamTiming(arrivals[0] - start, gaps, arrivals[-1] - start)
+
+
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    streams, tokens = options.streams, options.stream_tokens
     routes = [
         stack.direct("stream_direct", "streamed chat straight to vLLM, unflagged"),
         stack.via_proxy("stream_proxy", "the same through the proxy"),

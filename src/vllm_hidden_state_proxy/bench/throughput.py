@@ -10,11 +10,11 @@ competes with them for CPU alike for every arm.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import httpx
 
 from vllm_hidden_state_proxy.bench.client import ChatStack, Route
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
@@ -29,14 +29,11 @@ def load_routes(stack: ChatStack) -> list[Route]:
     ]
 
 
-async def measure_throughput(
-    stack: ChatStack,
-    levels: tuple[int, ...],
-    rounds: int,
-    burst_size: Callable[[int], int],
-    progress: Progress,
-) -> Table:
-    """An arm is a route at a level: its own connections, opened by a warm-up burst."""
+async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
+    """At each ``--concurrency`` level, ``options.rounds`` rounds of a burst per arm (of
+    ``options.throughput_burst(level)`` requests); an arm is a route at a level, its own
+    connections opened by a warm-up burst."""
+    levels, rounds, burst_size = options.concurrency, options.rounds, options.throughput_burst
     routes = load_routes(stack)
     indices = itertools.count(2_000_000)
     tallies = {(route.name, level): Tally() for level in levels for route in routes}

@@ -9,10 +9,11 @@ a :func:`burst` of them with a number in flight, added up in the arm's :class:`T
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -22,6 +23,15 @@ from vllm_hidden_state_proxy.bench.client import BenchError, Request
 from vllm_hidden_state_proxy.bench.progress import Task
 
 T = TypeVar("T")
+
+
+def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when it is there (a lighter load client), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def rotated(items: Sequence[T], offset: int) -> list[T]:

@@ -23,19 +23,27 @@ MIB = 1024 * 1024
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
+def _tree_sum(pid: int, read: str, *fields: str) -> tuple[float, ...] | None:
+    """Each of ``fields`` of ``psutil.Process.<read>()`` summed over ``pid`` and its live
+    descendants, or None if ``pid`` is gone."""
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except _GONE:
+        return None
+    totals = [0.0] * len(fields)
+    for process in members:
+        with contextlib.suppress(*_GONE):
+            found = getattr(process, read)()
+            totals = [
+                t + float(getattr(found, name)) for t, name in zip(totals, fields, strict=True)
+            ]
+    return tuple(totals)
 
 
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its live descendants."""
-    total = 0.0
-    for process in _tree(pid):
-        with contextlib.suppress(*_GONE):
-            times = process.cpu_times()
-            total += float(times.user + times.system)
-    return total
+    return sum(_tree_sum(pid, "cpu_times", "user", "system") or (0.0,))
 
 
 def rss_mib(pid: int) -> float | None:
@@ -47,32 +55,15 @@ def rss_mib(pid: int) -> float | None:
 
 
 def tree_rss_mib(pid: int) -> float | None:
-    """Resident set size summed over ``pid`` and its descendants (cheap: no PSS), or None if
-    ``pid`` is gone."""
-    try:
-        members = _tree(pid)
-    except _GONE:
-        return None
-    total = 0.0
-    for process in members:
-        with contextlib.suppress(*_GONE):
-            total += float(process.memory_info().rss) / MIB
-    return total
+    """RSS summed over ``pid`` and its descendants (cheap: no PSS), or None if it is gone."""
+    found = _tree_sum(pid, "memory_info", "rss")
+    return None if found is None else found[0] / MIB
 
 
 def tree_memory_mib(pid: int) -> tuple[float, float] | None:
     """(RSS, PSS) summed over ``pid`` and its descendants, or None if ``pid`` is gone."""
-    rss = pss = 0.0
-    try:
-        members = _tree(pid)
-    except _GONE:
-        return None
-    for process in members:
-        with contextlib.suppress(*_GONE):
-            memory = process.memory_full_info()
-            rss += float(memory.rss) / MIB
-            pss += float(memory.pss) / MIB
-    return rss, pss
+    found = _tree_sum(pid, "memory_full_info", "rss", "pss")
+    return None if found is None else (found[0] / MIB, found[1] / MIB)
 
 
 def listening_pid(port: int) -> int | None:

@@ -1,4 +1,4 @@
-"""The matrix size sweep (bench/matrices.py): a real instant upstream and proxy per size, small
+"""The matrix size sweep (benchmarks/matrices.py): a real instant upstream and proxy per size, small
 sizes. No timing thresholds: the numbers must only be there, and grow with the size."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from vllm_hidden_state_proxy.bench import matrices
+from benchmarks import matrices
 from vllm_hidden_state_proxy.bench.progress import Progress
 
 

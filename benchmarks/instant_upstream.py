@@ -5,7 +5,7 @@ too: it publishes a vector (or, with ``--matrix-bytes``, an ``"all_prompt"`` mat
 size) into a real ring under the request key, so that the proxy's flagged path runs end to
 end.
 
-Run as ``python -m vllm_hidden_state_proxy.bench.instant_upstream --port P --ring-dir D``.
+Run as ``python benchmarks/instant_upstream.py --port P --ring-dir D``.
 """
 
 from __future__ import annotations

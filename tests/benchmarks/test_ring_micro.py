@@ -1,11 +1,12 @@
-"""The ring microbenchmark (bench/ring_micro.py), with tiny counts."""
+"""The ring microbenchmark (benchmarks/ring_micro.py), with tiny counts."""
 
 from __future__ import annotations
 
 import io
 
+from benchmarks.ring_micro import measure_ring, measure_rings
+
 from vllm_hidden_state_proxy.bench.progress import Progress
-from vllm_hidden_state_proxy.bench.ring_micro import measure_ring, measure_rings
 
 
 def test_every_size_and_every_ring_count_is_measured() -> None:

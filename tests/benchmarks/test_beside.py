@@ -1,4 +1,4 @@
-"""The beside phase (bench/beside.py), against fake servers: ordinary bursts with one flagged
+"""The beside check (benchmarks/beside.py), against fake servers: ordinary bursts with one flagged
 client of each kind running beside them, arms interleaved."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 
 import anyio
+from benchmarks.beside import FLAGGED_TOKENS, KINDS, measure_beside
 
 from tests.bench.fakes import FakeServers
-from vllm_hidden_state_proxy.bench.beside import FLAGGED_TOKENS, KINDS, measure_beside
 from vllm_hidden_state_proxy.bench.progress import Progress
 
 

@@ -1,35 +1,29 @@
-"""The hop alone (bench/instant.py, servers.instant_stack): real proxies in front of the real
-instant upstream, with small counts. No timing thresholds: the numbers must only be there."""
+"""The hop alone (benchmarks/instant.py, benchmarks/servers.py): real proxies in front of the
+real instant upstream, with small counts. No timing thresholds: the numbers must only be there."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import pytest
-
-from vllm_hidden_state_proxy.bench.instant import (
+from benchmarks.instant import (
     cpu_arms,
     measure_instant,
     measure_instant_throughput,
 )
+from benchmarks.servers import Server, instant_stack
+
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
-from vllm_hidden_state_proxy.bench.servers import (
-    GRANIAN_PROGRAM,
-    InstantProxy,
-    Server,
-    instant_stack,
-)
 
 #: Per arm: enough that each server's CPU time spans several of Linux's 10 ms ticks.
 REQUESTS = 300
-#: Two engines side by side, and the default with two workers.
+#: The default and the default over a Unix socket side by side, and with two workers.
 PROXIES = (
     ("aiohttp", ()),
-    ("httpx", ("--upstream-client", "httpx")),
+    ("uds", ("--upstream-uds", "{uds}")),
     ("2 workers", ("--workers", "2")),
 )
 
@@ -50,7 +44,7 @@ def table(targets: tuple[Server, list[Server]]) -> Table:
 def test_every_arm_sends_its_requests(table: Table, targets: tuple[Server, list[Server]]) -> None:
     arms = cpu_arms(targets[0], targets[1][:2])
     assert [row["arm"] for row in table.rows] == [arm.name for arm in arms]
-    assert "passthrough (httpx)" in [arm.name for arm in arms]
+    assert "passthrough (uds)" in [arm.name for arm in arms]
     assert [row["requests"] for row in table.rows] == [REQUESTS] * len(arms)
     for row in table.rows:
         latency = row["p50 ms"]
@@ -98,8 +92,8 @@ def test_two_workers_give_every_flagged_request_its_vector_and_count_it_once(
 
     import httpx
     import psutil
+    from benchmarks.instant_upstream import HIDDEN_SIZE
 
-    from vllm_hidden_state_proxy.bench.instant_upstream import HIDDEN_SIZE
     from vllm_hidden_state_proxy.protocol import WORKER_METRICS_ENV
     from vllm_hidden_state_proxy.proxy import metrics
 
@@ -144,27 +138,3 @@ def test_two_workers_give_every_flagged_request_its_vector_and_count_it_once(
     assert set(owned) <= {worker.pid for worker in workers}  # each worker's own row
     assert len(owned) == 2
     assert sum(owned.values()) == total()
-
-
-def test_the_proxy_under_granian_answers_like_the_default(tmp_path: Path) -> None:
-    """The hop phase's granian arm (issue #25) serves the same app: a flagged request gets the
-    vector the instant upstream published, and a head over its limit gets granian's 431."""
-    import httpx
-
-    from vllm_hidden_state_proxy.bench.instant_upstream import HIDDEN_SIZE
-
-    proxies = (InstantProxy("granian", ("--max-head-size", "8192"), GRANIAN_PROGRAM),)
-    with instant_stack(tmp_path, Progress(io.StringIO()), proxies) as stack:
-        (proxy,) = stack.proxies
-        body = {
-            "model": "m",
-            "messages": [{"role": "user", "content": "granian"}],
-            "kv_transfer_params": {"return_last_hidden_state": True},
-        }
-        with httpx.Client(base_url=proxy.url, timeout=30) as client:
-            answer = client.post("/v1/chat/completions", json=body)
-            big = client.get("/health", headers={"x-pad": "a" * 20_000})
-    assert answer.status_code == 200, answer.text
-    vector = answer.json()["kv_transfer_params"]["last_hidden_state"]
-    assert vector == pytest.approx([i / HIDDEN_SIZE for i in range(HIDDEN_SIZE)], abs=1e-7)
-    assert big.status_code == 431

@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 import orjson
 
+from benchmarks.servers import Server, instant_stack
 from vllm_hidden_state_proxy.bench.client import BenchError
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
-from vllm_hidden_state_proxy.bench.servers import Server, instant_stack
 from vllm_hidden_state_proxy.bench.stats import summarize
 from vllm_hidden_state_proxy.bench.usage import PeakRss, rss_mib
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from benchmarks.servers import Server
 from vllm_hidden_state_proxy.bench.client import Flag, Request, chat_body, chat_request, new_client
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
-from vllm_hidden_state_proxy.bench.servers import Server
 from vllm_hidden_state_proxy.bench.stats import median_ratio, ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 

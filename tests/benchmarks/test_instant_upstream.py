@@ -1,4 +1,5 @@
-"""The instant upstream (bench/instant_upstream.py), in process through httpx's ASGI transport."""
+"""The instant upstream (benchmarks/instant_upstream.py), in process through httpx's ASGI
+transport."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 import anyio
 import httpx
 import orjson
-
-from vllm_hidden_state_proxy.bench.instant_upstream import (
+from benchmarks.instant_upstream import (
     HIDDEN_SIZE,
     PROMPT_TOKENS,
     instant_app,
     ring_publisher,
 )
+
 from vllm_hidden_state_proxy.protocol import REQUEST_KEY_ENTRY, new_request_key, request_key_to_wire
 from vllm_hidden_state_proxy.ring import Record, RingDirectory
 

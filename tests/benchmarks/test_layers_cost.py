@@ -1,5 +1,6 @@
-"""The layers-cost phase (bench/layers_cost.py) on faked servers: each visit sends both kinds of
-traffic in turns, the tallies add up over visits, and the table compares the two servers."""
+"""The layers-cost check (benchmarks/layers_cost.py) on faked servers: each visit sends both
+kinds of traffic in turns, the tallies add up over visits, and the table compares the two
+servers."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ import io
 import itertools
 
 import anyio
-
-from tests.bench.fakes import FakeServers
-from vllm_hidden_state_proxy.bench.layers_cost import (
+from benchmarks.layers_cost import (
     KINDS,
     VISITS,
     WARMUP,
     layers_table,
     measure_visit,
 )
+
+from tests.bench.fakes import FakeServers
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.turns import Tally
 
