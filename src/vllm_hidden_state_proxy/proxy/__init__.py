@@ -17,7 +17,7 @@ endpoints.py         the POST endpoints' base classes: read the body (asgi.py: i
   ├─ Ordinary ─────▶ relay.py: pass through byte for byte (upstream.py, headers.py)
   ▼
 keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
-  │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
+  │                  transport/aiohttp_client.py: aiohttp's client under httpx's interface)
   ├─ JSON ─────────▶ vector_lookup.py: the record from the rings (a large matrix copied in
   │                  a thread, counted by vector_memory.py) ──▶ answer_join.py, sent by
   │                  answer_body.py (large matrices in pieces; sends of vectors within a deadline)

@@ -26,8 +26,9 @@ from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
 from vllm_hidden_state_proxy.proxy.types import RingSource
-from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
 from vllm_hidden_state_proxy.ring import RingDirectory
+from vllm_hidden_state_proxy.transport import create_pool
+from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH, OpsClient
 
 
 class _ExactPaths:
@@ -76,7 +77,9 @@ def create_app(
 ) -> Starlette:
     """The proxy as an ASGI app.
 
-    ``transport`` replaces the network towards vLLM (tests: ``httpx.MockTransport``). ``ring``
+    ``transport`` replaces the network towards vLLM (tests: ``httpx.MockTransport``), for the
+    requests and the ops routes alike; by default each has a pool of ``--upstream-client``'s
+    engine (:func:`~vllm_hidden_state_proxy.transport.create_pool`). ``ring``
     replaces ``RingDirectory(settings.ring_dir)``; a ring passed in is not closed at shutdown.
     The connections and the ring directory are opened by the lifespan, so the lifespan must
     run before requests (uvicorn does; with ``httpx.ASGITransport`` enter
@@ -89,9 +92,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rings = ring or RingDirectory(settings.ring_dir, owner_uids=settings.ring_owner_uids)
+        engine, uds = settings.upstream_client, settings.upstream_uds
         connections = Connections(
-            transport=create_transport(settings, transport),
-            ops_client=create_ops_client(settings, transport),
+            transport=transport or create_pool(settings.max_connections, uds, engine),
+            ops_client=OpsClient(settings.upstream_base, transport, uds=uds, engine=engine),
             rings=rings,
         )
         state.connections = connections
@@ -105,8 +109,8 @@ def create_app(
                 rings.close()
 
     routes = [
-        Route("/health", HealthApp(state), methods=["GET"]),
-        Route("/metrics", MetricsApp(state), methods=["GET"]),
+        Route(HEALTH_PATH, HealthApp(state), methods=["GET"]),
+        Route(METRICS_PATH, MetricsApp(state), methods=["GET"]),
         Route(CAPTURE_PATH, CaptureApp(state), methods=["GET"]),
         Route("/v1/chat/completions", ChatApp(state), methods=["POST"]),
         Route("/v1/completions", CompletionsApp(state), methods=["POST"]),

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import httpx
+import orjson
 
 from vllm_hidden_state_proxy.protocol import (
     DTYPES,
@@ -43,6 +43,7 @@ from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
 from vllm_hidden_state_proxy.ring import RingHeader
+from vllm_hidden_state_proxy.transport.ops import MODELS_PATH
 
 
 def _engine(header: RingHeader) -> dict[str, Any]:
@@ -106,27 +107,26 @@ class CaptureApp:
     async def _models(self, scope: Scope) -> list[str]:
         """vLLM's served model names (``/v1/models``), with the key vLLM wants."""
         settings = self.state.settings
-        headers = {"accept": "application/json"}
+        authorization = None
         if settings.upstream_api_key:
-            headers["authorization"] = f"Bearer {settings.upstream_api_key}"
+            authorization = f"Bearer {settings.upstream_api_key}"
         else:
-            authorization = header_value(scope, b"authorization")
-            if authorization is not None:
-                headers["authorization"] = authorization.decode("latin-1")
+            client_authorization = header_value(scope, b"authorization")
+            if client_authorization is not None:
+                authorization = client_authorization.decode("latin-1")
         try:
-            with anyio.fail_after(settings.health_timeout):
-                response = await self.state.ops_client.get(
-                    settings.upstream_base + "/v1/models", headers=headers
-                )
+            reply = await self.state.ops_client.get(
+                MODELS_PATH, settings.health_timeout, "application/json", authorization
+            )
         except (TimeoutError, httpx.HTTPError) as exc:
             raise ProxyError(502, f"vLLM's /v1/models could not be read: {exc!r}") from None
-        if response.status_code != 200:
-            status = response.status_code  # its 401 or 403: the client's key; else vLLM's fault
+        if reply.status != 200:
+            status = reply.status  # its 401 or 403: the client's key; else vLLM's fault
             raise ProxyError(
                 status if status in (401, 403) else 502, f"vLLM's /v1/models answered {status}."
             )
         try:
-            data = response.json()["data"]
+            data = orjson.loads(reply.content)["data"]
             return [str(model["id"]) for model in data]
         except (ValueError, KeyError, TypeError):
             raise ProxyError(502, "vLLM's /v1/models answer has no list of models.") from None

@@ -54,13 +54,10 @@ from vllm_hidden_state_proxy.proxy.relay import relay_response
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import relay_with_vectors
 from vllm_hidden_state_proxy.proxy.types import XARGS, RawHeaders, Scope, Send, WantedVectors
-from vllm_hidden_state_proxy.proxy.upstream import (
-    close_quietly,
-    open_upstream,
-    transport_error,
-)
+from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
 from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
+from vllm_hidden_state_proxy.transport import close_quietly
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
 _NO_ENCODING = frozenset({b"accept-encoding"})

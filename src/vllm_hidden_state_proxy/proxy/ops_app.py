@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import anyio
 import httpx
 
 from vllm_hidden_state_proxy.proxy.asgi import send_error, send_response
@@ -12,19 +11,7 @@ from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.ring import EngineFailure
-
-
-async def _get_upstream(
-    state: ProxyState, path: str, accept: str, timeout: float
-) -> httpx.Response:
-    """GET ``path`` from vLLM with an overall deadline of ``timeout`` seconds.
-
-    Raises ``TimeoutError`` or ``httpx.HTTPError``.
-    """
-    with anyio.fail_after(timeout):
-        return await state.ops_client.get(
-            state.settings.upstream_base + path, headers={"accept": accept}, timeout=timeout
-        )
+from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH
 
 
 def not_ready_failures(state: ProxyState) -> list[EngineFailure]:
@@ -65,13 +52,13 @@ class HealthApp:
         settings = self.state.settings
         detailed = has_api_key(scope, settings.api_key)
         try:
-            response = await _get_upstream(self.state, "/health", "*/*", settings.health_timeout)
+            reply = await self.state.ops_client.get(HEALTH_PATH, settings.health_timeout)
         except TimeoutError:
             problem = detail = f"its /health did not answer within {settings.health_timeout:g} s"
         except httpx.HTTPError as exc:
             problem, detail = "it cannot be reached", f"{exc!r}"
         else:
-            if response.status_code == 200:
+            if reply.status == 200:
                 failures = not_ready_failures(self.state)
                 if not failures:
                     await send_response(send, 200, b"", b"text/plain; charset=utf-8")
@@ -84,7 +71,7 @@ class HealthApp:
                     message = f"vLLM is healthy, but {why}."
                 await send_error(send, ProxyError(503, message))
                 return
-            problem = detail = f"its /health answered {response.status_code}"
+            problem = detail = f"its /health answered {reply.status}"
         if detailed:
             message = f"vLLM at {settings.upstream_url} is not healthy: {detail}."
         else:
@@ -119,7 +106,7 @@ class MetricsApp:
         """vLLM's metrics text, or None if they could not be fetched."""
         timeout = self.state.settings.metrics_upstream_timeout
         try:
-            response = await _get_upstream(self.state, "/metrics", "text/plain", timeout)
+            reply = await self.state.ops_client.get(METRICS_PATH, timeout, accept="text/plain")
         except (TimeoutError, httpx.HTTPError):
             return None
-        return response.content if response.status_code == 200 else None
+        return reply.content if reply.status == 200 else None

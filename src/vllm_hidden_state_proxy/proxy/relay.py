@@ -14,7 +14,8 @@ from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.sse_events import SEPARATORS
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.types import Scope, Send
-from vllm_hidden_state_proxy.proxy.upstream import broken_off, close_quietly, open_upstream
+from vllm_hidden_state_proxy.proxy.upstream import broken_off, open_upstream
+from vllm_hidden_state_proxy.transport import close_quietly
 
 log = logging.getLogger(__name__)
 

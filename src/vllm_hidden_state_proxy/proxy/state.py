@@ -12,14 +12,16 @@ from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.types import RingSource
 from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
+from vllm_hidden_state_proxy.transport.ops import OpsClient
 
 
 @dataclass(frozen=True)
 class Connections:
-    """What the lifespan opens: the pool towards vLLM, the small ops pool, the rings."""
+    """What the lifespan opens: the pool towards vLLM, the client of its ops routes (a small
+    pool of its own), the rings."""
 
     transport: httpx.AsyncBaseTransport
-    ops_client: httpx.AsyncClient
+    ops_client: OpsClient
     rings: RingSource
 
 
@@ -48,8 +50,8 @@ class ProxyState:
         return self._open().transport
 
     @property
-    def ops_client(self) -> httpx.AsyncClient:
-        """The small pool for /health and /metrics."""
+    def ops_client(self) -> OpsClient:
+        """vLLM's /health, /metrics and /v1/models, over a small pool of their own."""
         return self._open().ops_client
 
     @property

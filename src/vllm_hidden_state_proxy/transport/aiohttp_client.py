@@ -1,9 +1,10 @@
 """An httpx transport on aiohttp's client: httpx's API, a cheaper engine under it.
 
-The proxy speaks to vLLM through ``httpx.AsyncBaseTransport.handle_async_request`` only, so
-the engine underneath is a choice. httpx's default (httpcore over anyio sockets and h11) costs
-about as much CPU per request as the rest of the proxy together; aiohttp's client, written for
-asyncio with a C HTTP parser, costs a fraction (``docs/benchmark.md``, the instant-upstream arm).
+Whatever talks HTTP to vLLM (the proxy, ``extract``) speaks through
+``httpx.AsyncBaseTransport.handle_async_request`` only, so the engine underneath is a choice.
+httpx's default (httpcore over anyio sockets and h11) costs about as much CPU per request as
+the rest of the proxy together; aiohttp's client, written for asyncio with a C HTTP parser,
+costs a fraction (``docs/benchmark.md``, the instant-upstream arm).
 The ``httpx-aiohttp`` package does the same with defaults a proxy cannot keep (it lets aiohttp
 add ``User-Agent``, ``Accept`` and ``Accept-Encoding`` headers the client never sent, and reads
 fixed 16 KiB chunks), hence this small transport:

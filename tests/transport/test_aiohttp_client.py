@@ -1,4 +1,4 @@
-"""The engine under the proxy's httpx interface (proxy/aiohttp_transport.py), against real
+"""The engine under the proxy's httpx interface (transport/aiohttp_client.py), against real
 sockets: a tiny asyncio HTTP/1.1 server that records what arrives and answers as told.
 
 What the proxy relies on: exactly the client's headers go out; body chunks come back as they
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from vllm_hidden_state_proxy.processes import free_port
-from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
+from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport
 
 pytestmark = pytest.mark.anyio
 
