@@ -29,7 +29,17 @@ from tests.proxy.fakes import (
     vector_bytes,
     vector_for,
 )
-from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
+from vllm_hidden_state_proxy.protocol import (
+    BY_LAYER,
+    DTYPE,
+    INFO,
+    INFOS,
+    LAYERS_ENTRY,
+    POOLING_ENTRY,
+    REQUEST_KEY_ENTRY,
+    VECTOR,
+    VECTORS,
+)
 from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_join import (
     dump_json,
@@ -41,17 +51,8 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
     with_kv_fields,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.types import (
-    BY_LAYER,
-    DTYPE,
-    INFO,
-    INFOS,
-    VECTOR,
-    VECTORS,
-    VectorRequest,
-    WantedVectors,
-)
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import RingWriter
 
 pytestmark = pytest.mark.anyio

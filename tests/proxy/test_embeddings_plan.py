@@ -18,7 +18,7 @@ from vllm_hidden_state_proxy.proxy.embeddings_plan import (
     plan_embeddings,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.types import VectorRequest
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 
 DEFAULTS = EmbeddingsDefaults(template=DEFAULT_TEMPLATE, max_inputs=10)
 

@@ -41,7 +41,16 @@ from tests.proxy.fakes import (
 )
 from vllm_hidden_state_proxy.protocol import (
     DEFAULT_TEMPLATE,
+    FLAG,
+    FORMAT,
+    FORMATS,
+    INFO,
+    KV,
+    LAYERS,
+    OWN_FIELDS,
+    POOLING,
     REQUEST_KEY_ENTRY,
+    XARGS,
     XARGS_PREFIX,
     request_key_from_wire,
 )
@@ -71,19 +80,7 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ended_before_a_choice,
     replace_event,
 )
-from vllm_hidden_state_proxy.proxy.types import (
-    FLAG,
-    FORMAT,
-    FORMATS,
-    INFO,
-    KV,
-    LAYERS,
-    OWN_FIELDS,
-    POOLING,
-    XARGS,
-    WantedVectors,
-)
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, resolve_layers
 
 pytestmark = pytest.mark.anyio
 

@@ -33,16 +33,17 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.proxy import vector_lookup
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.types import VectorRequest, WantedVectors
 from vllm_hidden_state_proxy.proxy.vector_lookup import (
     EARLY_INTERVAL,
     FIRST_BACKOFF,
     MAX_BACKOFF,
     EarlyCapture,
+    WantedVectors,
     check_rings,
     resolve_layers,
     wait_for_record,
 )
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,
     ErrorRecord,
@@ -449,3 +450,8 @@ async def test_an_error_record_is_a_502_with_the_hooks_message(
     error = error_of(response)
     assert error["type"] == "bad_gateway"
     assert error["message"].endswith("CUDA error: an illegal memory access")
+
+
+def test_the_layers_to_capture_are_ascending_and_each_once() -> None:
+    wanted = WantedVectors(VectorRequest(layers=(4, 0, -1)), layers=(4, 0, 4), final_layer=4)
+    assert wanted.distinct_layers == (0, 4)

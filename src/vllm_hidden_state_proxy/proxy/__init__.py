@@ -27,9 +27,29 @@ keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream
 fan_out.py           several keyed requests for one client request (prompt lists,
                      embeddings inputs; embeddings_plan.py turns the inputs into them)
 errors.py            every error the proxy answers itself, and the factories naming the fix
-types.py             the words (flagged, keyed, pass through...), the client's field names,
-                     the shared types; settings.py: the options table; state.py, metrics.py:
-                     per-app state
+types.py             the shared type aliases; settings.py: the options table; state.py,
+                     metrics.py: per-app state
+
+Words (one per concept, in code, docs and messages; the project's, *reply* and *answer* first
+among them, are in ``protocol.py``):
+
+- **flagged request**: a client's request whose ``kv_transfer_params`` carries
+  ``return_last_hidden_state: true`` (the **flag**), asking for vectors. Any other request is
+  **ordinary**. Inspection tells the two apart (``inspection.py``: ``Ordinary | Flagged``).
+- **vector request** (``VectorRequest``, ``request_fields.py``): what a flagged request asks
+  for, as the client wrote it; **wanted vectors** (``WantedVectors``): the same in absolute
+  layers of the live rings.
+- **keyed request**: a request the proxy sends vLLM for a flagged request, with a fresh
+  request key in ``vllm_xargs``. A flagged request is sent as one keyed request, or as several
+  (a list of prompts, embeddings inputs: the **fan-out**, ``fan_out.py``).
+- **exchange**: everything that answers one client request once its body is read, from the
+  request to vLLM to the client's last byte; an endpoint builds it (``endpoints.py``), a client
+  that leaves cancels it.
+- **pass through**: send a request to vLLM as the client sent it and relay the reply back
+  untouched (ordinary requests, every other path).
+- **relay**: copy vLLM's reply to the client as it arrives.
+- **join**: put the vectors into vLLM's reply (``answer_join.py``, and for streams
+  ``stream_rewrite.py``, ``responses_stream.py``).
 """
 
 from vllm_hidden_state_proxy.proxy.app import create_app

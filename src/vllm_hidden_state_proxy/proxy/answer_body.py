@@ -36,6 +36,7 @@ import anyio
 import numpy as np
 import orjson
 import pybase64
+from starlette.types import Send
 
 import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
 from vllm_hidden_state_proxy.proxy.answer_join import (
@@ -48,7 +49,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.types import RawHeaders, Send
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
 from vllm_hidden_state_proxy.proxy.vector_memory import OFF_LOOP_BYTES, off_loop_limiter
 
 log = logging.getLogger("vllm_hidden_state_proxy.proxy")

@@ -36,22 +36,22 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pybase64
+from starlette.types import Send
 
-from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
-from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.types import (
+from vllm_hidden_state_proxy.protocol import (
     BY_LAYER,
     DTYPE,
     INFO,
     INFOS,
     KV,
+    MATRIX_POOLINGS,
     VECTOR,
     VECTORS,
-    RawHeaders,
-    Send,
-    WantedVectors,
 )
+from vllm_hidden_state_proxy.proxy.asgi import send_response
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
 from vllm_hidden_state_proxy.ring import Record
 from vllm_hidden_state_proxy.ring.records import Rows
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import orjson
+from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks, ChoiceCount, counted
@@ -37,8 +38,8 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     ended_before_a_choice,
     hold_until,
 )
-from vllm_hidden_state_proxy.proxy.types import Send, is_int
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
+from vllm_hidden_state_proxy.request_fields import is_int
 
 #: The vectors' fields for a finished choice.
 ChoiceFields = Callable[[ChoiceCount], Awaitable[dict[str, Any]]]

@@ -24,8 +24,7 @@ from vllm_hidden_state_proxy.proxy.ops_app import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
 from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
-from vllm_hidden_state_proxy.proxy.types import RingSource
+from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState, RingSource
 from vllm_hidden_state_proxy.ring import RingDirectory
 from vllm_hidden_state_proxy.transport import create_pool
 from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH, OpsClient

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.types import ASGIApp, Receive, Scope, Send
 from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH
 
 _BEARER = b"bearer "

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import orjson
+from starlette.types import Receive, Scope, Send
 
 from vllm_hidden_state_proxy.protocol import (
     DTYPES,
@@ -40,7 +41,6 @@ from vllm_hidden_state_proxy.proxy.answer_join import dump_json
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_error, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
 from vllm_hidden_state_proxy.ring import RingHeader
 from vllm_hidden_state_proxy.transport.ops import MODELS_PATH

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
+from starlette.types import Scope, Send
+
 from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
-from vllm_hidden_state_proxy.proxy.types import Scope, Send
 
 
 class ChatApp(GenerationEndpoint):

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+from starlette.types import Scope, Send
+
+from vllm_hidden_state_proxy.protocol import FLAG, KV
 from vllm_hidden_state_proxy.proxy.answer_body import send_joined
 from vllm_hidden_state_proxy.proxy.answer_join import (
     prompt_list_fields,
@@ -26,7 +29,8 @@ from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import FLAG, KV, Scope, Send, WantedVectors, is_token_ids
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
+from vllm_hidden_state_proxy.request_fields import is_token_ids
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
 _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from starlette.types import Scope, Send
 
 from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_whole
 from vllm_hidden_state_proxy.proxy.answer_join import Floats, base64_text, dump_json, float32_view
@@ -30,8 +31,7 @@ from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import parse_object
 from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Scope, Send, WantedVectors
-from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, check_rings, resolve_layers
 from vllm_hidden_state_proxy.ring.records import Rows
 
 

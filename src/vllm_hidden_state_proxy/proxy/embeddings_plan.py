@@ -22,7 +22,7 @@ from typing import Any
 from vllm_hidden_state_proxy.protocol import FORMATS, PLACEHOLDER, PROMPT_POOLINGS
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.inspection import check_choice
-from vllm_hidden_state_proxy.proxy.types import VectorRequest, is_int, is_token_ids
+from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int, is_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

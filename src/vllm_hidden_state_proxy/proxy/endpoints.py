@@ -12,6 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
+from starlette.types import Receive, Scope, Send
+
 from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
 from vllm_hidden_state_proxy.proxy.answer_choices import check_answerable
 from vllm_hidden_state_proxy.proxy.asgi import receive_body, run_until_disconnect, send_error
@@ -20,8 +22,8 @@ from vllm_hidden_state_proxy.proxy.inspection import Flagged, Ordinary, inspect_
 from vllm_hidden_state_proxy.proxy.planned_fields import PlannedFields
 from vllm_hidden_state_proxy.proxy.relay import pass_through
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send, WantedVectors
 from vllm_hidden_state_proxy.proxy.vector_lookup import (
+    WantedVectors,
     check_matrix_room,
     check_rings,
     resolve_layers,

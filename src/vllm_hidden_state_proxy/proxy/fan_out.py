@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from starlette.types import Scope
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.keyed_exchange import (
@@ -20,7 +21,7 @@ from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     fetch_keyed_json,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Scope, WantedVectors
+from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
 
 #: One upstream request: the scope it is sent as (method, path, headers) and its JSON body.
 Job = tuple[Scope, dict[str, Any]]

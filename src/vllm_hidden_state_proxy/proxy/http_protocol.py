@@ -24,11 +24,11 @@ import asyncio
 import functools
 from typing import Any
 
+from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.proxy.vector_memory import CUT_EXTENSION
 
 #: Per header, the bytes a head carries besides its name and value (": " and CRLF).

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import orjson
+from starlette.types import Scope, Send
 
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
@@ -29,6 +30,7 @@ from vllm_hidden_state_proxy.protocol import (
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
     SPANS_ENTRY,
+    XARGS,
     new_request_key,
     request_key_to_wire,
 )
@@ -53,9 +55,9 @@ from vllm_hidden_state_proxy.proxy.inspection import encode_document
 from vllm_hidden_state_proxy.proxy.relay import relay_response
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import relay_with_vectors
-from vllm_hidden_state_proxy.proxy.types import XARGS, RawHeaders, Scope, Send, WantedVectors
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
 from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
-from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, wait_for_record
+from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, WantedVectors, wait_for_record
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
 from vllm_hidden_state_proxy.transport import close_quietly
 

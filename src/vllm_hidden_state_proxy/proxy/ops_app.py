@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import httpx
+from starlette.types import Receive, Scope, Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_error, send_response
 from vllm_hidden_state_proxy.proxy.auth import has_api_key
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
 from vllm_hidden_state_proxy.ring import EngineFailure
 from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
+from starlette.types import Scope, Send
+
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_error
 from vllm_hidden_state_proxy.proxy.endpoints import Endpoint
 from vllm_hidden_state_proxy.proxy.inspection import check_other_endpoint
 from vllm_hidden_state_proxy.proxy.relay import pass_through
-from vllm_hidden_state_proxy.proxy.types import Scope, Send
 
 
 class PassthroughApp(Endpoint):

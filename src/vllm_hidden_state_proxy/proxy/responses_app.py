@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS
+from starlette.types import Scope, Send
+
+from vllm_hidden_state_proxy.protocol import ANSWER_POOLINGS, KV, POOLING
 from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.errors import bad_request
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import RESPONSES_FIELDS
 from vllm_hidden_state_proxy.proxy.responses_stream import relay_responses_with_vectors
-from vllm_hidden_state_proxy.proxy.types import KV, POOLING, Scope, Send
 
 
 class ResponsesApp(GenerationEndpoint):

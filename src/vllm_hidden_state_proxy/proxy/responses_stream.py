@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
@@ -37,7 +38,6 @@ from vllm_hidden_state_proxy.proxy.sse_events import (
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.stream_rewrite import hold_until
-from vllm_hidden_state_proxy.proxy.types import Send
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
 
 log = logging.getLogger(__name__)

@@ -4,15 +4,53 @@ and what the lifespan opens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
 from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.types import RingSource
 from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    Found,
+    PendingRows,
+    PublishMarks,
+    RingHeader,
+    RingShape,
+)
 from vllm_hidden_state_proxy.transport.ops import OpsClient
+
+
+class RingSource(Protocol):
+    """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
+
+    def lookup(self, key: bytes) -> Found | None: ...
+
+    def find(self, key: bytes) -> Found | PendingRows | None: ...
+
+    def has_ring(self) -> bool: ...
+
+    def live_ring_count(self) -> int: ...
+
+    def live_shapes(self) -> tuple[RingShape, ...]: ...
+
+    def live_headers(self) -> tuple[RingHeader, ...]: ...
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]: ...
+
+    def refusal(self) -> str | None: ...
+
+    def publishing_instances(self) -> frozenset[int]: ...
+
+    def publish_marks(self) -> PublishMarks: ...
+
+    def overwritten_since(self, marks: PublishMarks) -> bool: ...
+
+    def smallest_slot_count(self) -> int | None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

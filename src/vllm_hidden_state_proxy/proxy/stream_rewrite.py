@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 import orjson
+from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
@@ -30,7 +31,6 @@ from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.relay import complete_events, relay_body
 from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Send
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
 
 #: The streamed body changes length where the vectors are joined in.

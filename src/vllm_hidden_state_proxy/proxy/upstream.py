@@ -9,12 +9,12 @@ import logging
 import time
 
 import httpx
+from starlette.types import Scope
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Scope
 
 log = logging.getLogger(__name__)
 

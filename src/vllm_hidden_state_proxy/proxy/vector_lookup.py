@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -29,6 +30,8 @@ import anyio
 import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
+    KV,
+    LAYERS,
     MATRIX_POOLINGS,
     MAX_RECORD_MIB_ENV,
     absolute_layer,
@@ -45,16 +48,9 @@ from vllm_hidden_state_proxy.proxy.errors import (
     vector_timeout,
 )
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.types import (
-    KV,
-    LAYERS,
-    RingSource,
-    VectorRequest,
-    WantedVectors,
-    is_int,
-    is_token_ids,
-)
+from vllm_hidden_state_proxy.proxy.state import RingSource
 from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
+from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int, is_token_ids
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     Found,
@@ -67,6 +63,23 @@ from vllm_hidden_state_proxy.ring.layout import arena_block_size
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WantedVectors:
+    """A :class:`VectorRequest` resolved against the server's rings: absolute layer indices."""
+
+    request: VectorRequest
+    #: One absolute index per requested layer, in request order (default: the final layer).
+    layers: tuple[int, ...]
+    #: The final layer's index (N): its vector also goes in ``last_hidden_state``.
+    final_layer: int
+
+    @property
+    def distinct_layers(self) -> tuple[int, ...]:
+        """The layers to capture, ascending, each once."""
+        return tuple(sorted(set(self.layers)))
+
 
 #: First poll interval after a miss, and the cap it doubles up to (seconds).
 FIRST_BACKOFF = 50e-6

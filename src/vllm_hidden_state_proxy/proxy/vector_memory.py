@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
+from starlette.types import Scope
 
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.types import Scope
 
 #: Records and answers at least this large are copied, checked and encoded off the event loop.
 OFF_LOOP_BYTES = 256 * 1024

@@ -1,5 +1,4 @@
-"""The shared types (proxy/types.py): the JSON type checks the endpoints share, and the layers
-wanted vectors capture."""
+"""The JSON type checks of request_fields.py that the proxy's endpoints share too."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hidden_state_proxy.proxy.types import VectorRequest, WantedVectors, is_int, is_token_ids
+from vllm_hidden_state_proxy.request_fields import is_int, is_token_ids
 
 
 @pytest.mark.parametrize(
@@ -23,8 +22,3 @@ def test_a_json_integer_is_an_int_but_not_a_bool(value: Any, expected: bool) -> 
 )
 def test_token_ids_are_a_non_empty_list_of_integers(value: Any, expected: bool) -> None:
     assert is_token_ids(value) is expected
-
-
-def test_the_layers_to_capture_are_ascending_and_each_once() -> None:
-    wanted = WantedVectors(VectorRequest(layers=(4, 0, -1)), layers=(4, 0, 4), final_layer=4)
-    assert wanted.distinct_layers == (0, 4)
