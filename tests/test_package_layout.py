@@ -54,7 +54,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_sees_the_package() -> None:
     graph = import_graph()
     # The checker must find real edges, or "no cycle" would prove nothing.
-    assert f"{PACKAGE}.proxy.chat_app" in graph
+    assert f"{PACKAGE}.proxy.endpoints" in graph
     assert f"{PACKAGE}.protocol" in graph[f"{PACKAGE}.proxy.inspection"]
 
 

@@ -23,7 +23,10 @@ from vllm_hidden_state_proxy.bench.client import (
     tokens_in_event,
 )
 from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
-from vllm_hidden_state_proxy.proxy.embeddings_plan import EmbeddingsDefaults, plan_embeddings
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
+    EmbeddingsDefaults,
+    plan_embeddings,
+)
 
 
 def test_chat_bodies_flag_only_what_the_arm_asks_for() -> None:

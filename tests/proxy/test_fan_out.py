@@ -24,7 +24,7 @@ from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
 from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.lookup import resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 
 pytestmark = pytest.mark.anyio

@@ -55,9 +55,8 @@ from vllm_hidden_state_proxy.protocol import (
     request_key_from_wire,
 )
 from vllm_hidden_state_proxy.proxy import create_app
-from vllm_hidden_state_proxy.proxy.answer_join import with_kv_fields
-from vllm_hidden_state_proxy.proxy.completions_app import prompt_list
-from vllm_hidden_state_proxy.proxy.embeddings_plan import (
+from vllm_hidden_state_proxy.proxy.endpoints.completions import prompt_list
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     EmbeddingsDefaults,
@@ -73,14 +72,15 @@ from vllm_hidden_state_proxy.proxy.inspection import (
 )
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_body
 from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
-from vllm_hidden_state_proxy.proxy.stream_rewrite import (
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,
     ended_before_a_choice,
     replace_event,
 )
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.encoding import with_kv_fields
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
 
 pytestmark = pytest.mark.anyio
 

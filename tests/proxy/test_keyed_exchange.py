@@ -50,7 +50,7 @@ from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     parse_completion,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import Found, RingWriter
 

@@ -15,14 +15,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_hidden_state_proxy.protocol import CAPTURE_PATH
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
-from vllm_hidden_state_proxy.proxy.capture_app import CaptureApp
-from vllm_hidden_state_proxy.proxy.chat_app import ChatApp
-from vllm_hidden_state_proxy.proxy.completions_app import CompletionsApp
-from vllm_hidden_state_proxy.proxy.embeddings_app import EmbeddingsApp
+from vllm_hidden_state_proxy.proxy.endpoints import ChatApp, PassthroughApp, ResponsesApp
+from vllm_hidden_state_proxy.proxy.endpoints.capture import CaptureApp
+from vllm_hidden_state_proxy.proxy.endpoints.completions import CompletionsApp
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings import EmbeddingsApp
+from vllm_hidden_state_proxy.proxy.endpoints.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.ops_app import HealthApp, MetricsApp
-from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
-from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState, RingSource
 from vllm_hidden_state_proxy.ring import RingDirectory

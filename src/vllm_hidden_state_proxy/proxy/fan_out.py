@@ -21,7 +21,7 @@ from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     fetch_keyed_json,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors
 
 #: One upstream request: the scope it is sent as (method, path, headers) and its JSON body.
 Job = tuple[Scope, dict[str, Any]]

@@ -29,7 +29,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from vllm_hidden_state_proxy.proxy.vector_memory import CUT_EXTENSION
+from vllm_hidden_state_proxy.proxy.vectors.memory import CUT_EXTENSION
 
 #: Per header, the bytes a head carries besides its name and value (": " and CRLF).
 _HEADER_FRAMING = 4

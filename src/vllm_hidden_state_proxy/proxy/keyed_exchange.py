@@ -34,8 +34,17 @@ from vllm_hidden_state_proxy.protocol import (
     new_request_key,
     request_key_to_wire,
 )
-from vllm_hidden_state_proxy.proxy.answer_body import send_joined
-from vllm_hidden_state_proxy.proxy.answer_choices import (
+from vllm_hidden_state_proxy.proxy.asgi import send_error
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, answer_too_large, record_mismatch
+from vllm_hidden_state_proxy.proxy.inspection import encode_document
+from vllm_hidden_state_proxy.proxy.replies import send_joined
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.answer_vectors import relay_with_answer_vectors
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import relay_with_vectors
+from vllm_hidden_state_proxy.proxy.streams.relay import relay_response
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
+from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
+from vllm_hidden_state_proxy.proxy.vectors.answers import (
     AnswerAsks,
     ChoiceCount,
     answer_asks,
@@ -44,20 +53,12 @@ from vllm_hidden_state_proxy.proxy.answer_choices import (
     choice_records,
     without_asked_token_ids,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import (
-    prompt_list_fields,
-    single_prompt_fields,
+from vllm_hidden_state_proxy.proxy.vectors.encoding import prompt_list_fields, single_prompt_fields
+from vllm_hidden_state_proxy.proxy.vectors.lookup import (
+    EarlyCapture,
+    WantedVectors,
+    wait_for_record,
 )
-from vllm_hidden_state_proxy.proxy.answer_stream import relay_with_answer_vectors
-from vllm_hidden_state_proxy.proxy.asgi import send_error
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, answer_too_large, record_mismatch
-from vllm_hidden_state_proxy.proxy.inspection import encode_document
-from vllm_hidden_state_proxy.proxy.relay import relay_response
-from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.stream_rewrite import relay_with_vectors
-from vllm_hidden_state_proxy.proxy.types import RawHeaders
-from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
-from vllm_hidden_state_proxy.proxy.vector_lookup import EarlyCapture, WantedVectors, wait_for_record
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
 from vllm_hidden_state_proxy.transport import close_quietly
 

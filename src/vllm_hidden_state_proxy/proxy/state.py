@@ -11,7 +11,7 @@ import httpx
 from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
+from vllm_hidden_state_proxy.proxy.vectors.memory import VectorMemory
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,
     Found,

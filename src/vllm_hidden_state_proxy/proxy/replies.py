@@ -38,8 +38,11 @@ import orjson
 import pybase64
 from starlette.types import Send
 
-import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
-from vllm_hidden_state_proxy.proxy.answer_join import (
+import vllm_hidden_state_proxy.proxy.vectors.memory as vector_memory
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
+from vllm_hidden_state_proxy.proxy.vectors.encoding import (
     REBUILT_DROP,
     Matrix,
     as_dtype,
@@ -47,10 +50,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
     float32_view,
     with_kv_fields,
 )
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.types import RawHeaders
-from vllm_hidden_state_proxy.proxy.vector_memory import OFF_LOOP_BYTES, off_loop_limiter
+from vllm_hidden_state_proxy.proxy.vectors.memory import OFF_LOOP_BYTES, off_loop_limiter
 
 log = logging.getLogger("vllm_hidden_state_proxy.proxy")
 

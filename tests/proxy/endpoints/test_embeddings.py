@@ -31,7 +31,7 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
-from vllm_hidden_state_proxy.proxy.embeddings_app import embedding_of, input_error
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings import embedding_of, input_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.keyed_exchange import VllmAnswer
 from vllm_hidden_state_proxy.ring import Record, RingWriter

@@ -15,23 +15,28 @@ import numpy as np
 import orjson
 from starlette.types import Scope, Send
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_whole
-from vllm_hidden_state_proxy.proxy.answer_join import Floats, base64_text, dump_json, float32_view
 from vllm_hidden_state_proxy.proxy.asgi import send_error
-from vllm_hidden_state_proxy.proxy.embeddings_plan import (
+from vllm_hidden_state_proxy.proxy.endpoints import Endpoint
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
     FORWARDED_FIELDS,
     EmbeddingsDefaults,
     EmbeddingsPlan,
     dimensions_error,
     plan_embeddings,
 )
-from vllm_hidden_state_proxy.proxy.endpoints import Endpoint
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import parse_object
 from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
+from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_whole
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.encoding import (
+    Floats,
+    base64_text,
+    dump_json,
+    float32_view,
+)
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, check_rings, resolve_layers
 from vllm_hidden_state_proxy.ring.records import Rows
 
 

@@ -16,11 +16,6 @@ from typing import Any
 from starlette.types import Scope, Send
 
 from vllm_hidden_state_proxy.protocol import FLAG, KV
-from vllm_hidden_state_proxy.proxy.answer_body import send_joined
-from vllm_hidden_state_proxy.proxy.answer_join import (
-    prompt_list_fields,
-    send_unchanged,
-)
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
@@ -28,8 +23,10 @@ from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
+from vllm_hidden_state_proxy.proxy.replies import send_joined
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
+from vllm_hidden_state_proxy.proxy.vectors.encoding import prompt_list_fields, send_unchanged
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors
 from vllm_hidden_state_proxy.request_fields import is_token_ids
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"

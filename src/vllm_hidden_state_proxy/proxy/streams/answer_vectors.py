@@ -23,15 +23,18 @@ import httpx
 import orjson
 from starlette.types import Send
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
-from vllm_hidden_state_proxy.proxy.answer_choices import AnswerAsks, ChoiceCount, counted
-from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object, with_data
+from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.stream_rewrite import (
+from vllm_hidden_state_proxy.proxy.streams.events import (
+    EventCursor,
+    event_data,
+    json_object,
+    with_data,
+)
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     STREAM_DROP,
     ChoiceEvent,
     FirstChoiceScanner,
@@ -39,6 +42,8 @@ from vllm_hidden_state_proxy.proxy.stream_rewrite import (
     hold_until,
 )
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
+from vllm_hidden_state_proxy.proxy.vectors.answers import AnswerAsks, ChoiceCount, counted
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.request_fields import is_int
 
 #: The vectors' fields for a finished choice.

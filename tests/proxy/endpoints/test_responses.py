@@ -22,7 +22,7 @@ from tests.proxy.fakes import (
     settings_for,
     vector_for,
 )
-from vllm_hidden_state_proxy.proxy.responses_stream import CompletedJoiner
+from vllm_hidden_state_proxy.proxy.streams.responses import CompletedJoiner
 
 pytestmark = pytest.mark.anyio
 

@@ -23,7 +23,7 @@ from tests.proxy.fakes import (
     settings_for,
     vector_for,
 )
-from vllm_hidden_state_proxy.proxy.completions_app import merge_completions, prompt_list
+from vllm_hidden_state_proxy.proxy.endpoints.completions import merge_completions, prompt_list
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.ring import RingWriter
 

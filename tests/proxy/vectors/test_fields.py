@@ -40,8 +40,9 @@ from vllm_hidden_state_proxy.protocol import (
     VECTOR,
     VECTORS,
 )
-from vllm_hidden_state_proxy.proxy.answer_body import send_joined
-from vllm_hidden_state_proxy.proxy.answer_join import (
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.replies import send_joined
+from vllm_hidden_state_proxy.proxy.vectors.encoding import (
     dump_json,
     encode_vector,
     prompt_list_fields,
@@ -50,8 +51,7 @@ from vllm_hidden_state_proxy.proxy.answer_join import (
     vector_info,
     with_kv_fields,
 )
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import RingWriter
 

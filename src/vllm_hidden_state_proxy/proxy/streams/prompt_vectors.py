@@ -23,15 +23,15 @@ import httpx
 import orjson
 from starlette.types import Send
 
-from vllm_hidden_state_proxy.proxy.answer_body import encoded_off_loop, send_counted_events
-from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.relay import complete_events, relay_body
-from vllm_hidden_state_proxy.proxy.sse_events import EventCursor, event_data, json_object
+from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.events import EventCursor, event_data, json_object
+from vllm_hidden_state_proxy.proxy.streams.relay import complete_events, relay_body
 from vllm_hidden_state_proxy.proxy.upstream import transport_error
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
 
 #: The streamed body changes length where the vectors are joined in.
 STREAM_DROP = frozenset({b"content-length"})

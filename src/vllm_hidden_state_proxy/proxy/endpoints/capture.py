@@ -37,11 +37,11 @@ from vllm_hidden_state_proxy.protocol import (
     MAX_SPANS,
     REQUESTED_POOLINGS,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import dump_json
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_error, send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import check_rings
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json
+from vllm_hidden_state_proxy.proxy.vectors.lookup import check_rings
 from vllm_hidden_state_proxy.ring import RingHeader
 from vllm_hidden_state_proxy.transport.ops import MODELS_PATH
 

@@ -37,12 +37,13 @@ from tests.proxy.fakes import (
     settings_for,
 )
 from tests.proxy.raw_http import wait_until
-from tests.proxy.test_answer_vectors import ANSWERS, PROMPT_TOKENS, stream_events
+from tests.proxy.vectors.test_answers import ANSWERS, PROMPT_TOKENS, stream_events
 from vllm_hidden_state_proxy.protocol import answer_key
-from vllm_hidden_state_proxy.proxy import answer_body, create_app
-from vllm_hidden_state_proxy.proxy.answer_body import PIECE_BYTES, matrix_pieces
-from vllm_hidden_state_proxy.proxy.answer_join import Matrix, as_dtype, bfloat16_bits
+from vllm_hidden_state_proxy.proxy import create_app
+from vllm_hidden_state_proxy.proxy import replies as answer_body
+from vllm_hidden_state_proxy.proxy.replies import PIECE_BYTES, matrix_pieces
 from vllm_hidden_state_proxy.proxy.server import server_config
+from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, as_dtype, bfloat16_bits
 from vllm_hidden_state_proxy.ring import PendingRows, Record, RingWriter
 
 pytestmark = pytest.mark.anyio

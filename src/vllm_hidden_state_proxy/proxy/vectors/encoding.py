@@ -51,7 +51,7 @@ from vllm_hidden_state_proxy.protocol import (
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import RawHeaders
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors
 from vllm_hidden_state_proxy.ring import Record
 from vllm_hidden_state_proxy.ring.records import Rows
 

@@ -12,8 +12,8 @@ from starlette.types import Scope, Send
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.sse_events import SEPARATORS
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.events import SEPARATORS
 from vllm_hidden_state_proxy.proxy.upstream import broken_off, open_upstream
 from vllm_hidden_state_proxy.transport import close_quietly
 

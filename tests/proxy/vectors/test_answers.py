@@ -29,13 +29,13 @@ from vllm_hidden_state_proxy.protocol import (
     POOLING_ENTRY,
     answer_key,
 )
-from vllm_hidden_state_proxy.proxy.answer_choices import (
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.vectors.answers import (
     AnswerAsks,
     answer_asks,
     choice_counts,
     without_asked_token_ids,
 )
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
 
 pytestmark = pytest.mark.anyio

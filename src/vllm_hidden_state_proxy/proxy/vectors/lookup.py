@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-import vllm_hidden_state_proxy.proxy.vector_memory as vector_memory
+import vllm_hidden_state_proxy.proxy.vectors.memory as vector_memory
 from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     KV,
@@ -49,7 +49,7 @@ from vllm_hidden_state_proxy.proxy.errors import (
 )
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.state import RingSource
-from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
+from vllm_hidden_state_proxy.proxy.vectors.memory import off_loop_limiter
 from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int, is_token_ids
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,

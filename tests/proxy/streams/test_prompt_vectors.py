@@ -27,7 +27,7 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.stream_rewrite import (
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,

@@ -35,7 +35,7 @@ import orjson
 from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, KV, POOLING, all_answer_key, answer_key
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, record_mismatch
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vector_lookup import WantedVectors, wait_for_record
+from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, wait_for_record
 from vllm_hidden_state_proxy.request_fields import is_int
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
 

@@ -26,19 +26,19 @@ from typing import Any
 import httpx
 from starlette.types import Send
 
-from vllm_hidden_state_proxy.proxy.answer_join import dump_json, with_kv_fields
 from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
-from vllm_hidden_state_proxy.proxy.sse_events import (
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.events import (
     EventCursor,
     event_data,
     json_object,
     with_data,
 )
-from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.stream_rewrite import hold_until
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import hold_until
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from tests.proxy.fakes import (
     ring_shape,
     settings_for,
 )
-from vllm_hidden_state_proxy.proxy import vector_lookup
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.vector_lookup import (
+from vllm_hidden_state_proxy.proxy.vectors import lookup as vector_lookup
+from vllm_hidden_state_proxy.proxy.vectors.lookup import (
     EARLY_INTERVAL,
     FIRST_BACKOFF,
     MAX_BACKOFF,
