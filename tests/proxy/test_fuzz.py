@@ -70,7 +70,7 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     inspect_body,
     needs_inspection,
 )
-from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_body
+from vllm_hidden_state_proxy.proxy.keyed_request import keyed_body
 from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
 from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     ChoiceEvent,
@@ -79,8 +79,8 @@ from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     ended_before_a_choice,
     replace_event,
 )
-from vllm_hidden_state_proxy.proxy.vectors.encoding import with_kv_fields
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
 
 pytestmark = pytest.mark.anyio
 

@@ -40,17 +40,19 @@ from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 from vllm_hidden_state_proxy.proxy.keyed_exchange import (
-    AnswerBudget,
-    JoinableAnswer,
-    KeyedRequest,
-    VllmAnswer,
     fetch_keyed_json,
     is_event_stream,
-    keyed_body,
     parse_completion,
 )
+from vllm_hidden_state_proxy.proxy.keyed_request import (
+    JoinableReply,
+    KeyedRequest,
+    ReplyBudget,
+    UnchangedReply,
+    keyed_body,
+)
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import Found, RingWriter
 
@@ -292,10 +294,10 @@ async def test_vllms_errors_pass_through_unchanged_without_a_lookup(status: int)
     assert ring.lookups == 0
 
 
-@pytest.mark.parametrize("answer", [b"data: {}\n\n", b"[1, 2]", b'"text"', b""])
-async def test_a_200_that_is_not_a_json_object_is_502(answer: bytes) -> None:
+@pytest.mark.parametrize("reply", [b"data: {}\n\n", b"[1, 2]", b'"text"', b""])
+async def test_a_200_that_is_not_a_json_object_is_502(reply: bytes) -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=answer)
+        return httpx.Response(200, content=reply)
 
     ring = FakeRing()
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
@@ -324,11 +326,11 @@ async def test_a_200_breaking_mid_body_is_502_not_200() -> None:
 async def test_an_answer_too_deep_to_re_encode_is_502() -> None:
     """orjson reads it but cannot write it back with the vector joined in."""
     ring = FakeRing()
-    answer = b'{"choices": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    reply = b'{"choices": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
 
     async def handle(request: httpx.Request) -> httpx.Response:
         publish_for(ring, request)
-        return httpx.Response(200, headers={"content-type": "application/json"}, content=answer)
+        return httpx.Response(200, headers={"content-type": "application/json"}, content=reply)
 
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
         response = await proxy.client.post(CHAT, json=flagged())
@@ -514,15 +516,15 @@ async def test_fetch_keyed_json_answers_with_one_of_two_kinds() -> None:
     wanted = resolve_layers(VectorRequest(), ring.live_shapes())
     async with app.router.lifespan_context(app):
         state: ProxyState = app.state.proxy
-        budget = AnswerBudget(settings.max_answer_bytes)
+        budget = ReplyBudget(settings.max_answer_bytes)
         joinable = await fetch_keyed_json(state, scope, {"prompt": "ok"}, wanted, budget)
         refused = await fetch_keyed_json(state, scope, {"prompt": "refused"}, wanted, budget)
         with pytest.raises(ProxyError) as caught:
             await fetch_keyed_json(state, scope, {"prompt": "lost"}, wanted, budget)
-    assert isinstance(joinable, JoinableAnswer)
+    assert isinstance(joinable, JoinableReply)
     assert joinable.completion == completion()
     assert joinable.record == record_for(joinable.record.key, (FINAL,))
-    assert isinstance(refused, VllmAnswer)
+    assert isinstance(refused, UnchangedReply)
     assert (refused.status, refused.content) == (422, b"no")
     assert (b"x-v", b"1") in refused.headers
     assert caught.value.status == 504

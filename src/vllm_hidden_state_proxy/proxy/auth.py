@@ -13,9 +13,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import missing_api_key
 from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH
 
 _BEARER = b"bearer "
@@ -51,11 +50,7 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         if not has_api_key(scope, self._api_key):
-            error = ProxyError(
-                401,
-                "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-                f"proxy was started with (--api-key / {API_KEY_ENV}).",
-            )
+            error = missing_api_key()
             await send_response(
                 send, 401, error.body(), b"application/json", [(b"www-authenticate", b"Bearer")]
             )

@@ -39,20 +39,18 @@ import pybase64
 from starlette.types import Send
 
 import vllm_hidden_state_proxy.proxy.vectors.memory as vector_memory
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.asgi import send_response
+from vllm_hidden_state_proxy.proxy.errors import reply_not_reencodable
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import RawHeaders
-from vllm_hidden_state_proxy.proxy.vectors.encoding import (
-    REBUILT_DROP,
-    Matrix,
-    as_dtype,
-    dump_json,
-    float32_view,
-    with_kv_fields,
-)
+from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, as_dtype, dump_json, float32_view
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 from vllm_hidden_state_proxy.proxy.vectors.memory import OFF_LOOP_BYTES, off_loop_limiter
 
 log = logging.getLogger("vllm_hidden_state_proxy.proxy")
+
+#: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
+REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
 
 #: float32 values per base64 piece: a multiple of 3, so that pieces join into one base64 text
 #: whatever the dtype (4 or 2 bytes a value); 1 MiB of float32 rows.
@@ -170,10 +168,10 @@ async def send_joined(
     """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``, with
     vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
     own = downstream_response_headers(headers, drop=REBUILT_DROP)
-    await send_json_answer(send, own, with_kv_fields(completion, fields), fields)
+    await send_json_reply(send, own, with_kv_fields(completion, fields), fields)
 
 
-async def send_json_answer(
+async def send_json_reply(
     send: Send, headers: RawHeaders, document: dict[str, Any], fields: Any
 ) -> None:
     """Send ``document`` (vLLM's completion with ``fields`` joined in) as a 200 JSON answer:
@@ -192,9 +190,7 @@ async def send_json_answer(
                 )
                 vector_memory.give_back(text_size)
         except orjson.JSONEncodeError as exc:
-            raise ProxyError(
-                502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
-            ) from exc
+            raise reply_not_reencodable(exc) from exc
         vector_memory.take(len(body))
         start_headers = [(b"content-type", b"application/json")]
         start_headers.append((b"content-length", str(len(body)).encode("ascii")))
@@ -204,9 +200,7 @@ async def send_json_answer(
         try:
             text, matrices, marker = _without_matrices(document)
         except orjson.JSONEncodeError as exc:
-            raise ProxyError(
-                502, f"vLLM's answer cannot be re-encoded with the vector: {exc}"
-            ) from exc
+            raise reply_not_reencodable(exc) from exc
         vector_memory.take(len(text) + 2 * PIECE_BYTES)
         size = len(text) + text_size  # the matrices' text at most
         start_headers = [(b"content-type", b"application/json")]
@@ -344,3 +338,21 @@ async def encoded_off_loop(encode: Callable[[], bytes], fields: Any) -> bytes:
         return encode()
     vector_memory.take(text_size)
     return await anyio.to_thread.run_sync(encode, limiter=off_loop_limiter())
+
+
+async def send_whole(
+    send: Send, status: int, upstream_headers: RawHeaders, body: bytes, content_type: bytes
+) -> None:
+    """A complete response with vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
+    headers = downstream_response_headers(upstream_headers, drop=REBUILT_DROP)
+    await send_response(send, status, body, content_type, headers)
+
+
+async def send_unchanged(send: Send, status: int, headers: RawHeaders, content: bytes) -> None:
+    """A complete answer as vLLM wrote it (status, content type, body)."""
+    content_type = b"application/json"
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            content_type = value
+            break
+    await send_whole(send, status, headers, content, content_type)

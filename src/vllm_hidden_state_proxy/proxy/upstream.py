@@ -11,7 +11,14 @@ import time
 import httpx
 from starlette.types import Scope
 
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import (
+    ProxyError,
+    exchange_failed,
+    stream_broke_off,
+    stream_stalled,
+    vllm_timeout,
+    vllm_unreachable,
+)
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import ProxyState
@@ -89,12 +96,10 @@ def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError
     proxy's log."""
     _log_failure(settings.upstream_url, exc)
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return ProxyError(504, "vLLM did not answer in time.")
+        return vllm_timeout()
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return ProxyError(502, "Could not reach vLLM (the proxy's log says why).")
-    return ProxyError(
-        502, "The exchange with vLLM failed before it answered (the proxy's log says why)."
-    )
+        return vllm_unreachable()
+    return exchange_failed()
 
 
 def broken_off(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
@@ -103,8 +108,8 @@ def broken_off(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
     the read timeout: 504)."""
     _log_failure(settings.upstream_url, exc)
     if isinstance(exc, httpx.TimeoutException):
-        return ProxyError(504, "vLLM stopped sending its stream (the read timeout passed).")
-    return ProxyError(502, "vLLM's stream broke off before its end (the proxy's log says why).")
+        return stream_stalled()
+    return stream_broke_off()
 
 
 #: At most one log line per this many seconds about failed exchanges (a vLLM that is down

@@ -33,7 +33,7 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.protocol import LAYERS_ENTRY, POOLING_ENTRY, REQUEST_KEY_ENTRY
 from vllm_hidden_state_proxy.proxy.endpoints.embeddings import embedding_of, input_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.keyed_exchange import VllmAnswer
+from vllm_hidden_state_proxy.proxy.keyed_request import UnchangedReply
 from vllm_hidden_state_proxy.ring import Record, RingWriter
 
 pytestmark = pytest.mark.anyio
@@ -289,9 +289,9 @@ def test_embedding_of() -> None:
 
 
 def test_input_error_names_the_input() -> None:
-    vllm_json = VllmAnswer(400, [], orjson.dumps({"error": {"message": "too long"}}))
+    vllm_json = UnchangedReply(400, [], orjson.dumps({"error": {"message": "too long"}}))
     assert input_error(3, "input", vllm_json).message == "input[3]: too long"
-    plain = VllmAnswer(500, [], b"Internal Server Error")
+    plain = UnchangedReply(500, [], b"Internal Server Error")
     error = input_error(0, "input", plain)
     assert (error.status, error.message, error.param) == (
         500,
@@ -302,14 +302,14 @@ def test_input_error_names_the_input() -> None:
     assert (proxy_error.status, proxy_error.message) == (504, "input[1]: timed out")
     named = input_error(0, "messages", ProxyError(400, "nested", "x"))
     assert (named.message, named.param) == ("messages: nested", "x")
-    odd = input_error(0, "input", VllmAnswer(400, [], b'["not", "an", "object"]'))
+    odd = input_error(0, "input", UnchangedReply(400, [], b'["not", "an", "object"]'))
     assert odd.message == 'input[0]: ["not", "an", "object"]'
 
 
 def test_input_error_keeps_vllms_type_and_param() -> None:
     body = {"error": {"message": "The model `x` does not exist.", "type": "NotFoundError"}}
     body["error"]["param"] = "model"
-    error = input_error(2, "input", VllmAnswer(404, [], orjson.dumps(body)))
+    error = input_error(2, "input", UnchangedReply(404, [], orjson.dumps(body)))
     assert (error.status, error.param, error.kind) == (404, "model", "NotFoundError")
     assert orjson.loads(error.body())["error"] == {
         "message": "input[2]: The model `x` does not exist.",
@@ -327,7 +327,7 @@ def test_vllms_param_for_the_built_request_names_the_input(vllms: str | None) ->
     """vLLM names the fields of the request the proxy built (a prompt too long is
     ``input_tokens``; a text's chat is the proxy's ``messages``); the client sent ``input``."""
     body = {"error": {"message": "too long", "type": "BadRequestError", "param": vllms}}
-    error = input_error(1, "input", VllmAnswer(400, [], orjson.dumps(body)))
+    error = input_error(1, "input", UnchangedReply(400, [], orjson.dumps(body)))
     assert (error.param, error.kind, error.message) == (
         "input",
         "BadRequestError",
@@ -337,5 +337,5 @@ def test_vllms_param_for_the_built_request_names_the_input(vllms: str | None) ->
 
 def test_vllms_param_naming_a_field_of_the_chat_form_is_kept() -> None:
     body = {"error": {"message": "bad", "type": "BadRequestError", "param": "chat_template_kwargs"}}
-    error = input_error(0, "messages", VllmAnswer(400, [], orjson.dumps(body)))
+    error = input_error(0, "messages", UnchangedReply(400, [], orjson.dumps(body)))
     assert (error.param, error.message) == ("chat_template_kwargs", "messages: bad")

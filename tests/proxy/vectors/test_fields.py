@@ -41,17 +41,15 @@ from vllm_hidden_state_proxy.protocol import (
     VECTORS,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.replies import send_joined
-from vllm_hidden_state_proxy.proxy.vectors.encoding import (
-    dump_json,
-    encode_vector,
+from vllm_hidden_state_proxy.proxy.replies import send_joined, send_unchanged
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, encode_vector
+from vllm_hidden_state_proxy.proxy.vectors.fields import (
     prompt_list_fields,
-    send_unchanged,
     single_prompt_fields,
     vector_info,
     with_kv_fields,
 )
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import RingWriter
 

@@ -38,11 +38,9 @@ from vllm_hidden_state_proxy.proxy.vectors.lookup import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
     EarlyCapture,
-    WantedVectors,
-    check_rings,
-    resolve_layers,
     wait_for_record,
 )
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, check_rings, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,

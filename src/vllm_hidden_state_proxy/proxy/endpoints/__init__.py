@@ -46,13 +46,13 @@ from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.relay import pass_through
 from vllm_hidden_state_proxy.proxy.streams.responses import relay_responses_with_vectors
 from vllm_hidden_state_proxy.proxy.vectors.answers import check_answerable
-from vllm_hidden_state_proxy.proxy.vectors.lookup import (
+from vllm_hidden_state_proxy.proxy.vectors.memory import sharing
+from vllm_hidden_state_proxy.proxy.vectors.plan import (
     WantedVectors,
     check_matrix_room,
     check_rings,
     resolve_layers,
 )
-from vllm_hidden_state_proxy.proxy.vectors.memory import sharing
 
 
 class Endpoint(ABC):

@@ -38,10 +38,10 @@ from vllm_hidden_state_proxy.protocol import (
     REQUESTED_POOLINGS,
 )
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_error, send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, models_unreadable
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json
-from vllm_hidden_state_proxy.proxy.vectors.lookup import check_rings
+from vllm_hidden_state_proxy.proxy.vectors.plan import check_rings
 from vllm_hidden_state_proxy.ring import RingHeader
 from vllm_hidden_state_proxy.transport.ops import MODELS_PATH
 
@@ -119,14 +119,11 @@ class CaptureApp:
                 MODELS_PATH, settings.health_timeout, "application/json", authorization
             )
         except (TimeoutError, httpx.HTTPError) as exc:
-            raise ProxyError(502, f"vLLM's /v1/models could not be read: {exc!r}") from None
+            raise models_unreadable(exc) from None
         if reply.status != 200:
-            status = reply.status  # its 401 or 403: the client's key; else vLLM's fault
-            raise ProxyError(
-                status if status in (401, 403) else 502, f"vLLM's /v1/models answered {status}."
-            )
+            raise models_unreadable(status=reply.status)
         try:
             data = orjson.loads(reply.content)["data"]
             return [str(model["id"]) for model in data]
         except (ValueError, KeyError, TypeError):
-            raise ProxyError(502, "vLLM's /v1/models answer has no list of models.") from None
+            raise models_unreadable() from None

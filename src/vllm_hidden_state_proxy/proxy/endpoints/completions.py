@@ -4,7 +4,7 @@ vLLM runs every prompt of a list as its own engine request but with one shared
 ``SamplingParams``, so one request key cannot tell the prompts apart. The proxy therefore fans
 the list out: one upstream request per prompt, each with its own key (exact under any
 concurrency), at most ``settings.fan_out_limit`` in flight per client request, then merges the
-answers the way vLLM would have (choices numbered in prompt order, usage summed). If any prompt
+replies the way vLLM would have (choices numbered in prompt order, usage summed). If any prompt
 fails, the client gets that failure (the first in prompt order) and never a partial list.
 """
 
@@ -18,15 +18,15 @@ from starlette.types import Scope, Send
 from vllm_hidden_state_proxy.protocol import FLAG, KV
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_wanted
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, completions_not_mergeable
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
-from vllm_hidden_state_proxy.proxy.replies import send_joined
+from vllm_hidden_state_proxy.proxy.replies import send_joined, send_unchanged
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vectors.encoding import prompt_list_fields, send_unchanged
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors
+from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.request_fields import is_token_ids
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
@@ -130,22 +130,20 @@ async def _prompt_list_exchange(
 ) -> None:
     """Fan a flagged list of prompts out; answer with one entry per prompt, in prompt order."""
     jobs = [(scope, {**document, "prompt": prompt}) for prompt in prompts]
-    answers = await fetch_all(state, jobs, wanted)
-    if isinstance(answers, Failed):
-        failure = answers.failure
+    replies = await fetch_all(state, jobs, wanted)
+    if isinstance(replies, Failed):
+        failure = replies.failure
         if isinstance(failure, ProxyError):
             await send_error(send, failure)
         else:  # vLLM's own error for that prompt
             await send_unchanged(send, failure.status, failure.headers, failure.content)
         return
-    records = [record for answer in answers for record in answer.records]
+    records = [record for reply in replies for record in reply.records]
     fields = prompt_list_fields(records, wanted)
     try:
-        merged = merge_completions([answer.completion for answer in answers])
-        await send_joined(send, answers[0].headers, merged, fields)
+        merged = merge_completions([reply.completion for reply in replies])
+        await send_joined(send, replies[0].headers, merged, fields)
     except (TypeError, ValueError) as exc:  # not the completions shape vLLM writes
-        await send_error(
-            send, ProxyError(502, f"vLLM's completions answers cannot be merged: {exc}")
-        )
+        await send_error(send, completions_not_mergeable(exc))
     except ProxyError as error:
         await send_error(send, error)

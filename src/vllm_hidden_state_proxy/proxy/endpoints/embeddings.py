@@ -24,10 +24,15 @@ from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
     dimensions_error,
     plan_embeddings,
 )
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import (
+    ProxyError,
+    default_layer_not_captured,
+    embedding_not_finite,
+    of_input,
+)
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import parse_object
-from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
+from vllm_hidden_state_proxy.proxy.keyed_request import JoinableReply, UnchangedReply
 from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_whole
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.encoding import (
@@ -36,7 +41,7 @@ from vllm_hidden_state_proxy.proxy.vectors.encoding import (
     dump_json,
     float32_view,
 )
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, check_rings, resolve_layers
 from vllm_hidden_state_proxy.ring.records import Rows
 
 
@@ -59,14 +64,14 @@ def _where(index: int, field: str) -> str:
     return f"{field}[{index}]" if field == "input" else field
 
 
-def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> ProxyError:
+def input_error(index: int, field: str, failure: UnchangedReply | ProxyError) -> ProxyError:
     """The failure of one input, as the request's error, naming the input. vLLM's own error
     keeps its ``type``, and its ``param`` where that is a field the client sent (a wrong
     ``model`` names ``model``; a prompt too long names the input)."""
     where = _where(index, field)
     if isinstance(failure, ProxyError):
-        return ProxyError(
-            failure.status, f"{where}: {failure.message}", failure.param or field, failure.kind
+        return of_input(
+            where, failure.status, failure.message, failure.param or field, failure.kind
         )
     message = failure.content.decode("utf-8", "replace")
     param, kind = field, None
@@ -83,45 +88,26 @@ def input_error(index: int, field: str, failure: VllmAnswer | ProxyError) -> Pro
             param = error["param"]
         if isinstance(error.get("type"), str):
             kind = error["type"]
-    return ProxyError(failure.status, f"{where}: {message}", param, kind)
-
-
-def default_layer_not_captured(refusal: ProxyError) -> ProxyError:
-    """The server's ``--embedding-layer`` is not captured by its vLLM: the operator's mistake,
-    not the client's."""
-    return ProxyError(
-        503,
-        f"This server's default embedding layer (--embedding-layer) is not captured by its vLLM: "
-        f"{refusal.message} Or send 'layer' with one of those.",
-    )
-
-
-def not_finite(index: int, field: str) -> ProxyError:
-    return ProxyError(
-        502,
-        f"{_where(index, field)}: the model's hidden state holds NaN or infinity (an overflow, "
-        "e.g. in float16), so it is no embedding.",
-        field,
-    )
+    return of_input(where, failure.status, message, param, kind)
 
 
 def embeddings_response(
-    plan: EmbeddingsPlan, wanted: WantedVectors, answers: list[JoinableAnswer]
+    plan: EmbeddingsPlan, wanted: WantedVectors, replies: list[JoinableReply]
 ) -> dict[str, Any]:
     layer = wanted.layers[0]
     data = []
     prompt_tokens = 0
-    for index, answer in enumerate(answers):
-        vector = answer.record.vector(layer)
+    for index, reply in enumerate(replies):
+        vector = reply.record.vector(layer)
         if not np.isfinite(float32_view(vector)).all():
-            raise not_finite(index, plan.field)
+            raise embedding_not_finite(_where(index, plan.field), plan.field)
         embedding = embedding_of(vector, plan.normalize, plan.encoding_format)
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-        prompt_tokens += answer.record.num_prompt_tokens
+        prompt_tokens += reply.record.num_prompt_tokens
     return {
         "object": "list",
         "data": data,
-        "model": answers[0].completion.get("model"),
+        "model": replies[0].completion.get("model"),
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
 
@@ -151,23 +137,23 @@ class EmbeddingsApp(Endpoint):
         if plan.dimensions is not None and plan.dimensions != hidden_size:
             raise dimensions_error(plan.dimensions, hidden_size)
         state.metrics.requests["embeddings"] += 1
-        return self._answer(scope, send, plan, wanted)
+        return self._respond(scope, send, plan, wanted)
 
-    async def _answer(
+    async def _respond(
         self, scope: Scope, send: Send, plan: EmbeddingsPlan, wanted: WantedVectors
     ) -> None:
         jobs = [(at_path(scope, path), document) for path, document in plan.calls]
-        answers = await fetch_all(self.state, jobs, wanted)
-        if isinstance(answers, Failed):
-            await send_error(send, input_error(answers.index, plan.field, answers.failure))
+        replies = await fetch_all(self.state, jobs, wanted)
+        if isinstance(replies, Failed):
+            await send_error(send, input_error(replies.index, plan.field, replies.failure))
             return
         try:
-            response = embeddings_response(plan, wanted, answers)
+            response = embeddings_response(plan, wanted, replies)
             # Up to --max-embedding-inputs vectors: written in a thread when large, and counted.
             payload = await encoded_off_loop(lambda: dump_json(response), response)
         except ProxyError as error:
             await send_error(send, error)
             return
-        # Within --send-timeout and a least rate (answer_body.py): the vectors stay counted
+        # Within --send-timeout and a least rate (replies.py): the vectors stay counted
         # until the client has them.
-        await send_counted_whole(send, answers[0].headers, payload, b"application/json")
+        await send_counted_whole(send, replies[0].headers, payload, b"application/json")

@@ -7,7 +7,7 @@ from starlette.types import Receive, Scope, Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_error, send_response
 from vllm_hidden_state_proxy.proxy.auth import has_api_key
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import engines_not_ready, vllm_not_healthy
 from vllm_hidden_state_proxy.proxy.metrics import CONTENT_TYPE
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.ring import EngineFailure
@@ -51,6 +51,7 @@ class HealthApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.state.settings
         detailed = has_api_key(scope, settings.api_key)
+        vllm = f"vLLM at {settings.upstream_url}" if detailed else "vLLM"
         try:
             reply = await self.state.ops_client.get(HEALTH_PATH, settings.health_timeout)
         except TimeoutError:
@@ -63,20 +64,13 @@ class HealthApp:
                 if not failures:
                     await send_response(send, 200, b"", b"text/plain; charset=utf-8")
                     return
-                if detailed:
-                    why = "; ".join(failure.describe() for failure in failures)
-                    message = f"vLLM at {settings.upstream_url} is healthy, but {why}."
-                else:
-                    why = "; ".join(failure.summary() for failure in failures)
-                    message = f"vLLM is healthy, but {why}."
-                await send_error(send, ProxyError(503, message))
+                said = (
+                    failure.describe() if detailed else failure.summary() for failure in failures
+                )
+                await send_error(send, engines_not_ready(vllm, "; ".join(said)))
                 return
             problem = detail = f"its /health answered {reply.status}"
-        if detailed:
-            message = f"vLLM at {settings.upstream_url} is not healthy: {detail}."
-        else:
-            message = f"vLLM is not healthy: {problem}."
-        await send_error(send, ProxyError(503, message))
+        await send_error(send, vllm_not_healthy(vllm, detail if detailed else problem))
 
 
 class MetricsApp:

@@ -20,30 +20,28 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
-import orjson
 from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.errors import ProxyError, chunk_without_count, event_too_large
 from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.events import (
     EventCursor,
+    error_event,
     event_data,
     json_object,
     with_data,
 )
 from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
-    STREAM_DROP,
     ChoiceEvent,
     FirstChoiceScanner,
     ended_before_a_choice,
-    hold_until,
 )
+from vllm_hidden_state_proxy.proxy.streams.rewriting import encoded_chunk, hold_until, send_head
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
 from vllm_hidden_state_proxy.proxy.vectors.answers import AnswerAsks, ChoiceCount, counted
-from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 from vllm_hidden_state_proxy.request_fields import is_int
 
 #: The vectors' fields for a finished choice.
@@ -93,8 +91,11 @@ class AnswerEvents:
                 return b""
             written = chunk
             self.carries_vectors = True
-            return await encoded_off_loop(lambda: _encoded(event, written), fields) + separator
-        return _encoded(event, chunk) + separator if changed else event + separator
+            return (
+                await encoded_off_loop(lambda: with_data(event, encoded_chunk(written)), fields)
+                + separator
+            )
+        return with_data(event, encoded_chunk(chunk)) + separator if changed else event + separator
 
     def release(self, fingerprint: Any = None) -> bytes:
         """The held chunks, with ``fingerprint`` (vLLM's, from the usage chunk) if given."""
@@ -103,7 +104,7 @@ class AnswerEvents:
         for event, chunk, separator in self._held:
             if fingerprint is not None:
                 chunk = {**chunk, "system_fingerprint": fingerprint}
-            out += _encoded(event, chunk) + separator
+            out += with_data(event, encoded_chunk(chunk)) + separator
         self._held.clear()
         return bytes(out)
 
@@ -111,20 +112,8 @@ class AnswerEvents:
 def _finished(choices: list[Any], usage: Any) -> ChoiceCount:
     index = choices[0].get("index") if isinstance(choices[0], dict) else None
     if len(choices) != 1 or not is_int(index) or not isinstance(usage, dict):
-        raise ProxyError(
-            502,
-            "vLLM streamed a choice's last chunk without its own token count (one choice per "
-            "chunk, with continuous usage stats), which the proxy needs to find the answer's "
-            "hidden state.",
-        )
+        raise chunk_without_count()
     return counted(index, usage.get("completion_tokens"), usage.get("prompt_tokens"))
-
-
-def _encoded(event: bytes, chunk: dict[str, Any]) -> bytes:
-    try:
-        return with_data(event, dump_json(chunk))
-    except orjson.JSONEncodeError as exc:
-        raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
 
 
 async def _rewrite_complete(
@@ -180,13 +169,7 @@ async def relay_with_answer_vectors(
         status, body = ended_before_a_choice(scanner.error)
         await send_response(send, status, body, b"application/json")
         return
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": downstream_response_headers(response.headers.raw, drop=STREAM_DROP),
-        }
-    )
+    await send_head(send, response)
     cursor = EventCursor()
     events = AnswerEvents(asks, fields)
     limit = state.settings.max_answer_bytes
@@ -201,11 +184,7 @@ async def relay_with_answer_vectors(
                 if not await _send_events(send, events, out):
                     return
                 if error is None and len(buffer) > limit:
-                    error = ProxyError(
-                        502,
-                        f"vLLM streamed an event larger than {limit} bytes (the proxy's "
-                        "--max-answer-size).",
-                    )
+                    error = event_too_large(limit)
                 if error is not None:
                     break
     except httpx.TransportError as exc:
@@ -214,7 +193,7 @@ async def relay_with_answer_vectors(
         state.metrics.upstream_errors += 1
         error = broken_off(state.settings, exc)
     if error is not None:  # the choices finished before it keep their vectors
-        end = events.release() + b"data: " + error.body() + b"\n\n"
+        end = events.release() + error_event(error)
         await _send_events(send, events, end, more=False)
         return
     await _send_events(send, events, events.release() + bytes(buffer), more=False)

@@ -1,9 +1,12 @@
-"""Server-sent events in a growing buffer: where each complete event ends, its data, and an
-event with its data replaced (the other lines, e.g. ``event:``, kept as they were).
+"""Server-sent events (SSE): the one place that knows their framing. Where each complete event
+of a growing buffer ends, its data, an event with its data replaced (the other lines, e.g.
+``event:``, kept as they were), and the proxy's own last event (:func:`error_event`: an error that
+ends a stream).
 
-Used by both stream rewriters (:mod:`.stream_rewrite` for chat and completions chunks,
-:mod:`.responses_stream` for the Responses API's events). Each byte is searched once however
-the stream is cut: :class:`EventCursor` resumes where its last search stopped.
+Used by the relay (:mod:`.relay`) and the three stream rewriters (:mod:`.prompt_vectors` for
+chat and completions chunks, :mod:`.answer_vectors` for the answer's vectors,
+:mod:`.responses` for the Responses API's events). Each byte is searched once however the
+stream is cut: :class:`EventCursor` resumes where its last search stopped.
 """
 
 from __future__ import annotations
@@ -12,10 +15,37 @@ from typing import Any
 
 import orjson
 
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+
 #: Event separators (the SSE spec allows LF, CRLF and CR line ends; vLLM writes LF).
 SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 #: The longest separator, less one: a separator can straddle two reads by this many bytes.
 OVERLAP = 3
+#: What starts a data line.
+DATA = b"data: "
+#: The separator the proxy writes after its own events (vLLM's: LF).
+SEPARATOR = b"\n\n"
+#: The most bytes of one partial event held back (a longer one goes on as it comes).
+MAX_HELD = 1 << 20
+
+
+def error_event(error: ProxyError, name: bytes | None = None) -> bytes:
+    """The proxy's own last event of a started stream: an ``event:`` line if ``name`` (the
+    Responses API's ``error``), ``data:`` the error's OpenAI body (which the OpenAI client
+    raises), the separator."""
+    named = b"event: " + name + b"\n" if name is not None else b""
+    return named + DATA + error.body() + SEPARATOR
+
+
+def complete_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the complete events at the start of ``data``, the partial one after them)."""
+    cut = max(
+        (at + len(separator) for separator in SEPARATORS if (at := data.rfind(separator)) != -1),
+        default=0,
+    )
+    if cut == 0:
+        return (data, b"") if len(data) > MAX_HELD else (b"", data)
+    return data[:cut], data[cut:]
 
 
 def event_end(buffer: bytes | bytearray, start: int, search_from: int) -> tuple[int, int] | None:
@@ -53,7 +83,7 @@ def with_data(event: bytes, data: bytes) -> bytes:
         if not line.startswith(b"data:"):
             kept.append(line)
         elif data:
-            kept.append(b"data: " + data)
+            kept.append(DATA + data)
             data = b""
     return b"\n".join(kept)
 

@@ -15,28 +15,27 @@ code as the status, and a stream without one a 502.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
-import orjson
 from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.errors import stream_without_choice
 from vllm_hidden_state_proxy.proxy.replies import encoded_off_loop, send_counted_events
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.streams.events import EventCursor, event_data, json_object
-from vllm_hidden_state_proxy.proxy.streams.relay import complete_events, relay_body
-from vllm_hidden_state_proxy.proxy.upstream import transport_error
-from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
-
-#: The streamed body changes length where the vectors are joined in.
-STREAM_DROP = frozenset({b"content-length"})
-
-T = TypeVar("T")
+from vllm_hidden_state_proxy.proxy.streams.events import (
+    DATA,
+    EventCursor,
+    complete_events,
+    event_data,
+    json_object,
+)
+from vllm_hidden_state_proxy.proxy.streams.relay import relay_body
+from vllm_hidden_state_proxy.proxy.streams.rewriting import encoded_chunk, hold_until, send_head
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 
 
 @dataclass(frozen=True)
@@ -95,51 +94,13 @@ def ended_before_a_choice(error: bytes | None) -> tuple[int, bytes]:
     code = details.get("code") if isinstance(details, dict) else None
     if error is not None and isinstance(code, int) and 400 <= code <= 599:
         return code, error
-    said = "" if error is None else f" vLLM's error: {error.decode(errors='replace')}"
-    message = f"vLLM's stream ended before its first choice, which the hidden state rides on.{said}"
-    return 502, ProxyError(502, message).body()
+    return 502, stream_without_choice(error).body()
 
 
 def replace_event(buffer: bytes | bytearray, event: ChoiceEvent, chunk: dict[str, Any]) -> bytes:
-    """``buffer`` with ``event`` replaced by a ``data:`` event carrying ``chunk``.
-
-    Raises ``ProxyError`` (502) if ``chunk`` cannot be written back: orjson reads 1024 levels
-    of nesting but writes 254 (vLLM's chunks are a few levels deep).
-    """
-    try:
-        data = dump_json(chunk)
-    except orjson.JSONEncodeError as exc:
-        raise ProxyError(502, f"vLLM streamed a chunk the proxy cannot re-encode: {exc}.") from None
-    return bytes(buffer[: event.start]) + b"data: " + data + buffer[event.end :]
-
-
-async def hold_until(
-    state: ProxyState,
-    chunks: AsyncIterator[bytes],
-    scan: Callable[[bytearray], T | None],
-    missing: str,
-) -> tuple[bytearray, T | None]:
-    """Buffer a flagged stream until ``scan`` finds what the vectors wait for (``None``: the
-    stream ended first), within ``--max-answer-size`` (then a 502 saying the stream had
-    ``missing`` in that many bytes). Raises ``ProxyError``: nothing has been sent yet."""
-    limit = state.settings.max_answer_bytes
-    buffer = bytearray()
-    try:
-        async for chunk in chunks:
-            buffer += chunk
-            found = scan(buffer)
-            if found is not None:
-                return buffer, found
-            if len(buffer) > limit:
-                raise ProxyError(
-                    502,
-                    f"vLLM's stream had {missing} in its first {limit} bytes (the proxy's "
-                    "--max-answer-size).",
-                )
-    except httpx.HTTPError as exc:
-        state.metrics.upstream_errors += 1
-        raise transport_error(state.settings, exc) from exc
-    return buffer, None
+    """``buffer`` with ``event`` replaced by a ``data:`` event carrying ``chunk`` (``ProxyError``
+    502 if it cannot be written back)."""
+    return bytes(buffer[: event.start]) + DATA + encoded_chunk(chunk) + buffer[event.end :]
 
 
 async def relay_with_vectors(
@@ -165,13 +126,7 @@ async def relay_with_vectors(
     head = await encoded_off_loop(
         lambda: replace_event(buffer, found, with_kv_fields(found.chunk, joined)), joined
     )
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": downstream_response_headers(response.headers.raw, drop=STREAM_DROP),
-        }
-    )
+    await send_head(send, response)
     head, pending = complete_events(head)  # a partial event waits for its end (or an error)
     if not await send_counted_events(send, head):  # the vectors' event, within its deadline
         return

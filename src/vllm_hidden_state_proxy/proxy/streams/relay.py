@@ -1,5 +1,6 @@
-"""Relaying: vLLM's answer back to the client byte for byte, as it arrives; and passing a request
-through (sent as it came, the answer relayed)."""
+"""Relaying: vLLM's reply back to the client byte for byte, as it arrives; and passing a request
+through (sent as it came, the reply relayed). A flagged stream that breaks off ends with an
+error event (:mod:`.events` frames it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.streams.events import SEPARATORS
+from vllm_hidden_state_proxy.proxy.streams.events import complete_events, error_event
 from vllm_hidden_state_proxy.proxy.upstream import broken_off, open_upstream
 from vllm_hidden_state_proxy.transport import close_quietly
 
@@ -64,26 +65,10 @@ async def relay_body(
     await send({"type": "http.response.body", "body": pending, "more_body": False})
 
 
-#: The most bytes of one partial event held back (a longer one goes on as it comes).
-_MAX_HELD = 1 << 20
-
-
-def complete_events(data: bytes) -> tuple[bytes, bytes]:
-    """(the complete events at the start of ``data``, the partial one after them)."""
-    cut = max(
-        (at + len(separator) for separator in SEPARATORS if (at := data.rfind(separator)) != -1),
-        default=0,
-    )
-    if cut == 0:
-        return (data, b"") if len(data) > _MAX_HELD else (b"", data)
-    return data[:cut], data[cut:]
-
-
 async def send_error_event(send: Send, error: ProxyError) -> None:
     """End a started event stream with ``error`` as its last event (``data: {"error": ...}``,
     which the OpenAI client raises; no ``[DONE]``)."""
-    event = b"data: " + error.body() + b"\n\n"
-    await send({"type": "http.response.body", "body": event, "more_body": False})
+    await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
 
 
 async def pass_through(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:

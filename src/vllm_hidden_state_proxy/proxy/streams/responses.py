@@ -27,18 +27,19 @@ import httpx
 from starlette.types import Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.errors import stream_without_output
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.events import (
     EventCursor,
+    error_event,
     event_data,
     json_object,
     with_data,
 )
-from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import hold_until
+from vllm_hidden_state_proxy.proxy.streams.rewriting import hold_until, send_head
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
-from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, with_kv_fields
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ _PRELUDE = frozenset({"response.created", "response.in_progress"})
 _FAILED = frozenset({"error", "response.failed"})
 _COMPLETED = "response.completed"
 _COMPLETED_MARK = b'"response.completed"'
-#: The streamed body changes length where the vectors are joined in.
-_STREAM_DROP = frozenset({b"content-length"})
 
 
 class _Overflow(Exception):
@@ -129,12 +128,6 @@ class CompletedJoiner:
         return with_data(event, dump_json(document))
 
 
-def _failed_before_output(error: bytes | None) -> bytes:
-    said = "" if error is None else f" vLLM's event: {error.decode(errors='replace')}"
-    message = f"vLLM's stream ended before any output, so without the hidden state.{said}"
-    return ProxyError(502, message).body()
-
-
 async def relay_responses_with_vectors(
     state: ProxyState,
     send: Send,
@@ -151,17 +144,11 @@ async def relay_responses_with_vectors(
     )
     if outcome is None or outcome[0] != "output":
         error = None if outcome is None else outcome[1]
-        await send_response(send, 502, _failed_before_output(error), b"application/json")
+        await send_response(send, 502, stream_without_output(error).body(), b"application/json")
         return
     joiner = CompletedJoiner(await fields(), limit)
     head = joiner.feed(buffer)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": downstream_response_headers(response.headers.raw, drop=_STREAM_DROP),
-        }
-    )
+    await send_head(send, response)
     await send({"type": "http.response.body", "body": head, "more_body": True})
     try:
         async for chunk in chunks:
@@ -173,8 +160,8 @@ async def relay_responses_with_vectors(
         # the OpenAI client raises.
         state.metrics.upstream_errors += 1
         failure = broken_off(state.settings, exc)
-        event = b"event: error\ndata: " + failure.body() + b"\n\n"
-        await send({"type": "http.response.body", "body": event, "more_body": False})
+        last = error_event(failure, b"error")
+        await send({"type": "http.response.body", "body": last, "more_body": False})
         return
     except _Overflow as exc:
         log.warning("a flagged Responses stream was cut: %s (--max-answer-size)", exc)

@@ -33,9 +33,16 @@ from typing import Any
 import orjson
 
 from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY, KV, POOLING, all_answer_key, answer_key
-from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request, record_mismatch
+from vllm_hidden_state_proxy.proxy.errors import (
+    answer_not_counted,
+    answer_record_misplaced,
+    bad_request,
+    no_token_generated,
+    record_mismatch,
+)
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vectors.lookup import WantedVectors, wait_for_record
+from vllm_hidden_state_proxy.proxy.vectors.lookup import wait_for_record
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.request_fields import is_int
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
 
@@ -120,24 +127,12 @@ class ChoiceCount:
     num_prompt_tokens: int | None = None
 
 
-def _not_counted(what: str) -> ProxyError:
-    return ProxyError(
-        502,
-        f"vLLM's answer {what}, which the proxy needs to find the answer's hidden state "
-        "(is this vLLM's OpenAI server, 0.32 or later?).",
-    )
-
-
 def counted(index: int, num_output_tokens: Any, num_prompt_tokens: Any = None) -> ChoiceCount:
     """A choice's count as vLLM's answer says it; ``ProxyError`` if it says none."""
     if not is_int(num_output_tokens):
-        raise _not_counted(f"has no token count for choice {index}")
+        raise answer_not_counted(f"has no token count for choice {index}")
     if num_output_tokens < 1:
-        raise ProxyError(
-            400,
-            f"Choice {index} generated no token (max_tokens 0?), so there is no answer state "
-            "to return: ask for at least one token.",
-        )
+        raise no_token_generated(index)
     return ChoiceCount(
         index, num_output_tokens, num_prompt_tokens if is_int(num_prompt_tokens) else None
     )
@@ -148,14 +143,14 @@ def choice_counts(completion: dict[str, Any]) -> list[ChoiceCount]:
     for with ``n > 1``), else (one choice) the answer's ``usage``."""
     choices = completion.get("choices")
     if not isinstance(choices, list) or not choices:
-        raise _not_counted("has no choices")
+        raise answer_not_counted("has no choices")
     prompt = completion.get(_PROMPT_TOKEN_IDS)  # chat: the answer's; completions: per choice
     usage = completion.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     counts = []
     for choice in choices:
         if not isinstance(choice, dict) or not is_int(choice.get("index")):
-            raise _not_counted("has a choice without an index")
+            raise answer_not_counted("has a choice without an index")
         index = choice["index"]
         token_ids = choice.get(_TOKEN_IDS)
         if isinstance(token_ids, list):
@@ -167,7 +162,7 @@ def choice_counts(completion: dict[str, Any]) -> list[ChoiceCount]:
                 counted(index, usage.get("completion_tokens"), usage.get("prompt_tokens"))
             )
         else:
-            raise _not_counted(f"has no token_ids for choice {index}")
+            raise answer_not_counted(f"has no token_ids for choice {index}")
     return counts
 
 
@@ -222,14 +217,14 @@ async def choice_record(
     )
     too_few = matrix and record.rows < count.num_output_tokens
     if record.position != expected or prompt_differs or too_few:
-        raise ProxyError(
-            502,
-            f"The vLLM worker hook's answer record of choice {count.index} is of position "
-            f"{record.position} ({record.rows} rows) of a {record.num_prompt_tokens}-token "
-            f"prompt, but vLLM's answer has {count.num_output_tokens} tokens"
-            + (f" after a {count.num_prompt_tokens}-token prompt" if prompt_differs else "")
-            + f" (position {expected}): the worker hook and this proxy disagree; please report "
-            "it.",
+        raise answer_record_misplaced(
+            count.index,
+            record.position,
+            record.rows,
+            record.num_prompt_tokens,
+            count.num_output_tokens,
+            count.num_prompt_tokens if prompt_differs else None,
+            expected,
         )
     return record.first_rows(count.num_output_tokens) if matrix else record
 

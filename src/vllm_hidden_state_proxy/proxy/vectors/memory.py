@@ -30,7 +30,11 @@ from contextlib import contextmanager
 import anyio
 from starlette.types import Scope
 
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import (
+    ProxyError,
+    vectors_budget_exhausted,
+    vectors_too_large,
+)
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 
 #: Records and answers at least this large are copied, checked and encoded off the event loop.
@@ -50,28 +54,6 @@ def off_loop_limiter() -> anyio.CapacityLimiter:
     if _LIMITER is None:
         _LIMITER = anyio.CapacityLimiter(OFF_LOOP_THREADS)
     return _LIMITER
-
-
-def _mib(size: int) -> str:
-    return f"{size / (1 << 20):.1f} MiB"
-
-
-def request_too_large(size: int, limit: int, param: str | None = None) -> ProxyError:
-    return ProxyError(
-        413,
-        f"The vectors of this request take {_mib(size)} in the proxy, more than one request may "
-        f"({_mib(limit)}, the proxy's --max-vectors-size): ask for fewer prompts, rows, layers "
-        "or choices.",
-        param,
-    )
-
-
-def budget_exhausted(size: int, total: int) -> ProxyError:
-    return ProxyError(
-        503,
-        f"The proxy's memory for vectors is in use ({_mib(total)}, --vectors-budget); "
-        f"{_mib(size)} more does not fit now: retry.",
-    )
 
 
 class VectorMemory:
@@ -126,10 +108,10 @@ class VectorShare:
         memory = self.memory
         if self.taken + size > memory.per_request:
             self._refusal("request")
-            raise request_too_large(self.taken + size, memory.per_request)
+            raise vectors_too_large(self.taken + size, memory.per_request)
         if memory.held + size > memory.total:
             self._refusal("budget")
-            raise budget_exhausted(size, memory.total)
+            raise vectors_budget_exhausted(size, memory.total)
         memory.held += size
         memory.peak = max(memory.peak, memory.held)
         memory._changed()
@@ -144,7 +126,7 @@ class VectorShare:
     def refuse(self, size: int, param: str | None) -> ProxyError:
         """The 413 for a request whose matrices, known before sending, take ``size`` bytes."""
         self._refusal("request")
-        return request_too_large(size, self.memory.per_request, param)
+        return vectors_too_large(size, self.memory.per_request, param)
 
     def cut_off(self) -> None:
         """Cut the client's connection (too slow to take its answer), where the server can."""
