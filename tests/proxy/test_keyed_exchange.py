@@ -42,7 +42,6 @@ from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 from vllm_hidden_state_proxy.proxy.keyed_exchange import (
     fetch_keyed_json,
     is_event_stream,
-    parse_completion,
 )
 from vllm_hidden_state_proxy.proxy.keyed_request import (
     JoinableReply,
@@ -52,6 +51,7 @@ from vllm_hidden_state_proxy.proxy.keyed_request import (
     keyed_body,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.events import json_object
 from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import Found, RingWriter
@@ -462,10 +462,10 @@ def test_a_non_finite_number_in_a_flagged_body_reaches_vllm_as_written(constant:
     assert b'"temperature": ' + constant in keyed_body(decision.document, WIRE, wanted())
 
 
-def test_parse_completion() -> None:
-    assert parse_completion(b'{"id": "x"}') == {"id": "x"}
-    assert parse_completion(b"[1]") is None
-    assert parse_completion(b"data: {}") is None
+def test_a_json_reply_is_read_as_an_object_or_none() -> None:
+    assert json_object(b'{"id": "x"}') == {"id": "x"}
+    assert json_object(b"[1]") is None
+    assert json_object(b"data: {}") is None
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-import orjson
 from starlette.types import Scope, Send
 
 from vllm_hidden_state_proxy.proxy.asgi import send_error
@@ -34,6 +33,7 @@ from vllm_hidden_state_proxy.proxy.keyed_request import (
 from vllm_hidden_state_proxy.proxy.replies import send_joined
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.answer_vectors import relay_with_answer_vectors
+from vllm_hidden_state_proxy.proxy.streams.events import json_object
 from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import relay_with_vectors
 from vllm_hidden_state_proxy.proxy.streams.relay import relay_response
 from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
@@ -107,19 +107,10 @@ async def _received(state: ProxyState, reading: Awaitable[bytes]) -> bytes:
 
 
 def _completion_of(content: bytes) -> dict[str, Any]:
-    completion = parse_completion(content)
+    completion = json_object(content)
     if completion is None:
         raise not_a_json_object()
     return completion
-
-
-def parse_completion(body: bytes) -> dict[str, Any] | None:
-    """vLLM's 200 JSON response as a dict, or ``None`` if it is not a JSON object."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return document if isinstance(document, dict) else None
 
 
 async def _read_completion(

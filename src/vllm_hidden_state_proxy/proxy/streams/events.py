@@ -67,11 +67,13 @@ def event_data(event: bytes) -> bytes | None:
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:
+    """An event's data (or a whole JSON reply of vLLM's) as a JSON object, or ``None`` if it is
+    not one."""
     try:
-        chunk = orjson.loads(data)
+        document = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    return chunk if isinstance(chunk, dict) else None
+    return document if isinstance(document, dict) else None
 
 
 def with_data(event: bytes, data: bytes) -> bytes:
