@@ -79,7 +79,7 @@ async def run(
             return await fetch_all(state, [(SCOPE, {"prompt": p}) for p in prompts], wanted)
 
 
-async def test_answers_come_in_job_order_with_at_most_the_limit_in_flight() -> None:
+async def test_replies_come_in_job_order_with_at_most_the_limit_in_flight() -> None:
     ring = FakeRing()
     vllm = GatedVLLM(ring, gate=3)
     replies = await run(vllm, ring, [f"p{i}" for i in range(10)], limit=3)

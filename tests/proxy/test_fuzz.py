@@ -2,11 +2,11 @@
 hypothesis.
 
 Nothing crashes, nothing hangs: a validator returns a decision or raises ``ProxyError`` 400; a
-flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the
-one choice event that carries the vector) or with an OpenAI-shaped error. The regressions these
-found are plain tests in the modules' own files (test_inspection.py: nesting; test_stream_rewrite.py
-and test_keyed_exchange.py: answers too deep to re-encode; test_completions_app.py: answers that
-cannot be merged).
+flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the one
+choice event that carries the vector) or with an OpenAI-shaped error. The regressions these found
+are plain tests in the modules' own files (test_inspection.py: nesting;
+streams/test_prompt_vectors.py and test_keyed_exchange.py: replies too deep to re-encode;
+endpoints/test_completions.py: replies that cannot be merged).
 """
 
 from __future__ import annotations
@@ -468,7 +468,7 @@ def test_inspect_body_with_markers_in_garbage(
 
 
 # ---------------------------------------------------------------------------------------------
-# completions_app.prompt_list, embeddings_plan.plan_embeddings
+# endpoints/completions.prompt_list, endpoints/embeddings_plan.plan_embeddings
 # ---------------------------------------------------------------------------------------------
 
 
@@ -587,7 +587,7 @@ def test_plan_embeddings_is_400_or_a_valid_plan(document: dict[str, Any], max_in
 
 
 # ---------------------------------------------------------------------------------------------
-# stream_rewrite.py: scanning is independent of chunking; the rewrite touches one event only
+# streams/prompt_vectors.py: scanning is independent of chunking; a rewrite touches one event
 # ---------------------------------------------------------------------------------------------
 
 

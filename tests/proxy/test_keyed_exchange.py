@@ -205,7 +205,7 @@ class LateRing(FakeRing):
         return found
 
 
-async def test_a_vector_published_after_the_answer_is_awaited() -> None:
+async def test_a_vector_published_after_the_reply_is_awaited() -> None:
     ring = LateRing(misses=3)
     vllm = FakeVLLM(publishing_handler(ring))
     async with proxy_client(settings_for("/unused", vector_timeout=3600), vllm, ring) as proxy:
@@ -245,7 +245,7 @@ async def test_a_record_for_another_key_is_never_returned() -> None:
     assert ring.lookups >= 2  # the first look, then at least one poll
 
 
-async def test_a_vector_overwritten_before_the_answer_is_a_504_at_once(
+async def test_a_vector_overwritten_before_the_reply_is_a_504_at_once(
     ring_dir: str, writer: RingWriter
 ) -> None:
     """The ring reused the slot (more flagged prefills than slots meanwhile): never a wrong
@@ -323,7 +323,7 @@ async def test_a_200_breaking_mid_body_is_502_not_200() -> None:
     assert "The exchange with vLLM failed" in error_of(response)["message"]
 
 
-async def test_an_answer_too_deep_to_re_encode_is_502() -> None:
+async def test_a_reply_too_deep_to_re_encode_is_502() -> None:
     """orjson reads it but cannot write it back with the vector joined in."""
     ring = FakeRing()
     reply = b'{"choices": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
@@ -546,7 +546,7 @@ async def test_the_app_without_its_lifespan_refuses_to_run() -> None:
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
-async def test_a_json_answer_over_the_answer_limit_is_502_naming_it(path: str) -> None:
+async def test_a_json_reply_over_the_reply_limit_is_502_naming_it(path: str) -> None:
     ring = FakeRing()
     limit = 64 * 1024
 

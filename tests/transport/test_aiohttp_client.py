@@ -1,5 +1,5 @@
 """The engine under the proxy's httpx interface (transport/aiohttp_client.py), against real
-sockets: a tiny asyncio HTTP/1.1 server that records what arrives and answers as told.
+sockets: a tiny asyncio HTTP/1.1 server that records what arrives and replies as told.
 
 What the proxy relies on: exactly the client's headers go out; body chunks come back as they
 arrive; a stream closed early drops the connection (so vLLM sees the disconnect); a complete
@@ -26,14 +26,14 @@ pytestmark = pytest.mark.anyio
 
 LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=5.0)
 
-Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
+Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
 
 
 @dataclass
 class Server:
     """Every request head it read, and the connections it saw open and end."""
 
-    answer: Answer
+    reply: Reply
     heads: list[bytes] = field(default_factory=list)
     connections: int = 0
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -54,15 +54,13 @@ class Server:
                 body = await reader.readexactly(length)
                 self.heads.append(head)
                 self.head_seen.set()
-                await self.answer(reader, writer, body)
+                await self.reply(reader, writer, body)
         finally:
             self.closed.set()
             writer.close()
 
 
-async def answer_ok(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
-) -> None:
+async def reply_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> None:
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-Echo: 1\r\n\r\n%s" % (len(body), body)
     )
@@ -70,8 +68,8 @@ async def answer_ok(
 
 
 @contextlib.asynccontextmanager
-async def serving(answer: Answer, *, uds: Path | None = None) -> AsyncIterator[tuple[str, Server]]:
-    server = Server(answer)
+async def serving(reply: Reply, *, uds: Path | None = None) -> AsyncIterator[tuple[str, Server]]:
+    server = Server(reply)
     if uds is None:
         port = free_port()
         listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
@@ -95,7 +93,7 @@ def request(url: str, body: bytes = b"", **timeouts: float) -> httpx.Request:
 
 async def test_exactly_the_clients_headers_go_out_and_the_body_comes_back() -> None:
     transport = AiohttpTransport(limits=LIMITS)
-    async with serving(answer_ok) as (url, server):
+    async with serving(reply_ok) as (url, server):
         try:
             response = await transport.handle_async_request(request(url, b'{"a": 1}'))
             content = b"".join([chunk async for chunk in response.stream])  # type: ignore[union-attr]
@@ -112,10 +110,10 @@ async def test_exactly_the_clients_headers_go_out_and_the_body_comes_back() -> N
 
 
 async def test_chunks_arrive_as_sent_and_a_complete_body_keeps_the_connection() -> None:
-    """A streamed answer: the second chunk is sent only once the client has read the first."""
+    """A streamed reply: the second chunk is sent only once the client has read the first."""
     first_read = asyncio.Event()
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: bytes) -> None:
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: bytes) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
         await writer.drain()
         await first_read.wait()
@@ -124,7 +122,7 @@ async def test_chunks_arrive_as_sent_and_a_complete_body_keeps_the_connection() 
         await writer.drain()
 
     transport = AiohttpTransport(limits=LIMITS)
-    async with serving(answer) as (url, server):
+    async with serving(reply) as (url, server):
         try:
             for _ in range(2):
                 with anyio.fail_after(30):  # an engine that buffers bodies would wait forever
@@ -166,7 +164,7 @@ async def test_a_stream_closed_early_drops_the_connection() -> None:
 async def test_a_unix_socket_like_tcp(where: str, tmp_path: Path) -> None:
     uds = tmp_path / "vllm.sock" if where == "uds" else None
     transport = AiohttpTransport(limits=LIMITS, uds=None if uds is None else str(uds))
-    async with serving(answer_ok, uds=uds) as (url, server):
+    async with serving(reply_ok, uds=uds) as (url, server):
         try:
             response = await transport.handle_async_request(request(url, b"x"))
             await response.aread()
@@ -185,7 +183,7 @@ async def test_nothing_listening_is_a_connect_error() -> None:
         await transport.aclose()
 
 
-async def test_no_answer_within_the_read_timeout_is_a_read_timeout() -> None:
+async def test_no_reply_within_the_read_timeout_is_a_read_timeout() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: bytes) -> None:
         await reader.read()
 
@@ -196,7 +194,7 @@ async def test_no_answer_within_the_read_timeout_is_a_read_timeout() -> None:
                 await transport.handle_async_request(request(url, read=0.2))
         finally:
             await transport.aclose()
-    assert server.head_seen.is_set()  # it was the answer that never came
+    assert server.head_seen.is_set()  # it was the reply that never came
 
 
 async def test_a_connection_cut_mid_body_is_a_remote_protocol_error() -> None:
@@ -219,7 +217,7 @@ async def test_a_connection_cut_mid_body_is_a_remote_protocol_error() -> None:
 
 async def test_the_pool_limit_is_the_settings() -> None:
     transport = AiohttpTransport(limits=httpx.Limits(max_connections=7, keepalive_expiry=3.0))
-    async with serving(answer_ok) as (url, _):
+    async with serving(reply_ok) as (url, _):
         try:
             await (await transport.handle_async_request(request(url))).aclose()
             session = transport._session

@@ -146,8 +146,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_ends()
         size = len(self.url) + sum(len(n) + len(v) + _HEADER_FRAMING for n, v in self.headers)
         if size <= self.max_head_bytes:
-            # The app may cut this connection: a client that does not take its answer in time
-            # (answer_body.py). abort(), not close(): close() would keep what is buffered for a
+            # The app may cut this connection: a client that does not take its response in time
+            # (replies.py). abort(), not close(): close() would keep what is buffered for a
             # client that never reads.
             extensions: dict[str, Any] = {CUT_EXTENSION: self.transport.abort}
             self.scope["extensions"] = extensions  # type: ignore[typeddict-item]

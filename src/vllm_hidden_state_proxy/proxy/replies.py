@@ -1,25 +1,26 @@
-"""Sending what carries counted vectors: a flagged JSON answer (whole when small, in pieces when
-its matrices are large), an embeddings answer, a stream's event with vectors; each within its
-deadline.
+"""Sending vLLM's reply to the client: as vLLM wrote it (:func:`send_unchanged`), or, where it
+carries counted vectors, within a deadline: the JSON reply with them joined in (whole when
+small, in pieces when its matrices are large), an embeddings response, a stream's event with
+vectors.
 
-An answer whose matrices hold at least :data:`.vector_memory.OFF_LOOP_BYTES` is not built
+A reply whose matrices hold at least :data:`.vectors.memory.OFF_LOOP_BYTES` is not built
 whole: vLLM's completion with the vectors' fields is written with a marker where each
 matrix's ``"data"`` goes, and the client gets the text between the markers as it is and each
 matrix encoded a piece at a time (about 1 MiB of its rows per piece, base64 or float lists), in
 a thread, off the event loop. The memory it takes is one piece being encoded and one being
 sent (uvicorn's send waits while the socket's buffer is above its high-water mark), counted
-against the request's share of the vector memory (:mod:`.vector_memory`). The response has no
+against the request's share of the vector memory (:mod:`.vectors.memory`). The response has no
 ``content-length`` (HTTP/1.1 chunked).
 
 A stream's (SSE) event that carries large matrices is encoded whole, in a thread, counted
 against the request's memory (:func:`encoded_off_loop`).
 
-Every send of such an answer must complete within ``--send-timeout``, and all of its sends
+Every send of such a response must complete within ``--send-timeout``, and all of its sends
 within ``--send-timeout`` plus its size at :data:`MIN_SEND_RATE` (:class:`SendDeadline`): a
 client that stops reading, or reads too slowly, has its connection cut (uvicorn's transport
 aborted, which frees what it buffered) and the request's memory is given back. A final empty
-send waits for the socket's buffer to drain below its high-water mark, so an answer is not left
-in the buffer of a client that never reads. In a stream (SSE), only the sends of events that
+send waits for the socket's buffer to drain below its high-water mark, so a response is not
+left in the buffer of a client that never reads. In a stream (SSE), only the sends of events that
 carry vectors are bounded (:func:`send_counted_events`): the rest is relayed as vLLM sends it.
 """
 
@@ -65,7 +66,7 @@ PIECE_BYTES = max(4 * BASE64_VALUES * 4 // 3 + 4, FLOAT_VALUES * 16 + 16)
 SMALL_BODY = 64 * 1024
 
 
-#: The slowest a client may take an answer that carries counted vectors, on average, past its
+#: The slowest a client may take a response that carries counted vectors, on average, past its
 #: first ``--send-timeout``: 1 MiB/s (8 Mbit/s; a 64 MiB float32 matrix, 85 MiB as base64, gets
 #: 30 + 85 s). Slower clients would hold the process's --vectors-budget for long: 12 readers of
 #: a 64 MiB matrix at a piece per 29 s held 768 MiB for 40 min with only the per-send bound.
@@ -73,7 +74,7 @@ MIN_SEND_RATE = 1 << 20
 
 
 class ClientTooSlow(Exception):
-    """The client did not take its answer in time (:class:`SendDeadline`)."""
+    """The client did not take its response in time (:class:`SendDeadline`)."""
 
 
 def matrix_pieces(matrix: Matrix) -> Iterator[Callable[[], bytes]]:
@@ -165,7 +166,7 @@ def _vectors_size(document: Any) -> tuple[int, int]:
 async def send_joined(
     send: Send, headers: RawHeaders, completion: dict[str, Any], fields: dict[str, Any]
 ) -> None:
-    """vLLM's 200 JSON answer with ``fields`` joined into its ``kv_transfer_params``, with
+    """vLLM's 200 JSON reply with ``fields`` joined into its ``kv_transfer_params``, with
     vLLM's headers (minus hop-by-hop and the ones rebuilt here)."""
     own = downstream_response_headers(headers, drop=REBUILT_DROP)
     await send_json_reply(send, own, with_kv_fields(completion, fields), fields)
@@ -174,7 +175,7 @@ async def send_joined(
 async def send_json_reply(
     send: Send, headers: RawHeaders, document: dict[str, Any], fields: Any
 ) -> None:
-    """Send ``document`` (vLLM's completion with ``fields`` joined in) as a 200 JSON answer:
+    """Send ``document`` (vLLM's completion with ``fields`` joined in) as a 200 JSON response:
     whole, or in pieces if the matrices of ``fields`` are large (see the module docstring).
     Raises ``ProxyError`` before any byte is sent (the body cannot be written, or would take
     the request over its memory)."""
@@ -220,7 +221,7 @@ async def send_json_reply(
 async def send_counted_whole(
     send: Send, upstream_headers: RawHeaders, body: bytes, content_type: bytes
 ) -> None:
-    """A complete 200 answer whose ``body`` holds counted vectors (the embeddings' list), with
+    """A complete 200 response whose ``body`` holds counted vectors (the embeddings' list), with
     vLLM's headers, within the :class:`SendDeadline` for its size: a client too slow is cut."""
     headers: RawHeaders = [
         (b"content-type", content_type),
@@ -250,7 +251,7 @@ def _body(body: bytes, more: bool) -> dict[str, Any]:
 
 
 class SendDeadline:
-    """When the sends of one answer (or event) that carries counted vectors must be done:
+    """When the sends of one response (or event) that carries counted vectors must be done:
     each within ``--send-timeout``, all of them within ``--send-timeout`` plus its ``size``
     at :data:`MIN_SEND_RATE`. No bound outside a request or without ``--send-timeout``."""
 
@@ -330,7 +331,7 @@ async def _within(send: Send, message: dict[str, Any], deadline: SendDeadline) -
 
 
 async def encoded_off_loop(encode: Callable[[], bytes], fields: Any) -> bytes:
-    """``encode()``: a stream's event (or a whole answer) with ``fields`` in it. When their
+    """``encode()``: a stream's event (or a whole response) with ``fields`` in it. When their
     JSON text is large, in a thread, after counting that text against the request's memory
     for vectors (held until the request ends: such an event is sent whole)."""
     _, text_size = _vectors_size(fields)
@@ -349,7 +350,7 @@ async def send_whole(
 
 
 async def send_unchanged(send: Send, status: int, headers: RawHeaders, content: bytes) -> None:
-    """A complete answer as vLLM wrote it (status, content type, body)."""
+    """A complete reply as vLLM wrote it (status, content type, body)."""
     content_type = b"application/json"
     for name, value in headers:
         if name.lower() == b"content-type":

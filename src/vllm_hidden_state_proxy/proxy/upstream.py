@@ -91,7 +91,7 @@ async def open_upstream(
 
 
 def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
-    """The error the client sees when the exchange with vLLM itself failed (no usable answer):
+    """The error the client sees when the exchange with vLLM itself failed (no usable reply):
     in words only, since any client may see it; vLLM's address and the exception go to the
     proxy's log."""
     _log_failure(settings.upstream_url, exc)

@@ -1,4 +1,4 @@
-"""``GET /v1/hidden_states`` (proxy/capture_app.py): what the server captures, from the live
+"""``GET /v1/hidden_states`` (proxy/endpoints/capture.py): what the server captures, from the live
 rings' headers (real rings, as the hook writes them), the proxy's limits and vLLM's models; read
 back by the client module (``client.read_capture``)."""
 

@@ -1,5 +1,5 @@
-"""``POST /v1/completions`` (proxy/completions_app.py): one prompt gets one vector; a flagged list
-of prompts fans out, one request key each, and gets one entry per prompt, in prompt order."""
+"""``POST /v1/completions`` (proxy/endpoints/completions.py): one prompt gets one vector; a flagged
+list of prompts fans out, one request key each, and gets one entry per prompt, in prompt order."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ COMPLETIONS = "/v1/completions"
 FLAG = {"return_last_hidden_state": True}
 
 
-def answer(prompt: Any, n: int = 1) -> dict[str, Any]:
+def reply(prompt: Any, n: int = 1) -> dict[str, Any]:
     return {
         "id": f"cmpl-{prompt}",
         "object": "text_completion",
@@ -70,7 +70,7 @@ class CompletionsVLLM:
         await anyio.sleep(random.uniform(0, 0.005))
         if is_keyed(request) and prompt != self.lost_prompt:
             self.keys[orjson.dumps(prompt).decode()] = publish_for(self.hook, request)
-        return httpx.Response(200, json=answer(prompt, document.get("n", 1)))
+        return httpx.Response(200, json=reply(prompt, document.get("n", 1)))
 
 
 async def test_a_list_of_prompts_gets_one_vector_each_in_prompt_order(
@@ -209,19 +209,19 @@ async def test_a_missing_vector_for_one_prompt_is_504(ring_dir: str, writer: Rin
 
 
 @pytest.mark.parametrize(
-    "answer_body",
+    "reply_body",
     [
         {"id": "x", "choices": [], "usage": {"prompt_tokens": "abc"}},
         {"id": "x", "choices": 5},
     ],
     ids=["usage-not-a-number", "choices-not-a-list"],
 )
-async def test_answers_that_cannot_be_merged_are_502(answer_body: dict[str, Any]) -> None:
+async def test_replies_that_cannot_be_merged_are_502(reply_body: dict[str, Any]) -> None:
     ring = FakeRing()
 
     async def handle(request: httpx.Request) -> httpx.Response:
         publish_for(ring, request)
-        return httpx.Response(200, json=answer_body)
+        return httpx.Response(200, json=reply_body)
 
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
         response = await proxy.client.post(
@@ -233,7 +233,7 @@ async def test_answers_that_cannot_be_merged_are_502(answer_body: dict[str, Any]
 
 async def test_an_unflagged_list_goes_to_vllm_as_one_request() -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json=answer("list"))
+        return httpx.Response(200, json=reply("list"))
 
     vllm = FakeVLLM(handle)
     async with proxy_client(settings_for("/unused"), vllm, FakeRing()) as proxy:
@@ -315,7 +315,7 @@ def test_prompt_list_over_the_limit_is_refused_naming_it(prompt: list[Any]) -> N
 
 
 def test_merge_renumbers_choices_and_sums_usage() -> None:
-    merged = merge_completions([answer("a", 2), answer("b", 1)])
+    merged = merge_completions([reply("a", 2), reply("b", 1)])
     assert merged["id"] == "cmpl-a"
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [
         (0, "a/0"),
@@ -326,7 +326,7 @@ def test_merge_renumbers_choices_and_sums_usage() -> None:
 
 
 def test_merge_sums_cached_tokens_and_drops_per_stream_metrics() -> None:
-    parts = [answer("a"), answer("b")]
+    parts = [reply("a"), reply("b")]
     for part in parts:
         part["usage"]["prompt_tokens_details"] = {"cached_tokens": 2}
         part["metrics"] = {"ttft": 1.0}
@@ -336,5 +336,5 @@ def test_merge_sums_cached_tokens_and_drops_per_stream_metrics() -> None:
 
 
 def test_merge_without_usage_adds_none() -> None:
-    parts = [{**answer("a"), "usage": None}, {**answer("b"), "usage": None}]
+    parts = [{**reply("a"), "usage": None}, {**reply("b"), "usage": None}]
     assert merge_completions(parts)["usage"] is None

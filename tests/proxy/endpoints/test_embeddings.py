@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` (proxy/embeddings_app.py): inputs fanned out as flagged one-token
+"""``POST /v1/embeddings`` (proxy/endpoints/embeddings.py): inputs fanned out as flagged one-token
 requests, vectors in input order (normalised, as floats or base64), layer and pooling."""
 
 from __future__ import annotations

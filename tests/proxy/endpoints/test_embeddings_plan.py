@@ -103,7 +103,7 @@ def test_the_messages_form_defaults_to_no_generation_prompt() -> None:
 def test_forwarded_fields_are_the_clients_fields_the_calls_carry_as_written(
     document: dict[str, Any],
 ) -> None:
-    """vLLM's error ``param`` is kept only for these (embeddings_app.input_error)."""
+    """vLLM's error ``param`` is kept only for these (endpoints/embeddings.input_error)."""
     result = plan(document)
     ((_, body),) = result.calls
     as_written = {name for name, value in body.items() if document.get(name) == value}

@@ -1,5 +1,5 @@
-"""The first stop of a chat or completions request (proxy/endpoints.py), through the app: what
-the proxy answers itself before anything reaches vLLM (400, 413, 503), and what it counts."""
+"""The first stop of a chat or completions request (proxy/endpoints/__init__.py), through the app:
+what the proxy answers itself before anything reaches vLLM (400, 413, 503), and what it counts."""
 
 from __future__ import annotations
 

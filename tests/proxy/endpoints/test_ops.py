@@ -1,4 +1,4 @@
-"""``GET /health`` and ``GET /metrics`` (proxy/ops_app.py): both consult vLLM too; health also
+"""``GET /health`` and ``GET /metrics`` (proxy/endpoints/ops.py): both consult vLLM too; health also
 reports an engine of a publishing vLLM that has no ring, metrics the rings' gauges."""
 
 from __future__ import annotations

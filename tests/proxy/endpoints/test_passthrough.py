@@ -1,4 +1,4 @@
-"""Every other path (proxy/passthrough_app.py), and ordinary traffic on the generation paths:
+"""Every other path (proxy/endpoints/__init__.py), and ordinary traffic on the generation paths:
 forwarded untouched, streamed back chunk by chunk; only the reserved entries and the flag are
 refused."""
 

@@ -1,5 +1,5 @@
-"""``POST /v1/responses`` (responses_app.py, responses_stream.py): a flagged answer gets its
-vectors in ``kv_transfer_params``, a flagged stream in its ``response.completed`` event; every
+"""``POST /v1/responses`` (proxy/endpoints/__init__.py, streams/responses.py): a flagged answer gets
+its vectors in ``kv_transfer_params``, a flagged stream in its ``response.completed`` event; every
 other byte of the stream is vLLM's."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Stream rewriting (proxy/stream_rewrite.py): the vectors ride on the first server-sent event
-that carries a choice; every other byte is relayed unchanged."""
+"""Stream rewriting (proxy/streams/prompt_vectors.py): the vectors ride on the first server-sent
+event that carries a choice; every other byte is relayed unchanged."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Relaying (proxy/relay.py): vLLM's status and headers first, then its body byte for byte; a
-body that breaks off after the headers cuts the response instead of completing it."""
+"""Relaying (proxy/streams/relay.py): vLLM's status and headers first, then its body byte for byte;
+a body that breaks off after the headers cuts the response instead of completing it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The answer's vectors (pooling "last_answer", proxy/answer_choices.py and answer_stream.py):
-one per choice, found by its token count, in JSON answers and on each choice's last chunk."""
+"""The answer's vectors (pooling "last_answer", proxy/vectors/answers.py and
+streams/answer_vectors.py): one per choice, found by its token count, in JSON answers and on each
+choice's last chunk."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def publish_window(hook: RingWriter, key: bytes, choice: int, count: int) -> Non
         publish(hook, answer_record(key, choice, chosen))
 
 
-def json_answer(n: int, with_ids: bool) -> dict[str, Any]:
+def json_reply(n: int, with_ids: bool) -> dict[str, Any]:
     return {
         "id": "chatcmpl-1",
         "object": "chat.completion",
@@ -115,7 +116,7 @@ def json_vllm(hook: RingWriter, *, shift: int = 0, error: str | None = None) -> 
                 count = len(ANSWERS[i])
                 publish(hook, answer_record(key, i, count, shift=shift))
                 publish(hook, answer_record(key, i, count + 1))  # the step past the stop
-        return httpx.Response(200, json=json_answer(n, document.get("return_token_ids") is True))
+        return httpx.Response(200, json=json_reply(n, document.get("return_token_ids") is True))
 
     return FakeVLLM(handle)
 
@@ -140,7 +141,7 @@ async def test_json_answer_gets_the_state_that_chose_the_last_token(
     assert kv["last_hidden_state_info"]["position"] == PROMPT_TOKENS + 2 - 2
     assert kv["last_hidden_state_info"]["num_output_tokens"] == 2
     assert kv["last_hidden_state_info"]["pooling"] == "last_answer"
-    assert body == {**json_answer(1, False), "kv_transfer_params": kv}  # vLLM's answer, as it was
+    assert body == {**json_reply(1, False), "kv_transfer_params": kv}  # vLLM's reply, as it was
 
 
 async def test_n_choices_get_one_vector_each_in_choice_order(
@@ -182,7 +183,7 @@ async def test_an_error_record_under_the_request_key_answers_every_choice(
 
 async def test_no_record_is_a_timeout(ring_dir: str, writer: RingWriter) -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json=json_answer(1, True))
+        return httpx.Response(200, json=json_reply(1, True))
 
     settings = settings_for(ring_dir, vector_timeout=0.05)
     async with proxy_client(settings, FakeVLLM(handle)) as proxy:
@@ -396,17 +397,17 @@ def test_answer_asks_adds_what_counts_tokens_and_says_what_it_added() -> None:
 
 
 def test_choice_counts_needs_token_ids_and_at_least_one_token() -> None:
-    counts = choice_counts(json_answer(2, True))
+    counts = choice_counts(json_reply(2, True))
     assert [(c.index, c.num_output_tokens, c.num_prompt_tokens) for c in counts] == [
         (0, 2, PROMPT_TOKENS),
         (1, 3, PROMPT_TOKENS),
     ]
-    (one,) = choice_counts(json_answer(1, False))  # one choice: from usage
+    (one,) = choice_counts(json_reply(1, False))  # one choice: from usage
     assert (one.index, one.num_output_tokens, one.num_prompt_tokens) == (0, 2, PROMPT_TOKENS)
     with pytest.raises(ProxyError) as missing:
-        choice_counts(json_answer(2, False))
+        choice_counts(json_reply(2, False))
     assert missing.value.status == 502
-    empty = json_answer(1, True)
+    empty = json_reply(1, True)
     empty["choices"][0]["token_ids"] = []
     with pytest.raises(ProxyError) as none:
         choice_counts(empty)
@@ -414,10 +415,10 @@ def test_choice_counts_needs_token_ids_and_at_least_one_token() -> None:
 
 
 def test_without_asked_token_ids_restores_vllms_nulls() -> None:
-    answer = json_answer(2, True)
-    restored = without_asked_token_ids(answer, AnswerAsks(token_ids=True))
-    assert restored == json_answer(2, False)
-    assert without_asked_token_ids(answer, AnswerAsks()) is answer
+    reply = json_reply(2, True)
+    restored = without_asked_token_ids(reply, AnswerAsks(token_ids=True))
+    assert restored == json_reply(2, False)
+    assert without_asked_token_ids(reply, AnswerAsks()) is reply
 
 
 async def test_a_prompt_list_gets_one_vector_per_merged_choice(
@@ -432,8 +433,8 @@ async def test_a_prompt_list_gets_one_vector_per_merged_choice(
             ids = ANSWERS[i + offset]
             publish_window(writer, key, i, len(ids))
             choices.append({"index": i, "text": "x", "finish_reason": "length", "token_ids": ids})
-        answer = {"id": "cmpl", "object": "text_completion", "model": MODEL, "choices": choices}
-        return httpx.Response(200, json=answer)
+        reply = {"id": "cmpl", "object": "text_completion", "model": MODEL, "choices": choices}
+        return httpx.Response(200, json=reply)
 
     vllm = FakeVLLM(handle)
     body = {
@@ -446,9 +447,9 @@ async def test_a_prompt_list_gets_one_vector_per_merged_choice(
         response = await proxy.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     keys = {sent_document(r)["prompt"]: forwarded_key(r) for r in vllm.requests}
-    answer = response.json()
-    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
-    assert answer["kv_transfer_params"]["last_hidden_states"] == [
+    merged = response.json()
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert merged["kv_transfer_params"]["last_hidden_states"] == [
         expected_vector(keys["a"], 0, 2),
         expected_vector(keys["a"], 1, 3),
         expected_vector(keys["b"], 0, 3),
@@ -462,9 +463,9 @@ async def test_a_record_of_another_prompt_length_is_a_502(
     async def handle(request: httpx.Request) -> httpx.Response:
         key = forwarded_key(request)
         publish(writer, answer_record(key, 0, 2))
-        answer = json_answer(1, False)
-        answer["usage"]["prompt_tokens"] = PROMPT_TOKENS + 1
-        return httpx.Response(200, json=answer)
+        reply = json_reply(1, False)
+        reply["usage"]["prompt_tokens"] = PROMPT_TOKENS + 1
+        return httpx.Response(200, json=reply)
 
     async with proxy_client(settings_for(ring_dir), FakeVLLM(handle)) as proxy:
         response = await proxy.client.post(CHAT, json=flagged())

@@ -1,5 +1,6 @@
-"""Joining records into vLLM's answer (proxy/answer_join.py): the ``kv_transfer_params`` fields,
-for the final layer, chosen layers and both poolings, in both formats."""
+"""Joining records into vLLM's reply (proxy/vectors/fields.py, encoded by vectors/encoding.py): the
+``kv_transfer_params`` fields, for the final layer, chosen layers and both poolings, in both
+formats."""
 
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ async def test_send_joined_rebuilds_the_headers() -> None:
     )
 
 
-async def test_send_joined_of_an_answer_too_deep_to_write_is_502() -> None:
+async def test_send_joined_of_a_reply_too_deep_to_write_is_502() -> None:
     call = AsgiCall(lambda *args: None)  # type: ignore[arg-type]
     deep: Any = 0
     for _ in range(300):

@@ -1,4 +1,5 @@
-"""Finding a flagged request's record once vLLM has answered (proxy/vector_lookup.py).
+"""Finding a flagged request's record once vLLM has answered (proxy/vectors/lookup.py; what is
+checked before sending: vectors/plan.py).
 
 The waiting is checked on a virtual clock: ``time.monotonic`` and ``anyio.sleep`` of the module
 are replaced, so the backoff, the deadline and "at once" are exact statements, not timings.
@@ -32,7 +33,7 @@ from tests.proxy.fakes import (
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.vectors import lookup as vector_lookup
+from vllm_hidden_state_proxy.proxy.vectors import lookup
 from vllm_hidden_state_proxy.proxy.vectors.lookup import (
     EARLY_INTERVAL,
     FIRST_BACKOFF,
@@ -79,9 +80,9 @@ class VirtualClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualClock]:
     virtual = VirtualClock()
-    monkeypatch.setattr(vector_lookup, "time", SimpleNamespace(monotonic=virtual.monotonic))
+    monkeypatch.setattr(lookup, "time", SimpleNamespace(monotonic=virtual.monotonic))
     fake_asyncio = SimpleNamespace(sleep=virtual.sleep, get_running_loop=asyncio.get_running_loop)
-    monkeypatch.setattr(vector_lookup, "asyncio", fake_asyncio)
+    monkeypatch.setattr(lookup, "asyncio", fake_asyncio)
     yield virtual
 
 

@@ -1,5 +1,5 @@
 """Issue #36, items 1-3: the memory matrices take in the proxy is bounded (per request and per
-process), a large answer is sent in pieces with a deadline per piece, and the big work (copy,
+process), a large reply is sent in pieces with a deadline per piece, and the big work (copy,
 CRC, encoding) runs off the event loop. A real proxy in front of a fake vLLM that publishes
 into a real ring; the deadline against real uvicorn and a client that never reads."""
 
@@ -39,8 +39,7 @@ from tests.proxy.fakes import (
 from tests.proxy.raw_http import wait_until
 from tests.proxy.vectors.test_answers import ANSWERS, PROMPT_TOKENS, stream_events
 from vllm_hidden_state_proxy.protocol import answer_key
-from vllm_hidden_state_proxy.proxy import create_app
-from vllm_hidden_state_proxy.proxy import replies as answer_body
+from vllm_hidden_state_proxy.proxy import create_app, replies
 from vllm_hidden_state_proxy.proxy.replies import PIECE_BYTES, matrix_pieces
 from vllm_hidden_state_proxy.proxy.server import server_config
 from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, as_dtype, bfloat16_bits
@@ -71,7 +70,7 @@ def matrix_vllm(writer: RingWriter, rows: int) -> FakeVLLM:
             key, MODEL, 0, rows, "all_prompt", (FINAL,), HIDDEN_SIZE, rows_for(key, rows), rows
         )
         publish(writer, record)
-        answer = {
+        reply = {
             "id": "cmpl-1",
             "object": "text_completion",
             "model": MODEL,
@@ -79,12 +78,12 @@ def matrix_vllm(writer: RingWriter, rows: int) -> FakeVLLM:
             "usage": {"prompt_tokens": rows, "completion_tokens": 1, "total_tokens": rows + 1},
         }
         if sent_document(request).get("stream") is True:
-            chunk = {**answer, "object": "text_completion", "usage": None}
+            chunk = {**reply, "object": "text_completion", "usage": None}
             events = b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n"
             return httpx.Response(
                 200, headers={"content-type": "text/event-stream"}, content=events
             )
-        return httpx.Response(200, json=answer)
+        return httpx.Response(200, json=reply)
 
     return FakeVLLM(handle)
 
@@ -117,7 +116,7 @@ async def test_a_prompt_list_of_matrices_past_the_request_bound_is_413(
     ring_dir: str, big_writer: RingWriter
 ) -> None:
     """40 prompts x 1 MiB matrices against an 8 MiB bound: a 413 naming the option, never a
-    40 MiB answer; the memory is given back."""
+    40 MiB reply; the memory is given back."""
     vllm = matrix_vllm(big_writer, MIB // ROW)
     settings = settings_for(ring_dir, max_vectors_bytes=8 * MIB, fan_out_limit=4)
     async with proxy_client(settings, vllm) as proxy:
@@ -355,22 +354,22 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_memory_freed(
     with served(settings, vllm) as (port, server, state):
         wait_for_the_cut(server, state, silent_client(port, request_head(COMPLETIONS, body) + body))
         assert any("--send-timeout" in record.getMessage() for record in caplog.records)
-        # A client that reads gets the whole answer from the same server.
+        # A client that reads gets the whole reply from the same server.
         reply = httpx.post(f"http://127.0.0.1:{port}{COMPLETIONS}", content=body, timeout=60)
         assert reply.status_code == 200
         matrix = reply.json()["kv_transfer_params"]["last_hidden_state"]
         assert len(base64.b64decode(matrix["data"])) == rows * ROW
 
 
-def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
+def test_a_client_that_reads_too_slowly_is_cut_at_the_replys_deadline(
     ring_dir: str, big_writer: RingWriter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader that takes a piece every quarter --send-timeout never misses the per-send bound,
-    but is cut once the whole answer's deadline (--send-timeout + its size at the least rate)
-    has passed, long before it would have read the answer. No bound on the test's own timing:
+    but is cut once the whole reply's deadline (--send-timeout + its size at the least rate)
+    has passed, long before it would have read the reply. No bound on the test's own timing:
     the reader has four times the per-send bound's margin, and what is checked is the state (cut,
-    its memory given back, the answer unread)."""
-    monkeypatch.setattr(answer_body, "MIN_SEND_RATE", 64 * MIB)  # 4 s + 21 MiB: 4.3 s
+    its memory given back, the reply unread)."""
+    monkeypatch.setattr(replies, "MIN_SEND_RATE", 64 * MIB)  # 4 s + 21 MiB: 4.3 s
     rows = 16 * MIB // ROW
     vllm = matrix_vllm(big_writer, rows)
     send_timeout = 4.0
@@ -381,7 +380,7 @@ def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
         client.settimeout(60)  # the proxy cuts it long before
         received = 0
         try:
-            while True:  # about 1.4 MiB a second: 15 s for the answer
+            while True:  # about 1.4 MiB a second: 15 s for the reply
                 burst = 0
                 while burst < PIECE_BYTES:
                     data = client.recv(PIECE_BYTES - burst)
@@ -400,7 +399,7 @@ def test_a_client_that_reads_too_slowly_is_cut_at_the_answers_deadline(
             30,
         )
         assert state.metrics.send_cuts == 1
-    assert received < 16 * MIB, received  # cut before its answer (21 MiB of base64) was read
+    assert received < 16 * MIB, received  # cut before its reply (21 MiB of base64) was read
 
 
 def test_a_stream_event_with_a_matrix_has_a_send_deadline(
@@ -414,7 +413,7 @@ def test_a_stream_event_with_a_matrix_has_a_send_deadline(
 
 
 def test_a_stream_event_with_an_answers_vector_has_a_send_deadline(ring_dir: str) -> None:
-    """ "last_answer" in a stream (answer_stream.py): the event of the choice's last chunk."""
+    """ "last_answer" in a stream (streams/answer_vectors.py): the event of the last chunk."""
     hidden = 1 << 19  # 2 MiB a vector: about 6 MiB as float text
 
     async def handle(request: httpx.Request) -> httpx.Response:
@@ -453,7 +452,7 @@ def test_a_stream_event_with_an_answers_vector_has_a_send_deadline(ring_dir: str
             wait_for_the_cut(server, state, silent_client(port, request))
 
 
-def test_an_embeddings_answer_has_a_send_deadline(ring_dir: str) -> None:
+def test_an_embeddings_response_has_a_send_deadline(ring_dir: str) -> None:
     hidden = 1 << 17  # 512 KiB a vector: 16 inputs take 11 MiB as base64
 
     async def handle(request: httpx.Request) -> httpx.Response:

@@ -68,7 +68,7 @@ class Endpoint(ABC):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.state.settings
         # The body's bytes count against the budget until the exchange that holds them ends;
-        # so do its vectors' (taken as they are read, see vector_memory.py).
+        # so do its vectors' (taken as they are read, see vectors/memory.py).
         vectors = sharing(self.state.vector_memory, scope, settings.send_timeout)
         with self.state.body_budget.share() as share, vectors:
             body = await receive_body(

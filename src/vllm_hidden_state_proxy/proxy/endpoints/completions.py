@@ -128,7 +128,7 @@ async def _prompt_list_exchange(
     wanted: WantedVectors,
     prompts: list[Any],
 ) -> None:
-    """Fan a flagged list of prompts out; answer with one entry per prompt, in prompt order."""
+    """Fan a flagged list of prompts out; respond with one entry per prompt, in prompt order."""
     jobs = [(scope, {**document, "prompt": prompt}) for prompt in prompts]
     replies = await fetch_all(state, jobs, wanted)
     if isinstance(replies, Failed):

@@ -1,7 +1,7 @@
 """``POST /v1/embeddings`` served from the chat model's hidden states (OpenAI shape).
 
 The inputs fan out as keyed one-token requests (:mod:`.embeddings_plan` plans them), at most
-``settings.fan_out_limit`` at a time; the answer lists the vectors in input order with usage
+``settings.fan_out_limit`` at a time; the response lists the vectors in input order with usage
 summed. If any input fails, the request fails with that error, naming the input's index.
 A client disconnect cancels what is still in flight.
 """

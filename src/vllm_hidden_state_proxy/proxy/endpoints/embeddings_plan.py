@@ -32,7 +32,7 @@ _INPUT_TYPES = "a string, a list of strings, a list of token ids, or a list of t
 
 @dataclass(frozen=True)
 class EmbeddingsPlan:
-    """What to send to vLLM (path + body per input, in input order) and how to answer."""
+    """What to send to vLLM (path + body per input, in input order) and how to respond."""
 
     calls: list[tuple[str, dict[str, Any]]]
     encoding_format: str

@@ -1,11 +1,11 @@
 """A flagged stream with the answer's vectors (pooling ``"last_answer"``): each choice's vectors
 ride on the chunk that carries its ``finish_reason``.
 
-Up to the first choice, the stream is held as for the prompt's vectors (:mod:`.stream_rewrite`:
+Up to the first choice, the stream is held as for the prompt's vectors (:mod:`.prompt_vectors`:
 an error before it is a proper error response). From there the proxy reads every event, since
 it must find each choice's last chunk and learn how many tokens the choice generated: the keyed
 request asked for ``continuous_usage_stats``, whose ``usage.completion_tokens`` counts the
-chunk's choice's tokens so far (:mod:`.answer_choices`). It takes out what it asked for (each
+chunk's choice's tokens so far (:mod:`..vectors.answers`). It takes out what it asked for (each
 chunk's ``usage``, the final usage chunk) and re-encodes the chunks it changes; every other
 event goes on as vLLM wrote it.
 

@@ -72,7 +72,7 @@ async def send_error_event(send: Send, error: ProxyError) -> None:
 
 
 async def pass_through(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:
-    """Pass one request through: sent as it came (with ``body``), the answer relayed back."""
+    """Pass one request through: sent as it came (with ``body``), the reply relayed back."""
     try:
         response = await open_upstream(state, scope, body)
     except ProxyError as error:

@@ -3,7 +3,7 @@
 vLLM streams ``POST /v1/responses`` as named events (``event: response.created`` /
 ``data: {...}``) and ends after ``response.completed``, whose ``response`` is the final
 response object. The vectors go there, in ``response.kv_transfer_params``, where the
-non-streaming answer has them and where a client reading the final response finds them (the
+non-streaming reply has them and where a client reading the final response finds them (the
 openai SDK's ``stream.get_final_response()``, or the event itself). No earlier event carries
 them: ``response.created`` comes before the prompt is computed.
 

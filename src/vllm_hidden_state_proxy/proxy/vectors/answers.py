@@ -4,7 +4,7 @@ The worker hook publishes, when a choice finishes, the states of its latest comp
 each under :func:`~vllm_hidden_state_proxy.protocol.answer_key` of (request key, choice index,
 output token count it chose). The proxy knows which one it needs once it knows how many tokens
 the choice generated (``C``): the state that chose token ``C``, at position ``P + C - 2``. So
-the proxy reads the counts from vLLM's answer, asking for them where vLLM would not say
+the proxy reads the counts from vLLM's reply, asking for them where vLLM would not say
 (:func:`answer_asks`) and taking them out again if the client did not ask for them itself:
 
 - a JSON answer of one choice: ``usage.completion_tokens`` (nothing asked);
@@ -14,7 +14,7 @@ the proxy reads the counts from vLLM's answer, asking for them where vLLM would 
   with ``n > 1``: :func:`check_answerable`);
 - a stream: ``stream_options.include_usage`` and ``continuous_usage_stats`` (each chunk's
   ``usage.completion_tokens`` counts its choice's tokens so far), removed from the chunks
-  afterwards (:mod:`.answer_stream`).
+  afterwards (:mod:`..streams.answer_vectors`).
 
 With ``"all_answer"`` a choice has one record, under
 :func:`~vllm_hidden_state_proxy.protocol.all_answer_key`: its rows from the last prompt position
@@ -54,7 +54,7 @@ _STREAM_OPTIONS = "stream_options"
 @dataclass(frozen=True)
 class AnswerAsks:
     """What the proxy added to a keyed request to learn each choice's token count (and takes
-    out of vLLM's answer again)."""
+    out of vLLM's reply again)."""
 
     #: ``return_token_ids: true`` (a JSON answer).
     token_ids: bool = False
@@ -119,7 +119,7 @@ def answer_asks(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 @dataclass(frozen=True)
 class ChoiceCount:
-    """One choice of vLLM's answer: its index and how many tokens it generated."""
+    """One choice of vLLM's reply: its index and how many tokens it generated."""
 
     index: int
     num_output_tokens: int
@@ -128,7 +128,7 @@ class ChoiceCount:
 
 
 def counted(index: int, num_output_tokens: Any, num_prompt_tokens: Any = None) -> ChoiceCount:
-    """A choice's count as vLLM's answer says it; ``ProxyError`` if it says none."""
+    """A choice's count as vLLM's reply says it; ``ProxyError`` if it says none."""
     if not is_int(num_output_tokens):
         raise answer_not_counted(f"has no token count for choice {index}")
     if num_output_tokens < 1:

@@ -92,7 +92,7 @@ def encode_matrix(
     rows: Rows, count: int, hidden_size: int, fmt: str, dtype: str = "float32"
 ) -> dict[str, Any]:
     """A matrix of ``count`` rows (little-endian float32 bytes) as its JSON object; its
-    ``"data"`` a :class:`Matrix`, encoded where the answer is written."""
+    ``"data"`` a :class:`Matrix`, encoded where the response is written."""
     return {
         "shape": [count, hidden_size],
         "dtype": dtype if fmt == "base64" else "float32",

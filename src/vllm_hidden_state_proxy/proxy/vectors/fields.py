@@ -84,7 +84,7 @@ def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:
 
 def _dtype_field(wanted: WantedVectors) -> dict[str, Any]:
     """``{DTYPE: dtype}`` beside 16-bit values (only base64 has them), else nothing: a float32
-    answer stays as it always was."""
+    reply stays as it always was."""
     dtype = wanted.request.dtype
     return {} if dtype == "float32" else {DTYPE: dtype}
 

@@ -109,7 +109,7 @@ async def wait_for_record(
     """The request's record (``early`` if already captured); ``ProxyError`` if there is none.
 
     ``marks`` are the rings' publish counters when the request was sent (for an answer's
-    records, when vLLM's answer ended: they are published after it). With ``error_key`` (the
+    records, when vLLM's reply ended: they are published after it). With ``error_key`` (the
     request key of an answer's record key), an error record under it answers too.
     """
     start = time.monotonic()
@@ -194,10 +194,10 @@ class EarlyCapture:
             if found is not None:
                 self.found = found
                 if isinstance(found, PendingRows):
-                    # Copied now: the arena may be written over before the answer ends.
+                    # Copied now: the arena may be written over before the reply ends.
                     try:
                         self.found = await _loaded(found)
-                    except ProxyError:  # refused: the lookup after the answer says so
+                    except ProxyError:  # refused: the lookup after the reply says so
                         return
                     self.counted = True
                 return

@@ -3,16 +3,16 @@
 What counts (``--max-vectors-size`` per client request, ``--vectors-budget`` per process):
 
 - every record taken out of a ring (its rows, copied out of the mapping), from before the copy
-  (a matrix's size is in its slot) until the request's answer has been sent;
-- the encoded answer built around them: the whole body for an answer sent in one piece, or
-  the pieces in flight (two of about 1 MiB) for one sent in pieces (:mod:`.answer_body`).
+  (a matrix's size is in its slot) until the response to the request has been sent;
+- the encoded response built around them: the whole body for one sent in one piece, or
+  the pieces in flight (two of about 1 MiB) for one sent in pieces (:mod:`..replies`).
 
 A request whose records would go over its own bound gets 413 naming ``--max-vectors-size``;
 one that would take the process over ``--vectors-budget`` gets 503 (retry). Nothing waits for
 room: a request either fits now or is answered at once. Where the size is known before vLLM
 runs (``"all_answer"`` with ``max_tokens``, a list of token-id prompts with ``"all_prompt"``),
-the per-request bound refuses it before sending (:func:`.vector_lookup.check_matrix_room`).
-An answer is sent within a deadline (:class:`.answer_body.SendDeadline`), so a slow client
+the per-request bound refuses it before sending (:func:`.plan.check_matrix_room`).
+A reply with vectors is sent within a deadline (:class:`..replies.SendDeadline`), so a slow client
 holds its share for a bounded time. ``/metrics`` shows the bytes held, the refusals and the
 cuts (:mod:`.metrics`).
 
@@ -37,7 +37,7 @@ from vllm_hidden_state_proxy.proxy.errors import (
 )
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 
-#: Records and answers at least this large are copied, checked and encoded off the event loop.
+#: Records and responses at least this large are copied, checked and encoded off the event loop.
 OFF_LOOP_BYTES = 256 * 1024
 #: Threads that do that work at once, per process (each holds one record's work).
 OFF_LOOP_THREADS = 4
@@ -91,7 +91,7 @@ class VectorShare:
     ) -> None:
         self.memory = memory
         self.taken = 0
-        #: Each send of the request's JSON answer must complete within this (``None``: no bound).
+        #: Each send of the request's JSON response must complete within this (``None``: no bound).
         self.send_timeout = send_timeout
         #: Cuts the client's connection (from the server, when it offers it; see CUT_EXTENSION).
         self.cut = cut
@@ -129,7 +129,7 @@ class VectorShare:
         return vectors_too_large(size, self.memory.per_request, param)
 
     def cut_off(self) -> None:
-        """Cut the client's connection (too slow to take its answer), where the server can."""
+        """Cut the client's connection (too slow to take its response), where the server can."""
         self.memory.metrics.send_cuts += 1
         if self.cut is not None:
             self.cut()
