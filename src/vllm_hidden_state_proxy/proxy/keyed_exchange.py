@@ -36,6 +36,7 @@ from vllm_hidden_state_proxy.proxy.streams.answer_vectors import relay_with_answ
 from vllm_hidden_state_proxy.proxy.streams.events import json_object
 from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import relay_with_vectors
 from vllm_hidden_state_proxy.proxy.streams.relay import relay_response
+from vllm_hidden_state_proxy.proxy.types import FieldsLater
 from vllm_hidden_state_proxy.proxy.upstream import open_upstream, transport_error
 from vllm_hidden_state_proxy.proxy.vectors.answers import (
     AnswerAsks,
@@ -166,9 +167,7 @@ def is_event_stream(response: httpx.Response) -> bool:
 
 
 #: Relays a flagged stream with the vectors (``fields()``) joined in where they ride.
-StreamRelay = Callable[
-    [ProxyState, Send, httpx.Response, Callable[[], Awaitable[dict[str, Any]]]], Awaitable[None]
-]
+StreamRelay = Callable[[ProxyState, Send, httpx.Response, FieldsLater], Awaitable[None]]
 
 
 async def keyed_exchange(

@@ -15,7 +15,6 @@ code as the status, and a stream without one a 502.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ from vllm_hidden_state_proxy.proxy.streams.events import (
 )
 from vllm_hidden_state_proxy.proxy.streams.relay import relay_body
 from vllm_hidden_state_proxy.proxy.streams.rewriting import encoded_chunk, hold_until, send_head
+from vllm_hidden_state_proxy.proxy.types import FieldsLater
 from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 
 
@@ -107,7 +107,7 @@ async def relay_with_vectors(
     state: ProxyState,
     send: Send,
     response: httpx.Response,
-    fields: Callable[[], Awaitable[dict[str, Any]]],
+    fields: FieldsLater,
 ) -> None:
     """Hold the stream until its first choice chunk, join ``fields()`` there, relay the rest.
 

@@ -20,7 +20,6 @@ A stream that fails after its head ends as vLLM ended it, without the vectors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -37,6 +36,7 @@ from vllm_hidden_state_proxy.proxy.streams.events import (
     with_data,
 )
 from vllm_hidden_state_proxy.proxy.streams.rewriting import hold_until, send_head
+from vllm_hidden_state_proxy.proxy.types import FieldsLater
 from vllm_hidden_state_proxy.proxy.upstream import broken_off
 from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json
 from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
@@ -132,7 +132,7 @@ async def relay_responses_with_vectors(
     state: ProxyState,
     send: Send,
     response: httpx.Response,
-    fields: Callable[[], Awaitable[dict[str, Any]]],
+    fields: FieldsLater,
 ) -> None:
     """Hold the stream until the prompt is computed, then relay it with ``fields()`` joined
     into its ``response.completed`` event. Raises ``ProxyError`` only before the head is out."""
