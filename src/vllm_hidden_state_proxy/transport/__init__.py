@@ -1,10 +1,11 @@
-"""How this package talks HTTP to vLLM: one place for the proxy, ``extract`` and ``check``.
+"""How this package talks HTTP: one place for the proxy (to vLLM), ``extract`` (to the proxies)
+and ``check`` (the ops routes' paths).
 
-Every sender holds an ``httpx.AsyncBaseTransport`` (httpx's one base class of transports) and
-calls ``handle_async_request`` on it: the same code then talks to a real vLLM, an in-process
-fake (``httpx.MockTransport``) or an ASGI app. The proxy sends through the transport directly,
-not through an ``httpx.AsyncClient``, whose layers (auth, redirects, cookie jar, event hooks,
-default headers) are work a proxy must not do. The pool under it is built here
+Every sender holds an ``httpx.AsyncBaseTransport`` (httpx's one base class of transports): the
+same code then talks to a real server, an in-process fake (``httpx.MockTransport``) or an ASGI
+app. The proxy calls its ``handle_async_request`` directly, not through an
+``httpx.AsyncClient``, whose layers (auth, redirects, cookie jar, event hooks, default headers)
+are work a proxy must not do; ``extract`` wraps it in a client. The pool under it is built here
 (:func:`create_pool`), by one of two engines:
 
 - ``aiohttp`` (the default, :mod:`.aiohttp_client`): aiohttp's client under httpx's interface,
