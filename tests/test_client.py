@@ -25,9 +25,9 @@ from vllm_hidden_state_proxy.client import (
     hidden_state_fields,
     read_hidden_states,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import dump_json, encode_matrix, encode_vector
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
+from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, encode_matrix, encode_vector
 
 RNG = np.random.default_rng(7)
 HIDDEN = 6

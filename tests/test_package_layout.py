@@ -1,7 +1,10 @@
-"""The house rules of issue #13 that code can check: no import cycles in ``src/`` (lazy imports
-inside functions included), no module over 600 lines, and ``protocol.py`` (the facts both
-processes agree on) importing nothing of the project; and that the package ships ``py.typed``
-(the client module is typed for its users: docs/clients.md)."""
+"""The house rules of issues #13 and #45 that code can check: no import cycles in ``src/`` (lazy
+imports inside functions included), no module over 600 lines, every module opening with its
+reason, and ``protocol.py`` (the facts both processes agree on) importing nothing of the
+project; ``proxy/`` in families (at most 24 entries at its top, only the commands that run it
+importing it, its errors built in ``errors.py``, its ``types.py`` holding aliases only); and
+that the package ships ``py.typed`` (the client module is typed for its users:
+docs/clients.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,13 @@ import vllm_hidden_state_proxy
 PACKAGE_DIR = Path(vllm_hidden_state_proxy.__file__).parent
 PACKAGE = PACKAGE_DIR.name
 MAX_MODULE_LINES = 600
+#: Files and folders at the top of ``proxy/`` (``__init__.py`` included): past this, a family
+#: of modules becomes a subpackage.
+MAX_PROXY_ENTRIES = 24
+#: The rooms that may import ``proxy/``: the commands that run it (``serve``'s options take the
+#: proxy's table) and the benchmark. ``extract``, ``check`` and the client talk HTTP through
+#: ``transport/`` or their own client instead.
+PROXY_IMPORTERS = {"cli", "serve", "serve_options", "check", "bench", "proxy"}
 
 
 def _module_name(path: Path) -> str:
@@ -54,8 +64,9 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_sees_the_package() -> None:
     graph = import_graph()
     # The checker must find real edges, or "no cycle" would prove nothing.
-    assert f"{PACKAGE}.proxy.chat_app" in graph
+    assert f"{PACKAGE}.proxy.endpoints" in graph
     assert f"{PACKAGE}.protocol" in graph[f"{PACKAGE}.proxy.inspection"]
+    assert f"{PACKAGE}.transport" in graph[f"{PACKAGE}.extract.runner"]
 
 
 def test_no_import_cycles() -> None:
@@ -72,6 +83,62 @@ def test_no_module_over_600_lines() -> None:
         if (length := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+
+
+def test_every_module_opens_with_its_reason() -> None:
+    bare = [
+        name
+        for name, path in _modules().items()
+        if not ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
+    ]
+    assert not bare, f"modules without a docstring: {bare}"
+
+
+def test_proxy_has_at_most_24_entries_at_its_top() -> None:
+    entries = [p.name for p in (PACKAGE_DIR / "proxy").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= MAX_PROXY_ENTRIES, sorted(entries)
+
+
+def test_only_the_commands_that_run_it_and_bench_import_proxy() -> None:
+    importers = {
+        name.split(".")[1]
+        for name, imports in import_graph().items()
+        if any(i == f"{PACKAGE}.proxy" or i.startswith(f"{PACKAGE}.proxy.") for i in imports)
+    }
+    assert importers <= PROXY_IMPORTERS, importers - PROXY_IMPORTERS
+
+
+def _calls_of(path: Path, name: str) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
+def test_the_proxys_errors_are_built_in_errors_py() -> None:
+    """Every ``ProxyError(...)`` is made by a factory of ``errors.py``, which names the fix."""
+    built = {
+        name: lines
+        for name, path in _modules().items()
+        if name.startswith(f"{PACKAGE}.proxy.")
+        and name != f"{PACKAGE}.proxy.errors"
+        and (lines := _calls_of(path, "ProxyError"))
+    }
+    assert not built, f"ProxyError built outside errors.py (module: lines): {built}"
+
+
+def test_proxy_types_holds_aliases_only() -> None:
+    """One home per name: ``types.py`` defines aliases and imports nothing of the project (the
+    others import each project name from where it is defined)."""
+    path = PACKAGE_DIR / "proxy" / "types.py"
+    body = ast.parse(path.read_text()).body
+    for node in body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith(PACKAGE):
+            continue  # the standard library's names its aliases are made of
+        assert isinstance(node, (ast.Assign, ast.AnnAssign)), ast.dump(node)
 
 
 def test_protocol_imports_nothing_of_the_project() -> None:

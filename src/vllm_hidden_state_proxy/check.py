@@ -45,6 +45,12 @@ from vllm_hidden_state_proxy.client import (
     read_capture,
 )
 from vllm_hidden_state_proxy.protocol import ARENA_MIB_ENV, CAPTURE_PATH, KV
+from vllm_hidden_state_proxy.transport.ops import (
+    HEALTH_PATH,
+    METRICS_PATH,
+    MODELS_PATH,
+    VERSION_PATH,
+)
 from vllm_hidden_state_proxy.worker_hook.compat import describe_vllm
 
 PROMPT = "The hidden-state proxy check: a short prompt."
@@ -178,14 +184,14 @@ def runners(metrics_text: str) -> list[str]:
 
 
 def _overview(probe: _Probe, model: str | None) -> str:
-    health = probe.get("/health")
+    health = probe.get(HEALTH_PATH)
     if health.status_code != 200:
         raise CheckFailed(f"/health is {health.status_code}: {_error_text(health)}")
     probe.say("ok: /health is 200 (vLLM healthy, no engine reports a hook failure)")
-    version = probe.get("/version")
+    version = probe.get(VERSION_PATH)
     if version.status_code == 200:
         probe.say(f"ok: {describe_vllm(str(version.json().get('version')))}")
-    metrics = probe.get("/metrics")
+    metrics = probe.get(METRICS_PATH)
     if metrics.status_code == 200:
         rings = _metric(metrics.text, "live_rings")
         without = _metric(metrics.text, "engines_without_ring")
@@ -194,7 +200,7 @@ def _overview(probe: _Probe, model: str | None) -> str:
             probe.say(f"ok: {line}")
     if model is not None:
         return model
-    models = probe.get("/v1/models")
+    models = probe.get(MODELS_PATH)
     if models.status_code != 200 or not models.json().get("data"):
         raise CheckFailed(f"/v1/models gave no model ({models.status_code}): pass --model.")
     return str(models.json()["data"][0]["id"])
@@ -302,7 +308,7 @@ def canary(client: httpx.Client, model: str | None = None) -> str | None:
     probe = _Probe(client, lambda line: None)
     try:
         if model is None:
-            models = probe.get("/v1/models")
+            models = probe.get(MODELS_PATH)
             data = models.json().get("data") if models.status_code == 200 else None
             if not data:
                 return f"/v1/models answered {models.status_code} without a model"

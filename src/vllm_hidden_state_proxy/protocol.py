@@ -2,6 +2,12 @@
 
 Vocabulary (one word per concept, used in code, docs and messages):
 
+- **reply**: vLLM's HTTP response to one request the proxy sent it (status, headers, a JSON
+  body or an event stream). The proxy relays it, or joins vectors into it.
+- **answer**: what vLLM generates for one choice of a request (its tokens); the answer's
+  vectors are taken from it (poolings ``"last_answer"``, ``"all_answer"``). Never vLLM's reply.
+  (The option ``--max-answer-size`` and the error texts that say "vLLM's answer" keep the
+  words users already have: they bound and name vLLM's reply.)
 - **request key**: the fresh 128-bit random token the proxy gives one flagged request. It
   travels to vLLM as the ``vllm_xargs`` entry :data:`REQUEST_KEY_ENTRY` (32 hex characters),
   reaches the worker as ``SamplingParams.extra_args``, and is what a record is found by. Never
@@ -18,7 +24,7 @@ Vocabulary (one word per concept, used in code, docs and messages):
 - **matrix**: one row per position instead of one vector, per layer: every prompt position
   (pooling ``"all_prompt"``) or, for each generated answer, the state that chose each of its
   tokens (``"all_answer"``). Variable in size, it travels through the ring's **arena**.
-- **choice**: one of the ``n`` answers of a request (vLLM's ``choices[i].index``).
+- **choice**: one of the ``n`` generated answers of a request (vLLM's ``choices[i].index``).
 - **layer**: an index into Transformers' ``output_hidden_states``: 0 is the embeddings, ``k``
   the residual stream after ``k`` decoder layers, ``N`` (= ``num_hidden_layers``) and ``-1``
   the final layer after the final norm.

@@ -253,7 +253,7 @@ def exchange(port: int, data: bytes) -> Reply:
         raw.close()
 
 
-def assert_vector_answer(reply: Reply, served: Served) -> None:
+def assert_vector_reply(reply: Reply, served: Served) -> None:
     assert reply.status == 200, reply
     key = injected_key(served.new_upstream[-1])
     assert key is not None

@@ -22,6 +22,7 @@ from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.ring import RingDirectory, RingWriter
+from vllm_hidden_state_proxy.transport.ops import OpsClient
 
 pytestmark = pytest.mark.anyio
 
@@ -40,7 +41,7 @@ async def test_the_lifespan_opens_and_closes_its_own_ring_directory(ring_dir: st
         rings = state.rings
         assert isinstance(rings, RingDirectory)
         assert str(rings.directory) == ring_dir
-        assert isinstance(state.ops_client, httpx.AsyncClient)
+        assert isinstance(state.ops_client, OpsClient)
         assert isinstance(state.transport, httpx.MockTransport)
     assert state.connections is None
     assert rings.lookup(bytes(range(16))) is None and not rings.has_ring()  # closed

@@ -22,10 +22,10 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.fan_out import Failed, at_path, fetch_all
-from vllm_hidden_state_proxy.proxy.keyed_exchange import JoinableAnswer, VllmAnswer
+from vllm_hidden_state_proxy.proxy.keyed_request import JoinableReply, UnchangedReply
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import VectorRequest
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import resolve_layers
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 
 pytestmark = pytest.mark.anyio
 
@@ -69,7 +69,7 @@ class GatedVLLM:
 
 async def run(
     vllm: Any, ring: FakeRing, prompts: list[str], limit: int, timeout: float = 1.0
-) -> list[JoinableAnswer] | Failed:
+) -> list[JoinableReply] | Failed:
     settings = settings_for("/unused", fan_out_limit=limit, vector_timeout=timeout)
     app = create_app(settings, FakeVLLM(vllm).transport, ring=ring)
     wanted = resolve_layers(VectorRequest(), ring.live_shapes())
@@ -79,14 +79,14 @@ async def run(
             return await fetch_all(state, [(SCOPE, {"prompt": p}) for p in prompts], wanted)
 
 
-async def test_answers_come_in_job_order_with_at_most_the_limit_in_flight() -> None:
+async def test_replies_come_in_job_order_with_at_most_the_limit_in_flight() -> None:
     ring = FakeRing()
     vllm = GatedVLLM(ring, gate=3)
-    answers = await run(vllm, ring, [f"p{i}" for i in range(10)], limit=3)
-    assert isinstance(answers, list) and len(answers) == 10
+    replies = await run(vllm, ring, [f"p{i}" for i in range(10)], limit=3)
+    assert isinstance(replies, list) and len(replies) == 10
     assert vllm.most == 3
-    assert len({answer.record.key for answer in answers}) == 10
-    assert all(answer.record == record_for(answer.record.key) for answer in answers)
+    assert len({reply.record.key for reply in replies}) == 10
+    assert all(reply.record == record_for(reply.record.key) for reply in replies)
 
 
 async def test_a_vllm_error_is_the_failure_and_cancels_the_rest() -> None:
@@ -95,7 +95,7 @@ async def test_a_vllm_error_is_the_failure_and_cancels_the_rest() -> None:
     result = await run(vllm, ring, ["p0", "refused", "p2", "p3"], limit=4)
     assert isinstance(result, Failed)
     assert result.index == 1
-    assert isinstance(result.failure, VllmAnswer)
+    assert isinstance(result.failure, UnchangedReply)
     assert (result.failure.status, result.failure.content) == (400, b"refused")
     assert vllm.cancelled == 3
 

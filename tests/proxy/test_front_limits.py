@@ -27,7 +27,7 @@ from tests.proxy.raw_http import (
     LIMIT,
     Raw,
     Served,
-    assert_vector_answer,
+    assert_vector_reply,
     chunked,
     exchange,
     request,
@@ -131,7 +131,7 @@ def test_stalled_heads_and_an_endless_header_leave_a_flagged_request_working(
             target=lambda: answered.append(send_endlessly(endless.sock, time.monotonic() + 30))
         )
         sender.start()
-        assert_vector_answer(exchange(served.port, request(FLAGGED)), served)
+        assert_vector_reply(exchange(served.port, request(FLAGGED)), served)
         sender.join(60)
         assert answered and answered[0] is not None, "the endless header was never cut off"
         assert answered[0] == b"" or answered[0].startswith(b"HTTP/1.1 431 "), answered
@@ -274,7 +274,7 @@ def test_the_body_budget_refuses_the_request_that_would_exceed_it(served: Served
         )
         assert exchange(served.port, chunked_big).status == 503  # refused as it grows
         assert exchange(served.port, request(BODY)).status == 200  # a small one fits
-        assert_vector_answer(exchange(served.port, request(FLAGGED)), served)
+        assert_vector_reply(exchange(served.port, request(FLAGGED)), served)
         assert served.state.body_budget.held == 3 * part  # the refused gave theirs back
         holders.pop().close()  # one holder leaves: room for one more body
         wait_until(lambda: served.state.body_budget.held == 2 * part, "its part is back")

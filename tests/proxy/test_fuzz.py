@@ -2,11 +2,11 @@
 hypothesis.
 
 Nothing crashes, nothing hangs: a validator returns a decision or raises ``ProxyError`` 400; a
-flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the
-one choice event that carries the vector) or with an OpenAI-shaped error. The regressions these
-found are plain tests in the modules' own files (test_inspection.py: nesting; test_stream_rewrite.py
-and test_keyed_exchange.py: answers too deep to re-encode; test_completions_app.py: answers that
-cannot be merged).
+flagged stream from a misbehaving upstream is answered 200 (every byte upstream's, except the one
+choice event that carries the vector) or with an OpenAI-shaped error. The regressions these found
+are plain tests in the modules' own files (test_inspection.py: nesting;
+streams/test_prompt_vectors.py and test_keyed_exchange.py: replies too deep to re-encode;
+endpoints/test_completions.py: replies that cannot be merged).
 """
 
 from __future__ import annotations
@@ -41,14 +41,22 @@ from tests.proxy.fakes import (
 )
 from vllm_hidden_state_proxy.protocol import (
     DEFAULT_TEMPLATE,
+    FLAG,
+    FORMAT,
+    FORMATS,
+    INFO,
+    KV,
+    LAYERS,
+    OWN_FIELDS,
+    POOLING,
     REQUEST_KEY_ENTRY,
+    XARGS,
     XARGS_PREFIX,
     request_key_from_wire,
 )
 from vllm_hidden_state_proxy.proxy import create_app
-from vllm_hidden_state_proxy.proxy.answer_join import with_kv_fields
-from vllm_hidden_state_proxy.proxy.completions_app import prompt_list
-from vllm_hidden_state_proxy.proxy.embeddings_plan import (
+from vllm_hidden_state_proxy.proxy.endpoints.completions import prompt_list
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     EmbeddingsDefaults,
@@ -62,28 +70,17 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     inspect_body,
     needs_inspection,
 )
-from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_body
+from vllm_hidden_state_proxy.proxy.keyed_request import keyed_body
 from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
-from vllm_hidden_state_proxy.proxy.stream_rewrite import (
+from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     ChoiceEvent,
     FirstChoiceScanner,
     StreamEnded,
     ended_before_a_choice,
     replace_event,
 )
-from vllm_hidden_state_proxy.proxy.types import (
-    FLAG,
-    FORMAT,
-    FORMATS,
-    INFO,
-    KV,
-    LAYERS,
-    OWN_FIELDS,
-    POOLING,
-    XARGS,
-    WantedVectors,
-)
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
 
 pytestmark = pytest.mark.anyio
 
@@ -471,7 +468,7 @@ def test_inspect_body_with_markers_in_garbage(
 
 
 # ---------------------------------------------------------------------------------------------
-# completions_app.prompt_list, embeddings_plan.plan_embeddings
+# endpoints/completions.prompt_list, endpoints/embeddings_plan.plan_embeddings
 # ---------------------------------------------------------------------------------------------
 
 
@@ -590,7 +587,7 @@ def test_plan_embeddings_is_400_or_a_valid_plan(document: dict[str, Any], max_in
 
 
 # ---------------------------------------------------------------------------------------------
-# stream_rewrite.py: scanning is independent of chunking; the rewrite touches one event only
+# streams/prompt_vectors.py: scanning is independent of chunking; a rewrite touches one event
 # ---------------------------------------------------------------------------------------------
 
 

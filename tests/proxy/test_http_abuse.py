@@ -26,7 +26,7 @@ from tests.proxy.raw_http import (
     LIMIT,
     Raw,
     Served,
-    assert_vector_answer,
+    assert_vector_reply,
     chunked,
     exchange,
     request,
@@ -71,7 +71,7 @@ def served(server: Served) -> Iterator[Served]:
 
 def check_ordinary_and_flagged_requests(served: Served) -> None:
     assert exchange(served.port, request(BODY)).status == 200
-    assert_vector_answer(exchange(served.port, request(FLAGGED)), served)
+    assert_vector_reply(exchange(served.port, request(FLAGGED)), served)
     stream = FLAGGED.replace(b'"model"', b'"stream": true, "model"')
     reply = exchange(served.port, request(stream))
     assert reply.status == 200 and reply.header(b"content-type") == b"text/event-stream"
@@ -460,7 +460,7 @@ def test_unsupported_upgrade_with_a_body(served: Served) -> None:
     reply = exchange(served.port, request(FLAGGED, headers=headers))
     assert reply.status < 500
     if reply.status == 200:
-        assert_vector_answer(reply, served)
+        assert_vector_reply(reply, served)
     for forwarded in served.new_upstream:
         assert b"return_last_hidden_state" not in forwarded.content
 
@@ -494,7 +494,7 @@ def test_flagged_request_at_odd_targets(served: Served, target: bytes) -> None:
     reply = exchange(served.port, request(FLAGGED, method=method, path=path))
     assert reply.status < 500, reply
     if reply.status == 200:
-        assert_vector_answer(reply, served)
+        assert_vector_reply(reply, served)
     for forwarded in served.new_upstream:
         assert forwarded.url.host == "vllm.test"
         assert b"return_last_hidden_state" not in forwarded.content

@@ -27,7 +27,7 @@ from vllm_hidden_state_proxy.proxy.inspection import (
     needs_inspection,
     parse_object,
 )
-from vllm_hidden_state_proxy.proxy.types import VectorRequest
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import MAX_LAYERS
 
 KV = "kv_transfer_params"

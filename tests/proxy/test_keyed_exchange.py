@@ -40,18 +40,20 @@ from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 from vllm_hidden_state_proxy.proxy.keyed_exchange import (
-    AnswerBudget,
-    JoinableAnswer,
-    KeyedRequest,
-    VllmAnswer,
     fetch_keyed_json,
     is_event_stream,
+)
+from vllm_hidden_state_proxy.proxy.keyed_request import (
+    JoinableReply,
+    KeyedRequest,
+    ReplyBudget,
+    UnchangedReply,
     keyed_body,
-    parse_completion,
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import VectorRequest, WantedVectors
-from vllm_hidden_state_proxy.proxy.vector_lookup import resolve_layers
+from vllm_hidden_state_proxy.proxy.streams.events import json_object
+from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import Found, RingWriter
 
 pytestmark = pytest.mark.anyio
@@ -203,7 +205,7 @@ class LateRing(FakeRing):
         return found
 
 
-async def test_a_vector_published_after_the_answer_is_awaited() -> None:
+async def test_a_vector_published_after_the_reply_is_awaited() -> None:
     ring = LateRing(misses=3)
     vllm = FakeVLLM(publishing_handler(ring))
     async with proxy_client(settings_for("/unused", vector_timeout=3600), vllm, ring) as proxy:
@@ -243,7 +245,7 @@ async def test_a_record_for_another_key_is_never_returned() -> None:
     assert ring.lookups >= 2  # the first look, then at least one poll
 
 
-async def test_a_vector_overwritten_before_the_answer_is_a_504_at_once(
+async def test_a_vector_overwritten_before_the_reply_is_a_504_at_once(
     ring_dir: str, writer: RingWriter
 ) -> None:
     """The ring reused the slot (more flagged prefills than slots meanwhile): never a wrong
@@ -292,10 +294,10 @@ async def test_vllms_errors_pass_through_unchanged_without_a_lookup(status: int)
     assert ring.lookups == 0
 
 
-@pytest.mark.parametrize("answer", [b"data: {}\n\n", b"[1, 2]", b'"text"', b""])
-async def test_a_200_that_is_not_a_json_object_is_502(answer: bytes) -> None:
+@pytest.mark.parametrize("reply", [b"data: {}\n\n", b"[1, 2]", b'"text"', b""])
+async def test_a_200_that_is_not_a_json_object_is_502(reply: bytes) -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=answer)
+        return httpx.Response(200, content=reply)
 
     ring = FakeRing()
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
@@ -321,14 +323,14 @@ async def test_a_200_breaking_mid_body_is_502_not_200() -> None:
     assert "The exchange with vLLM failed" in error_of(response)["message"]
 
 
-async def test_an_answer_too_deep_to_re_encode_is_502() -> None:
+async def test_a_reply_too_deep_to_re_encode_is_502() -> None:
     """orjson reads it but cannot write it back with the vector joined in."""
     ring = FakeRing()
-    answer = b'{"choices": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    reply = b'{"choices": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
 
     async def handle(request: httpx.Request) -> httpx.Response:
         publish_for(ring, request)
-        return httpx.Response(200, headers={"content-type": "application/json"}, content=answer)
+        return httpx.Response(200, headers={"content-type": "application/json"}, content=reply)
 
     async with proxy_client(settings_for("/unused"), FakeVLLM(handle), ring) as proxy:
         response = await proxy.client.post(CHAT, json=flagged())
@@ -460,10 +462,10 @@ def test_a_non_finite_number_in_a_flagged_body_reaches_vllm_as_written(constant:
     assert b'"temperature": ' + constant in keyed_body(decision.document, WIRE, wanted())
 
 
-def test_parse_completion() -> None:
-    assert parse_completion(b'{"id": "x"}') == {"id": "x"}
-    assert parse_completion(b"[1]") is None
-    assert parse_completion(b"data: {}") is None
+def test_a_json_reply_is_read_as_an_object_or_none() -> None:
+    assert json_object(b'{"id": "x"}') == {"id": "x"}
+    assert json_object(b"[1]") is None
+    assert json_object(b"data: {}") is None
 
 
 @pytest.mark.parametrize(
@@ -514,15 +516,15 @@ async def test_fetch_keyed_json_answers_with_one_of_two_kinds() -> None:
     wanted = resolve_layers(VectorRequest(), ring.live_shapes())
     async with app.router.lifespan_context(app):
         state: ProxyState = app.state.proxy
-        budget = AnswerBudget(settings.max_answer_bytes)
+        budget = ReplyBudget(settings.max_answer_bytes)
         joinable = await fetch_keyed_json(state, scope, {"prompt": "ok"}, wanted, budget)
         refused = await fetch_keyed_json(state, scope, {"prompt": "refused"}, wanted, budget)
         with pytest.raises(ProxyError) as caught:
             await fetch_keyed_json(state, scope, {"prompt": "lost"}, wanted, budget)
-    assert isinstance(joinable, JoinableAnswer)
+    assert isinstance(joinable, JoinableReply)
     assert joinable.completion == completion()
     assert joinable.record == record_for(joinable.record.key, (FINAL,))
-    assert isinstance(refused, VllmAnswer)
+    assert isinstance(refused, UnchangedReply)
     assert (refused.status, refused.content) == (422, b"no")
     assert (b"x-v", b"1") in refused.headers
     assert caught.value.status == 504
@@ -544,7 +546,7 @@ async def test_the_app_without_its_lifespan_refuses_to_run() -> None:
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
-async def test_a_json_answer_over_the_answer_limit_is_502_naming_it(path: str) -> None:
+async def test_a_json_reply_over_the_reply_limit_is_502_naming_it(path: str) -> None:
     ring = FakeRing()
     limit = 64 * 1024
 

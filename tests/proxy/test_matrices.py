@@ -34,7 +34,7 @@ from vllm_hidden_state_proxy.protocol import (
     SPANS_POOLING,
     all_answer_key,
 )
-from vllm_hidden_state_proxy.proxy.answer_join import as_dtype
+from vllm_hidden_state_proxy.proxy.vectors.encoding import as_dtype
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
 from vllm_hidden_state_proxy.ring.layout import arena_block_size
 

@@ -17,7 +17,7 @@ from vllm_hidden_state_proxy.proxy.metrics import (
     MetricsTable,
     ProxyMetrics,
 )
-from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
+from vllm_hidden_state_proxy.proxy.vectors.memory import VectorMemory
 from vllm_hidden_state_proxy.ring import RingHeader, RingShape
 
 SHAPE = RingShape(8, 4096, 8, 4, (4,))

@@ -14,7 +14,6 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from vllm_hidden_state_proxy.protocol import CHOICES_ENTRY
-from vllm_hidden_state_proxy.proxy.answer_choices import answer_asks, check_answerable
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.inspection import Flagged, inspect_body
 from vllm_hidden_state_proxy.proxy.planned_fields import (
@@ -24,6 +23,7 @@ from vllm_hidden_state_proxy.proxy.planned_fields import (
     PlannedFields,
     read_planned_fields,
 )
+from vllm_hidden_state_proxy.proxy.vectors.answers import answer_asks, check_answerable
 
 ENDPOINTS: dict[str, tuple[PlannedFields, type[BaseModel], dict[str, Any]]] = {
     "chat": (CHAT_FIELDS, ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}]}),

@@ -17,7 +17,7 @@ from tests.proxy.fakes import settings_for
 from tests.proxy.raw_http import (
     FLAG,
     Served,
-    assert_vector_answer,
+    assert_vector_reply,
     exchange,
     request,
     serving,
@@ -84,7 +84,7 @@ def test_numbers_reach_vllm_as_the_client_wrote_them(served: Served, number: byt
     served.seen_before = len(served.upstream)
     body = body_with(number)
     reply = exchange(served.port, request(body))
-    assert_vector_answer(reply, served)
+    assert_vector_reply(reply, served)
     sent = json.loads(served.new_upstream[-1].content)
     original = json.loads(body)
     for name in ("seed", "logit_bias"):

@@ -3,7 +3,6 @@ timeouts, and the error a failed exchange becomes."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 from typing import Any
@@ -14,15 +13,7 @@ import pytest
 
 from tests.proxy.fakes import AsgiCall, FakeRing, FakeVLLM, error_of, proxy_client, settings_for
 from vllm_hidden_state_proxy.proxy import ProxySettings, upstream
-from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
-from vllm_hidden_state_proxy.proxy.upstream import (
-    KEEPALIVE_EXPIRY,
-    build_request,
-    create_ops_client,
-    create_transport,
-    transport_error,
-    upstream_url,
-)
+from vllm_hidden_state_proxy.proxy.upstream import build_request, transport_error, upstream_url
 
 pytestmark = pytest.mark.anyio
 
@@ -118,26 +109,6 @@ def test_transport_errors_map_to_502_or_504_in_words_the_details_logged(
     # The operator's log has them, once per interval however many requests fail.
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1 and "http://vllm:8000" in logged[0] and "secret" in logged[0]
-
-
-async def test_an_injected_transport_is_used_as_it_is() -> None:
-    settings = ProxySettings(upstream_url="http://vllm:8000", health_timeout=1.5)
-    injected = httpx.MockTransport(lambda request: httpx.Response(204))
-    assert create_transport(settings, injected) is injected
-    pooled = create_transport(settings)
-    assert isinstance(pooled, AiohttpTransport)  # the default engine
-    await pooled.aclose()
-    own = create_transport(dataclasses.replace(settings, upstream_client="httpx"))
-    assert isinstance(own, httpx.AsyncHTTPTransport)
-    await own.aclose()
-    ops = create_ops_client(settings, injected)
-    try:
-        assert ops.timeout == httpx.Timeout(1.5)
-        assert not ops.follow_redirects
-        assert (await ops.get("http://vllm:8000/health")).status_code == 204
-    finally:
-        await ops.aclose()
-    assert KEEPALIVE_EXPIRY < 5.0  # vLLM (uvicorn) drops idle connections after 5 s
 
 
 async def test_a_vllm_that_never_answers_is_a_504_after_the_read_timeout() -> None:

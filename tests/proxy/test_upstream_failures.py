@@ -103,7 +103,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     ],
 )
 @pytest.mark.parametrize("flagged", [True, False], ids=["flagged", "ordinary"])
-def test_a_failure_before_the_answer_is_a_502_or_a_504(
+def test_a_failure_before_the_reply_is_a_502_or_a_504(
     tmp_path: Path, mode: str, status: int, words: str, flagged: bool
 ) -> None:
     ring_dir = str(tmp_path / "rings")

@@ -554,11 +554,9 @@ def client_transport() -> httpx.AsyncBaseTransport:
     per request that grows with the connections open (measured with 16 to 256 in flight:
     ~2 to ~9 ms per request, docs/benchmark.md), where a CPU host has none to spare. Idle
     connections are retired before the proxy (uvicorn) closes them."""
-    from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport
-    from vllm_hidden_state_proxy.proxy.upstream import KEEPALIVE_EXPIRY
+    from vllm_hidden_state_proxy.transport import create_pool
 
-    limits = httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY)
-    return AiohttpTransport(limits=limits)
+    return create_pool(max_connections=None)
 
 
 async def _sleep(seconds: float) -> None:

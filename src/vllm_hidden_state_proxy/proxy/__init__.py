@@ -1,35 +1,63 @@
-"""The HTTP proxy in front of vLLM's OpenAI server. One flagged request, stop by stop::
+"""The HTTP proxy in front of vLLM's OpenAI server. One flagged chat request, stop by stop::
 
 client
   │  POST /v1/chat/completions  {"kv_transfer_params": {"return_last_hidden_state": true}}
   ▼
-server.py            uvicorn runs the app that app.py assembles (routes, lifespan), with
-                     http_protocol.py: request heads bounded in size and arrival time
-auth.py              the API key, if the proxy has one
-chat_app.py          the endpoint (completions_app.py, embeddings_app.py, passthrough_app.py,
-  │                  ops_app.py, capture_app.py: what the server captures; the others)
+server.py            uvicorn runs the app, http_protocol.py bounding request heads in size
+                     and arrival time
+app.py               the route by method and path (auth.py before it: the API key, if the
+  │                  proxy has one)
+endpoints/__init__.py  ChatApp (the other routes' apps: endpoints/): read the body (asgi.py:
+  │                  its size, its time, the process's budget of buffered bodies; the
+  │                  request's share of vectors/memory.py)
+inspection.py        Ordinary | Flagged: the flag's fields checked (request_fields.py), the
+  │                  fields it is planned with read as vLLM reads them (planned_fields.py)
+  ├─ Ordinary ─────▶ streams/relay.py: passed through byte for byte
   ▼
-endpoints.py         the POST endpoints' base classes: read the body (asgi.py: its size, its
-  │                  time, the process's budget of buffered bodies), build the exchange or
-  │                  refuse; chat, completions, responses: inspect (inspection.py:
-  │                  Ordinary | Flagged), resolve the layers against the live rings
-  │                  (vector_lookup.py)
-  ├─ Ordinary ─────▶ relay.py: pass through byte for byte (upstream.py, headers.py)
-  ▼
-keyed_exchange.py    a fresh request key into vllm_xargs; send to vLLM (upstream.py, over
-  │                  aiohttp_transport.py: aiohttp's client under httpx's interface)
-  ├─ JSON ─────────▶ vector_lookup.py: the record from the rings (a large matrix copied in
-  │                  a thread, counted by vector_memory.py) ──▶ answer_join.py, sent by
-  │                  answer_body.py (large matrices in pieces; sends of vectors within a deadline)
-  └─ stream ───────▶ stream_rewrite.py: hold to the first choice chunk, join the vectors
-                     there (vector_lookup.py, answer_join.py), relay the rest (relay.py);
-                     /v1/responses: responses_stream.py
-fan_out.py           several keyed requests for one client request (prompt lists,
-                     embeddings inputs; embeddings_plan.py turns the inputs into them)
-errors.py            every error the proxy answers itself, and the factories naming the fix
-types.py             the words (flagged, keyed, pass through...), the client's field names,
-                     the shared types; settings.py: the options table; state.py, metrics.py:
-                     per-app state
+vectors/plan.py      the layers wanted, in the live rings (ring/); refused here if they
+  │                  cannot serve them
+keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, protocol.py, in
+  │                  vllm_xargs), sent by upstream.py (headers.py) over the transport beside
+  │                  proxy/ (transport/aiohttp_client.py: aiohttp's client under httpx's API)
+  ├─ JSON ─────────▶ vectors/lookup.py: the record from the rings, once vLLM has replied ──▶
+  │                  vectors/fields.py (vectors/encoding.py) joined in, sent by replies.py
+  └─ stream ───────▶ streams/prompt_vectors.py: held (streams/rewriting.py) up to the first
+                     choice chunk (streams/events.py), the record (vectors/lookup.py) joined
+                     in there (vectors/fields.py), the rest relayed (streams/relay.py)
+
+The walk enters five rooms of the package (proxy/, request_fields.py, protocol.py, ring/ and
+transport/), plus worker_hook/ inside vLLM, which publishes the record; a test traces it
+(``tests/proxy/test_walk.py``). Other paths of a flagged request: a completions prompt list and
+embeddings inputs fan out (fan_out.py; endpoints/completions.py, endpoints/embeddings.py), the
+answer's vectors are found per choice (vectors/answers.py; in a stream:
+streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
+(streams/responses.py). Every error the proxy answers itself is built in errors.py; the options
+are settings.py's table; state.py and metrics.py hold per-app state; types.py the shared type
+aliases.
+
+Words (one per concept, in code, docs and messages; the project's, *reply* and *answer* first
+among them, are in ``protocol.py``):
+
+- **flagged request**: a client's request whose ``kv_transfer_params`` carries
+  ``return_last_hidden_state: true`` (the **flag**), asking for vectors. Any other request is
+  **ordinary**. Inspection tells the two apart (``inspection.py``: ``Ordinary | Flagged``).
+- **vector request** (``VectorRequest``, ``request_fields.py``): what a flagged request asks
+  for, as the client wrote it; **wanted vectors** (``WantedVectors``, ``vectors/plan.py``): the
+  same in absolute layers of the live rings.
+- **keyed request**: a request the proxy sends vLLM for a flagged request, with a fresh
+  request key in ``vllm_xargs`` (``keyed_request.py``). A flagged request is sent as one keyed
+  request, or as several (a list of prompts, embeddings inputs: the **fan-out**,
+  ``fan_out.py``).
+- **exchange**: everything that answers one client request once its body is read, from the
+  request to vLLM to the client's last byte; an endpoint builds it (``endpoints/``), a client
+  that leaves cancels it.
+- **pass through**: send a request to vLLM as the client sent it and relay the reply back
+  untouched (ordinary requests, every other path).
+- **relay**: copy vLLM's reply to the client as it arrives (``streams/relay.py``).
+- **join**: put the vectors into vLLM's reply (``vectors/fields.py``, sent by ``replies.py``;
+  for streams ``streams/``).
+- **response**: what the proxy sends the client (vLLM's reply, unchanged or joined, or the
+  proxy's own error).
 """
 
 from vllm_hidden_state_proxy.proxy.app import create_app

@@ -15,19 +15,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_hidden_state_proxy.protocol import CAPTURE_PATH
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
-from vllm_hidden_state_proxy.proxy.capture_app import CaptureApp
-from vllm_hidden_state_proxy.proxy.chat_app import ChatApp
-from vllm_hidden_state_proxy.proxy.completions_app import CompletionsApp
-from vllm_hidden_state_proxy.proxy.embeddings_app import EmbeddingsApp
+from vllm_hidden_state_proxy.proxy.endpoints import ChatApp, PassthroughApp, ResponsesApp
+from vllm_hidden_state_proxy.proxy.endpoints.capture import CaptureApp
+from vllm_hidden_state_proxy.proxy.endpoints.completions import CompletionsApp
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings import EmbeddingsApp
+from vllm_hidden_state_proxy.proxy.endpoints.ops import HealthApp, MetricsApp
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
-from vllm_hidden_state_proxy.proxy.ops_app import HealthApp, MetricsApp
-from vllm_hidden_state_proxy.proxy.passthrough_app import PassthroughApp
-from vllm_hidden_state_proxy.proxy.responses_app import ResponsesApp
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState
-from vllm_hidden_state_proxy.proxy.types import RingSource
-from vllm_hidden_state_proxy.proxy.upstream import create_ops_client, create_transport
+from vllm_hidden_state_proxy.proxy.state import Connections, ProxyState, RingSource
 from vllm_hidden_state_proxy.ring import RingDirectory
+from vllm_hidden_state_proxy.transport import create_pool
+from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH, OpsClient
 
 
 class _ExactPaths:
@@ -76,7 +74,9 @@ def create_app(
 ) -> Starlette:
     """The proxy as an ASGI app.
 
-    ``transport`` replaces the network towards vLLM (tests: ``httpx.MockTransport``). ``ring``
+    ``transport`` replaces the network towards vLLM (tests: ``httpx.MockTransport``), for the
+    requests and the ops routes alike; by default each has a pool of ``--upstream-client``'s
+    engine (:func:`~vllm_hidden_state_proxy.transport.create_pool`). ``ring``
     replaces ``RingDirectory(settings.ring_dir)``; a ring passed in is not closed at shutdown.
     The connections and the ring directory are opened by the lifespan, so the lifespan must
     run before requests (uvicorn does; with ``httpx.ASGITransport`` enter
@@ -89,9 +89,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         rings = ring or RingDirectory(settings.ring_dir, owner_uids=settings.ring_owner_uids)
+        engine, uds = settings.upstream_client, settings.upstream_uds
         connections = Connections(
-            transport=create_transport(settings, transport),
-            ops_client=create_ops_client(settings, transport),
+            transport=transport or create_pool(settings.max_connections, uds, engine),
+            ops_client=OpsClient(settings.upstream_base, transport, uds=uds, engine=engine),
             rings=rings,
         )
         state.connections = connections
@@ -105,8 +106,8 @@ def create_app(
                 rings.close()
 
     routes = [
-        Route("/health", HealthApp(state), methods=["GET"]),
-        Route("/metrics", MetricsApp(state), methods=["GET"]),
+        Route(HEALTH_PATH, HealthApp(state), methods=["GET"]),
+        Route(METRICS_PATH, MetricsApp(state), methods=["GET"]),
         Route(CAPTURE_PATH, CaptureApp(state), methods=["GET"]),
         Route("/v1/chat/completions", ChatApp(state), methods=["POST"]),
         Route("/v1/completions", CompletionsApp(state), methods=["POST"]),

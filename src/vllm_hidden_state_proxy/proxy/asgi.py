@@ -1,5 +1,5 @@
 """Raw ASGI plumbing: bounded body reading (size, time, the process's total of buffered
-bodies), whole responses, disconnect watch. (The ASGI type aliases are in ``types.py``.)"""
+bodies), whole responses, disconnect watch. (The ASGI type aliases are Starlette's.)"""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
+from starlette.types import Receive, Scope, Send
+
 from vllm_hidden_state_proxy.proxy.errors import (
     ProxyError,
     body_budget_exhausted,
     body_timeout,
     body_too_large,
 )
-from vllm_hidden_state_proxy.proxy.types import RawHeaders, Receive, Scope, Send
+from vllm_hidden_state_proxy.proxy.types import RawHeaders
 
 _CLOSE: RawHeaders = [(b"connection", b"close")]
 

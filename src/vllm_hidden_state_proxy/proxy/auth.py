@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hmac
 
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from vllm_hidden_state_proxy.proxy.asgi import header_value, send_response
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
-from vllm_hidden_state_proxy.proxy.types import ASGIApp, Receive, Scope, Send
+from vllm_hidden_state_proxy.proxy.errors import missing_api_key
+from vllm_hidden_state_proxy.transport.ops import HEALTH_PATH, METRICS_PATH
 
 _BEARER = b"bearer "
 
@@ -41,18 +42,15 @@ class ApiKeyGuard:
     def __init__(self, app: ASGIApp, *, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self._api_key = api_key
-        self._open_paths = frozenset({"/health"} if protect_metrics else {"/health", "/metrics"})
+        open_paths = {HEALTH_PATH} if protect_metrics else {HEALTH_PATH, METRICS_PATH}
+        self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open_paths:
             await self.app(scope, receive, send)
             return
         if not has_api_key(scope, self._api_key):
-            error = ProxyError(
-                401,
-                "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-                f"proxy was started with (--api-key / {API_KEY_ENV}).",
-            )
+            error = missing_api_key()
             await send_response(
                 send, 401, error.body(), b"application/json", [(b"www-authenticate", b"Bearer")]
             )

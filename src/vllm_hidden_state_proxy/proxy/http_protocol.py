@@ -24,12 +24,12 @@ import asyncio
 import functools
 from typing import Any
 
+from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from vllm_hidden_state_proxy.proxy.types import Receive, Scope, Send
-from vllm_hidden_state_proxy.proxy.vector_memory import CUT_EXTENSION
+from vllm_hidden_state_proxy.proxy.vectors.memory import CUT_EXTENSION
 
 #: Per header, the bytes a head carries besides its name and value (": " and CRLF).
 _HEADER_FRAMING = 4
@@ -146,8 +146,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_ends()
         size = len(self.url) + sum(len(n) + len(v) + _HEADER_FRAMING for n, v in self.headers)
         if size <= self.max_head_bytes:
-            # The app may cut this connection: a client that does not take its answer in time
-            # (answer_body.py). abort(), not close(): close() would keep what is buffered for a
+            # The app may cut this connection: a client that does not take its response in time
+            # (replies.py). abort(), not close(): close() would keep what is buffered for a
             # client that never reads.
             extensions: dict[str, Any] = {CUT_EXTENSION: self.transport.abort}
             self.scope["extensions"] = extensions  # type: ignore[typeddict-item]

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from vllm_hidden_state_proxy import request_fields
-from vllm_hidden_state_proxy.protocol import XARGS_PREFIX
+from vllm_hidden_state_proxy.protocol import FLAG, KV, OWN_FIELDS, XARGS, XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.planned_fields import (
     CHAT_FIELDS,
@@ -46,8 +46,7 @@ from vllm_hidden_state_proxy.proxy.reserved_entries import (
     reserved_entry_error,
     unreadable_refusal,
 )
-from vllm_hidden_state_proxy.proxy.types import FLAG, KV, OWN_FIELDS, XARGS, VectorRequest
-from vllm_hidden_state_proxy.request_fields import RequestFieldError
+from vllm_hidden_state_proxy.request_fields import RequestFieldError, VectorRequest
 
 #: Deepest nesting of a body the proxy re-encodes. Beyond orjson's 254 levels ``json.dumps``
 #: takes over, which recurses on the Python stack and fails near 1000 levels (orjson reads up to

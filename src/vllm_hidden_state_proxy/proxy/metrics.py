@@ -249,11 +249,11 @@ class ProxyMetrics:
 
     #: Flagged requests read and inspected (before any refusal of what they ask for).
     flagged_received = _RowCell(_FLAGGED)
-    #: vLLM unreachable, or its answer broke off.
+    #: vLLM unreachable, or its reply broke off.
     upstream_errors = _RowCell(_UPSTREAM_ERRORS)
-    #: Bytes of vectors and matrices this process holds now (``vector_memory.py``).
+    #: Bytes of vectors and matrices this process holds now (``vectors/memory.py``).
     vector_bytes = _RowCell(_VECTOR_BYTES)
-    #: Clients cut off for not taking a flagged answer in time (``answer_body.py``).
+    #: Clients cut off for not taking a reply with vectors in time (``replies.py``).
     send_cuts = _RowCell(_SEND_CUTS)
 
     def render(

@@ -28,9 +28,8 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
-from vllm_hidden_state_proxy.protocol import XARGS_PREFIX
+from vllm_hidden_state_proxy.protocol import XARGS, XARGS_PREFIX
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
-from vllm_hidden_state_proxy.proxy.types import XARGS
 
 _PREFIX = XARGS_PREFIX.encode("ascii")
 _FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")

@@ -40,6 +40,7 @@ from vllm_hidden_state_proxy.protocol import (
     UPSTREAM_API_KEY_ENV,
     VLLM_API_KEY_ENV,
 )
+from vllm_hidden_state_proxy.transport import ENGINES
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -94,7 +95,7 @@ class ProxySettings:
         "--upstream-client",
         "the HTTP client under the proxy's httpx interface to vLLM: aiohttp's (cheaper per "
         "request) or httpx's own",
-        choices=("aiohttp", "httpx"),
+        choices=ENGINES,
     )
     # None (the default) becomes ALL_INTERFACES with an API key, LOOPBACK without one
     # (__post_init__): vLLM's habit where it is safe.

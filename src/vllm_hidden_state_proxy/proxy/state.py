@@ -4,22 +4,62 @@ and what the lifespan opens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
 from vllm_hidden_state_proxy.proxy.asgi import BodyBudget
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
-from vllm_hidden_state_proxy.proxy.types import RingSource
-from vllm_hidden_state_proxy.proxy.vector_memory import VectorMemory
+from vllm_hidden_state_proxy.proxy.vectors.memory import VectorMemory
+from vllm_hidden_state_proxy.ring import (
+    EngineFailure,
+    Found,
+    PendingRows,
+    PublishMarks,
+    RingHeader,
+    RingShape,
+)
+from vllm_hidden_state_proxy.transport.ops import OpsClient
+
+
+class RingSource(Protocol):
+    """What the proxy needs from ``ring.RingDirectory`` (tests may pass a fake)."""
+
+    def lookup(self, key: bytes) -> Found | None: ...
+
+    def find(self, key: bytes) -> Found | PendingRows | None: ...
+
+    def has_ring(self) -> bool: ...
+
+    def live_ring_count(self) -> int: ...
+
+    def live_shapes(self) -> tuple[RingShape, ...]: ...
+
+    def live_headers(self) -> tuple[RingHeader, ...]: ...
+
+    def failed_engines(self) -> tuple[EngineFailure, ...]: ...
+
+    def refusal(self) -> str | None: ...
+
+    def publishing_instances(self) -> frozenset[int]: ...
+
+    def publish_marks(self) -> PublishMarks: ...
+
+    def overwritten_since(self, marks: PublishMarks) -> bool: ...
+
+    def smallest_slot_count(self) -> int | None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class Connections:
-    """What the lifespan opens: the pool towards vLLM, the small ops pool, the rings."""
+    """What the lifespan opens: the pool towards vLLM, the client of its ops routes (a small
+    pool of its own), the rings."""
 
     transport: httpx.AsyncBaseTransport
-    ops_client: httpx.AsyncClient
+    ops_client: OpsClient
     rings: RingSource
 
 
@@ -48,8 +88,8 @@ class ProxyState:
         return self._open().transport
 
     @property
-    def ops_client(self) -> httpx.AsyncClient:
-        """The small pool for /health and /metrics."""
+    def ops_client(self) -> OpsClient:
+        """vLLM's /health, /metrics and /v1/models, over a small pool of their own."""
         return self._open().ops_client
 
     @property

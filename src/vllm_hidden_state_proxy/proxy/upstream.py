@@ -1,5 +1,6 @@
-"""The connection to vLLM: pooled client, request construction, sending and closing,
-transport-error mapping."""
+"""The requests to vLLM: built from the client's (path, query, headers), sent through the
+transport (:mod:`vllm_hidden_state_proxy.transport`), and its failures mapped to the errors the
+client sees."""
 
 from __future__ import annotations
 
@@ -7,61 +8,24 @@ import functools
 import logging
 import time
 
-import anyio
 import httpx
+from starlette.types import Scope
 
-from vllm_hidden_state_proxy.proxy.aiohttp_transport import AiohttpTransport, ClosesAtOnce
-from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.errors import (
+    ProxyError,
+    exchange_failed,
+    stream_broke_off,
+    stream_stalled,
+    vllm_timeout,
+    vllm_unreachable,
+)
 from vllm_hidden_state_proxy.proxy.headers import upstream_request_headers
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.types import Scope
 
 log = logging.getLogger(__name__)
 
-#: Seconds an idle pooled connection to vLLM is kept (below vLLM's 5 s keep-alive timeout).
-KEEPALIVE_EXPIRY = 2.0
 _AUTHORIZATION = frozenset({b"authorization"})
-
-
-def create_ops_client(
-    settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncClient:
-    """A small separate pool for /health and /metrics, so that they keep answering when every
-    connection of the main pool is busy with long generations (readiness probes at peak load)."""
-    if transport is None and settings.upstream_uds is not None:
-        transport = httpx.AsyncHTTPTransport(uds=settings.upstream_uds, trust_env=False)
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_EXPIRY),
-        timeout=httpx.Timeout(settings.health_timeout),
-        transport=transport,
-        follow_redirects=False,
-        trust_env=False,
-    )
-
-
-def create_transport(
-    settings: ProxySettings, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncBaseTransport:
-    """The pooled connection set towards vLLM. ``transport`` replaces the network (tests).
-
-    The proxy sends through the transport directly rather than an ``httpx.AsyncClient``: the
-    client's layers (auth, redirects, cookie jar, event hooks) are work a proxy must not do.
-    Timeouts travel in each request (``settings.timeouts``). The engine is aiohttp's client
-    (:mod:`.aiohttp_transport`) unless ``--upstream-client httpx`` asks for httpx's own.
-    """
-    if transport is not None:
-        return transport
-    limits = httpx.Limits(
-        max_connections=settings.max_connections,
-        max_keepalive_connections=settings.max_connections,
-        # vLLM (uvicorn) closes idle connections after 5 s: retire ours first, so a request
-        # never goes out on a connection the server is closing.
-        keepalive_expiry=KEEPALIVE_EXPIRY,
-    )
-    if settings.upstream_client == "httpx":
-        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, uds=settings.upstream_uds)
-    return AiohttpTransport(limits=limits, uds=settings.upstream_uds)
 
 
 def upstream_url(settings: ProxySettings, scope: Scope) -> httpx.URL:
@@ -116,7 +80,7 @@ async def open_upstream(
     vLLM's status and headers are in (body not read yet).
 
     Raises ``ProxyError`` (502/504) if vLLM cannot be reached. The caller must close the
-    response (``close_quietly``).
+    response (:func:`~vllm_hidden_state_proxy.transport.close_quietly`).
     """
     request = build_request(state.settings, scope, body, drop)
     try:
@@ -126,31 +90,16 @@ async def open_upstream(
         raise transport_error(state.settings, exc) from exc
 
 
-async def close_quietly(response: httpx.Response) -> None:
-    """Close the upstream response even while being cancelled (a client disconnect).
-
-    aiohttp's responses close without suspending, so nothing can cancel that; any other
-    transport's close is shielded (a cancel scope per request is measurable CPU).
-    """
-    if isinstance(response.stream, ClosesAtOnce):
-        await response.aclose()
-        return
-    with anyio.CancelScope(shield=True):
-        await response.aclose()
-
-
 def transport_error(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
-    """The error the client sees when the exchange with vLLM itself failed (no usable answer):
+    """The error the client sees when the exchange with vLLM itself failed (no usable reply):
     in words only, since any client may see it; vLLM's address and the exception go to the
     proxy's log."""
     _log_failure(settings.upstream_url, exc)
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-        return ProxyError(504, "vLLM did not answer in time.")
+        return vllm_timeout()
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return ProxyError(502, "Could not reach vLLM (the proxy's log says why).")
-    return ProxyError(
-        502, "The exchange with vLLM failed before it answered (the proxy's log says why)."
-    )
+        return vllm_unreachable()
+    return exchange_failed()
 
 
 def broken_off(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
@@ -159,8 +108,8 @@ def broken_off(settings: ProxySettings, exc: httpx.HTTPError) -> ProxyError:
     the read timeout: 504)."""
     _log_failure(settings.upstream_url, exc)
     if isinstance(exc, httpx.TimeoutException):
-        return ProxyError(504, "vLLM stopped sending its stream (the read timeout passed).")
-    return ProxyError(502, "vLLM's stream broke off before its end (the proxy's log says why).")
+        return stream_stalled()
+    return stream_broke_off()
 
 
 #: At most one log line per this many seconds about failed exchanges (a vLLM that is down

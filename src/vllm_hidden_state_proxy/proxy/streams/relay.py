@@ -1,0 +1,84 @@
+"""Relaying: vLLM's reply back to the client byte for byte, as it arrives; and passing a request
+through (sent as it came, the reply relayed). A flagged stream that breaks off ends with an
+error event (:mod:`.events` frames it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.types import Scope, Send
+
+from vllm_hidden_state_proxy.proxy.asgi import send_error
+from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
+from vllm_hidden_state_proxy.proxy.state import ProxyState
+from vllm_hidden_state_proxy.proxy.streams.events import complete_events, error_event
+from vllm_hidden_state_proxy.proxy.upstream import broken_off, open_upstream
+from vllm_hidden_state_proxy.transport import close_quietly
+
+log = logging.getLogger(__name__)
+
+
+async def relay_response(state: ProxyState, send: Send, response: httpx.Response) -> None:
+    """Relay status, headers (minus hop-by-hop) and raw body chunks as they arrive."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": downstream_response_headers(response.headers.raw),
+        }
+    )
+    await relay_body(state, send, response.aiter_raw())
+
+
+async def relay_body(
+    state: ProxyState,
+    send: Send,
+    chunks: AsyncIterator[bytes],
+    error_event: bool = False,
+    pending: bytes = b"",
+) -> None:
+    """Relay the (rest of the) body chunks as they arrive, then end the response.
+
+    If the exchange with vLLM breaks off: with ``error_event`` (a flagged event stream, which
+    the proxy rewrites anyway) the stream ends with an error event (``data: {"error": ...}``,
+    which the OpenAI client raises); otherwise (passed through byte for byte) the connection is
+    cut, so the client sees a truncated response rather than a complete-looking one.
+    ``pending``: with ``error_event``, the start of a partial event of vLLM's, held until it is
+    complete (:func:`complete_events`), so that an error event never lands inside it."""
+    try:
+        async for chunk in chunks:
+            if error_event:
+                chunk, pending = complete_events(pending + chunk)
+                if not chunk:
+                    continue
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except httpx.TransportError as exc:
+        state.metrics.upstream_errors += 1
+        if error_event:  # the partial event vLLM never finished is dropped
+            await send_error_event(send, broken_off(state.settings, exc))
+            return
+        log.warning("vLLM response broke off mid-stream: %r", exc)
+        return
+    await send({"type": "http.response.body", "body": pending, "more_body": False})
+
+
+async def send_error_event(send: Send, error: ProxyError) -> None:
+    """End a started event stream with ``error`` as its last event (``data: {"error": ...}``,
+    which the OpenAI client raises; no ``[DONE]``)."""
+    await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+
+
+async def pass_through(state: ProxyState, scope: Scope, send: Send, body: bytes) -> None:
+    """Pass one request through: sent as it came (with ``body``), the reply relayed back."""
+    try:
+        response = await open_upstream(state, scope, body)
+    except ProxyError as error:
+        await send_error(send, error)
+        return
+    try:
+        await relay_response(state, send, response)
+    finally:
+        await close_quietly(response)
