@@ -24,7 +24,10 @@ from vllm_hidden_state_proxy.bench.embeddings import (
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
 from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
-from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import EmbeddingsDefaults, plan_embeddings
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
+    EmbeddingsDefaults,
+    plan_embeddings,
+)
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 

@@ -35,7 +35,10 @@ from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import median_ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import Tally, burst, burst_turn, take_turns
 from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
-from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import EmbeddingsDefaults, plan_embeddings
+from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
+    EmbeddingsDefaults,
+    plan_embeddings,
+)
 
 #: The proxy's default ``--fan-out-limit`` (docs/api.md): the direct arm keeps at most as many
 #: chats in flight.
@@ -63,7 +66,8 @@ def embedding_inputs_body(model: str, indices: list[int]) -> bytes:
 
 def embedding_chat_body(model: str, index: int) -> bytes:
     """The one-token chat the proxy sends vLLM for input ``index``, planned by the proxy's own
-    rules (``proxy/endpoints/embeddings_plan.py``), unflagged: what vLLM alone does for that input."""
+    rules (``proxy/endpoints/embeddings_plan.py``), unflagged: what vLLM alone does for that
+    input."""
     plan = plan_embeddings({"model": model, "input": embedding_text(index)}, PROXY_DEFAULTS)
     return orjson.dumps(plan.calls[0][1])
 

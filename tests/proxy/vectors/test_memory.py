@@ -477,32 +477,33 @@ def test_an_embeddings_response_has_a_send_deadline(ring_dir: str) -> None:
 async def test_the_event_loop_keeps_turning_while_a_large_matrix_is_served(
     ring_dir: str, big_writer: RingWriter
 ) -> None:
+    """The loop thread never works on the matrix in one long stretch: between two turns of a
+    ticker it spends little CPU. Counted in the loop thread's own CPU time (``thread_time``),
+    which a loaded machine does not stretch, not in wall time."""
     rows = 32 * MIB // ROW
     vllm = matrix_vllm(big_writer, rows)
-    gaps: list[float] = []
+    stretches: list[float] = []
     done = asyncio.Event()
 
     async def tick() -> None:
-        last = time.perf_counter()
+        last = time.thread_time()
         while not done.is_set():
             await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
+            now = time.thread_time()
+            stretches.append(now - last)
             last = now
 
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
         ticker = asyncio.get_running_loop().create_task(tick())
-        start = time.perf_counter()
         response = await proxy.client.post(
             COMPLETIONS, json=flagged("a b c", last_hidden_state_dtype="bfloat16")
         )
-        took = time.perf_counter() - start
         done.set()
         await ticker
     assert response.status_code == 200
-    # Before: copy, CRC, rounding and base64 of 32 MiB ran on the loop in one go (>= 0.3 s).
-    # The httpx in-process client joins the pieces on the loop: allow it its share.
-    assert max(gaps) < max(0.1, took / 4), (max(gaps), took)
+    # Before: copy, CRC, rounding and base64 of 32 MiB ran on the loop in one go (>= 0.3 s of
+    # CPU). The httpx in-process client joins the pieces on the loop: allow it its share.
+    assert max(stretches) < 0.1, max(stretches)
 
 
 async def test_a_large_matrix_taken_early_survives_its_block_being_written_over(
