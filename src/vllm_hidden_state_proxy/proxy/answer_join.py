@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import orjson
@@ -54,6 +53,9 @@ from vllm_hidden_state_proxy.proxy.types import (
 )
 from vllm_hidden_state_proxy.ring import Record
 from vllm_hidden_state_proxy.ring.records import Rows
+from vllm_hidden_state_proxy.wanted_vectors import as_dtype as as_dtype
+from vllm_hidden_state_proxy.wanted_vectors import bfloat16_bits as bfloat16_bits
+from vllm_hidden_state_proxy.wanted_vectors import vector_info as vector_info
 
 #: Upstream headers not copied onto a rebuilt JSON response (the proxy sets its own).
 REBUILT_DROP = frozenset({b"content-length", b"content-type", b"content-encoding"})
@@ -66,27 +68,6 @@ Floats = npt.NDArray[np.float32]
 def float32_view(vector: Rows) -> Floats:
     """Little-endian float32 bytes as a float32 array (a view, no copy, on little-endian hosts)."""
     return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
-
-
-def bfloat16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """float32 values rounded to bfloat16 (to nearest, ties to even), as their 16 bits; a NaN
-    keeps its sign and the upper bits of its payload, made quiet."""
-    with np.errstate(invalid="ignore"):  # ml_dtypes warns on NaNs, and makes them canonical
-        bits = values.astype(ml_dtypes.bfloat16).view("<u2")
-    nan = np.isnan(values)
-    if nan.any():
-        bits[nan] = ((values[nan].view("<u4") >> 16) | 0x40).astype("<u2")
-    return bits
-
-
-def as_dtype(vector: Rows, dtype: str) -> Rows:
-    """Little-endian float32 bytes as little-endian ``dtype`` bytes (rounded to nearest even)."""
-    if dtype == "float32":
-        return vector
-    values = np.frombuffer(vector, dtype="<f4")
-    if dtype == "float16":
-        return values.astype("<f2").data.cast("B")
-    return bfloat16_bits(values).data.cast("B")
 
 
 def base64_text(vector: Rows) -> str:
@@ -149,30 +130,6 @@ def dump_json(document: Any) -> bytes:
     Raises ``orjson.JSONEncodeError`` (e.g. nested deeper than orjson writes).
     """
     return orjson.dumps(document, default=_encoded, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
-    request = wanted.request
-    info: dict[str, Any] = {
-        "position": record.position,
-        "num_prompt_tokens": record.num_prompt_tokens,
-        "hidden_size": record.hidden_size,
-        "dtype": request.dtype if request.format == "base64" else "float32",
-        "pooling": request.pooling,
-    }
-    if request.spans is not None:
-        info["spans"] = [list(span) for span in request.spans]
-    if record.pooling == "last_answer":  # the state that chose this token of the answer
-        info["num_output_tokens"] = record.position - record.num_prompt_tokens + 2
-    if record.pooling in MATRIX_POOLINGS:  # rows of positions position, position + 1, ...
-        info["rows"] = record.rows
-    if record.pooling == "all_answer":
-        info["num_output_tokens"] = record.rows
-    if wanted.final_layer in wanted.layers:
-        info["layer"] = "final_norm"
-    if wanted.request.layers is not None:
-        info["layers"] = list(wanted.request.layers)
-    return info
 
 
 def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:

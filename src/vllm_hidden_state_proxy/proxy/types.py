@@ -26,7 +26,6 @@ Words (one per concept, in code, docs and messages):
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vllm_hidden_state_proxy.protocol import (
@@ -56,8 +55,11 @@ from vllm_hidden_state_proxy.ring import (
     RingHeader,
     RingShape,
 )
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
-# -- the client's field names: ``protocol.py`` (the client module reads them too) -----------
+# -- the client's field names: ``protocol.py`` (the client module reads them too); what a
+# flagged request asks for: ``request_fields.py`` and ``wanted_vectors.py`` (shared with the
+# offline API) -------------------------------------------------------------------------------
 
 __all__ = [
     "BY_LAYER",
@@ -77,6 +79,7 @@ __all__ = [
     "VECTORS",
     "XARGS",
     "VectorRequest",
+    "WantedVectors",
     "is_int",
 ]
 
@@ -85,25 +88,6 @@ def is_token_ids(value: Any) -> bool:
     """A non-empty list of token ids (JSON integers). (The set of the items' types is built in
     C: a 5th of the time of a generator over thousands of ids.)"""
     return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
-
-
-# -- what a flagged request asks for (VectorRequest: request_fields.py, shared with the client) --
-
-
-@dataclass(frozen=True)
-class WantedVectors:
-    """A :class:`VectorRequest` resolved against the server's rings: absolute layer indices."""
-
-    request: VectorRequest
-    #: One absolute index per requested layer, in request order (default: the final layer).
-    layers: tuple[int, ...]
-    #: The final layer's index (N): its vector also goes in ``last_hidden_state``.
-    final_layer: int
-
-    @property
-    def distinct_layers(self) -> tuple[int, ...]:
-        """The layers to capture, ascending, each once."""
-        return tuple(sorted(set(self.layers)))
 
 
 # -- ASGI ------------------------------------------------------------------------------------

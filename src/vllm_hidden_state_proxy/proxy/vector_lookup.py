@@ -31,7 +31,6 @@ from vllm_hidden_state_proxy.protocol import (
     ARENA_MIB_ENV,
     MATRIX_POOLINGS,
     MAX_RECORD_MIB_ENV,
-    absolute_layer,
 )
 from vllm_hidden_state_proxy.proxy.errors import (
     ProxyError,
@@ -55,6 +54,7 @@ from vllm_hidden_state_proxy.proxy.types import (
     is_token_ids,
 )
 from vllm_hidden_state_proxy.proxy.vector_memory import off_loop_limiter
+from vllm_hidden_state_proxy.request_fields import RequestFieldError
 from vllm_hidden_state_proxy.ring import (
     ErrorRecord,
     Found,
@@ -65,6 +65,7 @@ from vllm_hidden_state_proxy.ring import (
 )
 from vllm_hidden_state_proxy.ring.layout import arena_block_size
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
+from vllm_hidden_state_proxy.wanted_vectors import resolve_layers as wanted_layers
 
 T = TypeVar("T")
 
@@ -256,26 +257,13 @@ def resolve_layers(
 
     Raises 400 listing the captured layers for a layer the server does not capture.
     """
-    shape = shapes[0]
-    final = shape.num_hidden_layers
-    captured = set(shape.layers)
+    captured = set(shapes[0].layers)
     for other in shapes[1:]:
         captured &= set(other.layers)
-    asked = request.layers if request.layers is not None else (-1,)
-    resolved = []
-    for layer in asked:
-        absolute = absolute_layer(layer, final)
-        if absolute is None or absolute not in captured:
-            listed = ", ".join(str(k) for k in sorted(captured))
-            raise bad_request(
-                f"Layer {layer} is not captured by this server. It captures layers {listed} "
-                f"(the model has {final} decoder layers; -1 means {final}, the final layer "
-                "after the final norm). Choose from those, or restart vLLM with the layer in "
-                "--hidden-state-layers (HIDDEN_STATE_PROXY_LAYERS).",
-                param,
-            )
-        resolved.append(absolute)
-    return WantedVectors(request, tuple(resolved), final)
+    try:
+        return wanted_layers(request, shapes[0].num_hidden_layers, captured, param)
+    except RequestFieldError as refused:
+        raise bad_request(refused.message, refused.param) from None
 
 
 def check_matrix_room(
