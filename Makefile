@@ -105,6 +105,7 @@ test: lint typecheck
 # cached: seconds, then the tests. (0.33.0 on 2026-12-02: 9.6 GB, first run 191-230 s.)
 # test_engine.py is left out: it builds VllmConfig objects, which the GPU build (0.33, 0.34)
 # cannot without a device ("Failed to infer device type"); the runner tests need none.
+# tests/test_offline.py: the offline API's loop (issue #47) over the wheel's SamplingParams.
 NEXT_VLLM ?= 0.34.0
 # Pins of a release that no index holds, replaced (.ci/install_vllm.py installs vllm --no-deps,
 # then its own requirements with these swapped in): vLLM 0.34.0 pins flashinfer-python==0.7.3,
@@ -131,7 +132,8 @@ endif
 NEXT_VENV ?= $(NEXT_CACHE)/venv-vllm-$(NEXT_VLLM)-$(NEXT_PYTHON_TAG)-$(NEXT_KEY)
 NEXT_PY := $(NEXT_VENV)/bin/python
 NEXT_STAMP := $(NEXT_VENV)/.install-stamp
-NEXT_TESTS := tests/worker_hook tests/test_installed_pins.py --ignore=tests/worker_hook/test_engine.py
+NEXT_TESTS := tests/worker_hook tests/test_offline.py tests/test_installed_pins.py \
+	--ignore=tests/worker_hook/test_engine.py
 
 $(NEXT_STAMP):
 	@# 9.5 GB once installed, more while pip unpacks: say so before pip fails half-way.

@@ -164,3 +164,19 @@ def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     wheel = tmp_path / done.stdout.strip().splitlines()[-1]
     assert f"{PACKAGE}/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_the_offline_api_imports_nothing_of_the_proxy() -> None:
+    """``offline/`` runs in a user's script beside vLLM: what it shares with the proxy lives
+    outside ``proxy/`` (``wanted_vectors.py``, ``request_fields.py``, ``protocol.py``), so a
+    restructured proxy cannot break it, nor the proxy's dependencies burden it."""
+    graph = import_graph()
+    reached: set[str] = set()
+    todo = [name for name in graph if name.startswith(f"{PACKAGE}.offline")]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    assert not {name for name in reached if name.startswith(f"{PACKAGE}.proxy")}
+    assert f"{PACKAGE}.wanted_vectors" in reached

@@ -80,7 +80,8 @@ from vllm_hidden_state_proxy.proxy.streams.prompt_vectors import (
     replace_event,
 )
 from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import resolve_layers
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 pytestmark = pytest.mark.anyio
 

@@ -52,9 +52,10 @@ from vllm_hidden_state_proxy.proxy.keyed_request import (
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.events import json_object
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import Found, RingWriter
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 pytestmark = pytest.mark.anyio
 

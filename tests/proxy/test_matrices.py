@@ -34,9 +34,9 @@ from vllm_hidden_state_proxy.protocol import (
     SPANS_POOLING,
     all_answer_key,
 )
-from vllm_hidden_state_proxy.proxy.vectors.encoding import as_dtype
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
 from vllm_hidden_state_proxy.ring.layout import arena_block_size
+from vllm_hidden_state_proxy.wanted_vectors import as_dtype
 
 pytestmark = pytest.mark.anyio
 

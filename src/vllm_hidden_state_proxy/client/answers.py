@@ -75,6 +75,12 @@ def _from_base64(text: str, dtype: str, where: str) -> Array:
         raw = _strict_base64(text)
     except (binascii.Error, ValueError) as exc:
         raise HiddenStateDecodeError(f"{where} is not valid base64 ({exc}).") from None
+    return decode_bytes(raw, dtype, where)
+
+
+def decode_bytes(raw: bytes | bytearray | memoryview, dtype: str, where: str = VECTOR) -> Array:
+    """Little-endian ``dtype`` values (as the proxy's base64 carries them, or the offline API
+    reads them) as a new float32 array."""
     if len(raw) % _ITEM_SIZE[dtype]:
         raise HiddenStateDecodeError(
             f"{where} holds {len(raw)} bytes, not a whole number of {dtype} values: was it "

@@ -14,8 +14,8 @@ inspection.py        Ordinary | Flagged: the flag's fields checked (request_fiel
   │                  fields it is planned with read as vLLM reads them (planned_fields.py)
   ├─ Ordinary ─────▶ streams/relay.py: passed through byte for byte
   ▼
-vectors/plan.py      the layers wanted, in the live rings (ring/); refused here if they
-  │                  cannot serve them
+vectors/plan.py      the layers wanted (wanted_vectors.py), in the live rings (ring/);
+  │                  refused here if they cannot serve them
 keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, protocol.py, in
   │                  vllm_xargs), sent by upstream.py (headers.py) over the transport beside
   │                  proxy/ (transport/aiohttp_client.py: aiohttp's client under httpx's API)
@@ -25,9 +25,9 @@ keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, pro
                      choice chunk (streams/events.py), the record (vectors/lookup.py) joined
                      in there (vectors/fields.py), the rest relayed (streams/relay.py)
 
-The walk enters five rooms of the package (proxy/, request_fields.py, protocol.py, ring/ and
-transport/), plus worker_hook/ inside vLLM, which publishes the record; a test traces it
-(``tests/proxy/test_walk.py``). Other paths of a flagged request: a completions prompt list and
+The walk enters six rooms of the package (proxy/, request_fields.py, protocol.py,
+wanted_vectors.py, ring/ and transport/), plus worker_hook/ inside vLLM, which publishes the
+record; a test traces it (``tests/proxy/test_walk.py``). Other paths of a flagged request: a completions prompt list and
 embeddings inputs fan out (fan_out.py; endpoints/completions.py, endpoints/embeddings.py), the
 answer's vectors are found per choice (vectors/answers.py; in a stream:
 streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
@@ -42,7 +42,7 @@ among them, are in ``protocol.py``):
   ``return_last_hidden_state: true`` (the **flag**), asking for vectors. Any other request is
   **ordinary**. Inspection tells the two apart (``inspection.py``: ``Ordinary | Flagged``).
 - **vector request** (``VectorRequest``, ``request_fields.py``): what a flagged request asks
-  for, as the client wrote it; **wanted vectors** (``WantedVectors``, ``vectors/plan.py``): the
+  for, as the client wrote it; **wanted vectors** (``WantedVectors``, ``wanted_vectors.py``): the
   same in absolute layers of the live rings.
 - **keyed request**: a request the proxy sends vLLM for a flagged request, with a fresh
   request key in ``vllm_xargs`` (``keyed_request.py``). A flagged request is sent as one keyed

@@ -17,7 +17,7 @@ from vllm_hidden_state_proxy.proxy.errors import ProxyError, fan_out_incomplete
 from vllm_hidden_state_proxy.proxy.keyed_exchange import fetch_keyed_json
 from vllm_hidden_state_proxy.proxy.keyed_request import JoinableReply, ReplyBudget, UnchangedReply
 from vllm_hidden_state_proxy.proxy.state import ProxyState
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 #: One upstream request: the scope it is sent as (method, path, headers) and its JSON body.
 Job = tuple[Scope, dict[str, Any]]

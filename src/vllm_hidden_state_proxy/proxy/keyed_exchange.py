@@ -48,9 +48,9 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
 )
 from vllm_hidden_state_proxy.proxy.vectors.fields import single_prompt_fields
 from vllm_hidden_state_proxy.proxy.vectors.lookup import EarlyCapture, wait_for_record
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.ring import Record
 from vllm_hidden_state_proxy.transport import close_quietly
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
 _NO_ENCODING = frozenset({b"accept-encoding"})

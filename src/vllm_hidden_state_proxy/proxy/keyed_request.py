@@ -13,10 +13,6 @@ from typing import Any
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
     EVERY_PROMPT_POSITION,
-    LAYERS_ENTRY,
-    POOLING_ENTRY,
-    REQUEST_KEY_ENTRY,
-    SPANS_ENTRY,
     XARGS,
     new_request_key,
     request_key_to_wire,
@@ -30,8 +26,8 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
     answer_asks,
 )
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields, single_prompt_fields
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors, xargs_entries
 
 
 def keyed_body(
@@ -47,17 +43,9 @@ def keyed_body(
     xargs = document.get(XARGS)
     merged = dict(xargs) if isinstance(xargs, dict) else {}
     merged.update(entries or {})
-    merged[REQUEST_KEY_ENTRY] = wire_key
-    layers = wanted.distinct_layers
-    if layers != (wanted.final_layer,):
-        merged[LAYERS_ENTRY] = list(layers)
-    pooling = wanted.request.record_pooling
-    if pooling != "last":
-        merged[POOLING_ENTRY] = pooling
-    if wanted.request.spans is not None:
-        merged[SPANS_ENTRY] = [position for span in wanted.request.spans for position in span]
+    merged.update(xargs_entries(wire_key, wanted))
     sent = {**document, XARGS: merged}
-    if pooling in EVERY_PROMPT_POSITION:
+    if wanted.request.record_pooling in EVERY_PROMPT_POSITION:
         sent["cache_salt"] = secrets.token_hex(16)
     return encode_document(sent)
 

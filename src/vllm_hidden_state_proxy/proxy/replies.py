@@ -44,9 +44,10 @@ from vllm_hidden_state_proxy.proxy.asgi import send_response
 from vllm_hidden_state_proxy.proxy.errors import reply_not_reencodable
 from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.types import RawHeaders
-from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, as_dtype, dump_json, float32_view
+from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, dump_json, float32_view
 from vllm_hidden_state_proxy.proxy.vectors.fields import with_kv_fields
 from vllm_hidden_state_proxy.proxy.vectors.memory import OFF_LOOP_BYTES, off_loop_limiter
+from vllm_hidden_state_proxy.wanted_vectors import as_dtype
 
 log = logging.getLogger("vllm_hidden_state_proxy.proxy")
 

@@ -50,9 +50,10 @@ from vllm_hidden_state_proxy.proxy.vectors.fields import (
     vector_info,
     with_kv_fields,
 )
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import RingWriter
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 pytestmark = pytest.mark.anyio
 

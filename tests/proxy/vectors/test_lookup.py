@@ -41,7 +41,7 @@ from vllm_hidden_state_proxy.proxy.vectors.lookup import (
     EarlyCapture,
     wait_for_record,
 )
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import check_rings, resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,
@@ -52,6 +52,7 @@ from vllm_hidden_state_proxy.ring import (
     RingFormatError,
     RingWriter,
 )
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 pytestmark = pytest.mark.anyio
 

@@ -42,8 +42,9 @@ from vllm_hidden_state_proxy.protocol import answer_key
 from vllm_hidden_state_proxy.proxy import create_app, replies
 from vllm_hidden_state_proxy.proxy.replies import PIECE_BYTES, matrix_pieces
 from vllm_hidden_state_proxy.proxy.server import server_config
-from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix, as_dtype, bfloat16_bits
+from vllm_hidden_state_proxy.proxy.vectors.encoding import Matrix
 from vllm_hidden_state_proxy.ring import PendingRows, Record, RingWriter
+from vllm_hidden_state_proxy.wanted_vectors import as_dtype, bfloat16_bits
 
 pytestmark = pytest.mark.anyio
 

@@ -48,11 +48,11 @@ from vllm_hidden_state_proxy.proxy.streams.responses import relay_responses_with
 from vllm_hidden_state_proxy.proxy.vectors.answers import check_answerable
 from vllm_hidden_state_proxy.proxy.vectors.memory import sharing
 from vllm_hidden_state_proxy.proxy.vectors.plan import (
-    WantedVectors,
     check_matrix_room,
     check_rings,
     resolve_layers,
 )
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 
 class Endpoint(ABC):

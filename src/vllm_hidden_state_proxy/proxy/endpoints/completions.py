@@ -26,8 +26,8 @@ from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
 from vllm_hidden_state_proxy.proxy.replies import send_joined, send_unchanged
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.request_fields import is_token_ids
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 _PROMPT_TYPES = "a string, a list of token ids, or a list of strings or token-id lists"
 _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")

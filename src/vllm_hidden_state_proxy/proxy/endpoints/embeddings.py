@@ -41,8 +41,9 @@ from vllm_hidden_state_proxy.proxy.vectors.encoding import (
     dump_json,
     float32_view,
 )
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors, check_rings, resolve_layers
+from vllm_hidden_state_proxy.proxy.vectors.plan import check_rings, resolve_layers
 from vllm_hidden_state_proxy.ring.records import Rows
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 
 def embedding_of(vector: Rows, normalize: bool, encoding_format: str) -> Floats | str:

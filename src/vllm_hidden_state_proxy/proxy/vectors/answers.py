@@ -42,9 +42,9 @@ from vllm_hidden_state_proxy.proxy.errors import (
 )
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.lookup import wait_for_record
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.request_fields import is_int
 from vllm_hidden_state_proxy.ring import PublishMarks, Record
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 _TOKEN_IDS = "token_ids"
 _PROMPT_TOKEN_IDS = "prompt_token_ids"

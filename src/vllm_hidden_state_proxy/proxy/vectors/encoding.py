@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import orjson
 import pybase64
 
 from vllm_hidden_state_proxy.ring.records import Rows
+from vllm_hidden_state_proxy.wanted_vectors import as_dtype
 
 #: A vector as float32 values in native byte order, which :func:`dump_json` writes as a list.
 Floats = npt.NDArray[np.float32]
@@ -31,27 +31,6 @@ Floats = npt.NDArray[np.float32]
 def float32_view(vector: Rows) -> Floats:
     """Little-endian float32 bytes as a float32 array (a view, no copy, on little-endian hosts)."""
     return np.frombuffer(vector, dtype="<f4").astype(np.float32, copy=False)
-
-
-def bfloat16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """float32 values rounded to bfloat16 (to nearest, ties to even), as their 16 bits; a NaN
-    keeps its sign and the upper bits of its payload, made quiet."""
-    with np.errstate(invalid="ignore"):  # ml_dtypes warns on NaNs, and makes them canonical
-        bits = values.astype(ml_dtypes.bfloat16).view("<u2")
-    nan = np.isnan(values)
-    if nan.any():
-        bits[nan] = ((values[nan].view("<u4") >> 16) | 0x40).astype("<u2")
-    return bits
-
-
-def as_dtype(vector: Rows, dtype: str) -> Rows:
-    """Little-endian float32 bytes as little-endian ``dtype`` bytes (rounded to nearest even)."""
-    if dtype == "float32":
-        return vector
-    values = np.frombuffer(vector, dtype="<f4")
-    if dtype == "float16":
-        return values.astype("<f2").data.cast("B")
-    return bfloat16_bits(values).data.cast("B")
 
 
 def base64_text(vector: Rows) -> str:

@@ -34,32 +34,8 @@ from vllm_hidden_state_proxy.protocol import (
     VECTORS,
 )
 from vllm_hidden_state_proxy.proxy.vectors.encoding import encode_matrix, encode_vector
-from vllm_hidden_state_proxy.proxy.vectors.plan import WantedVectors
 from vllm_hidden_state_proxy.ring import Record
-
-
-def vector_info(record: Record, wanted: WantedVectors) -> dict[str, Any]:
-    request = wanted.request
-    info: dict[str, Any] = {
-        "position": record.position,
-        "num_prompt_tokens": record.num_prompt_tokens,
-        "hidden_size": record.hidden_size,
-        "dtype": request.dtype if request.format == "base64" else "float32",
-        "pooling": request.pooling,
-    }
-    if request.spans is not None:
-        info["spans"] = [list(span) for span in request.spans]
-    if record.pooling == "last_answer":  # the state that chose this token of the answer
-        info["num_output_tokens"] = record.position - record.num_prompt_tokens + 2
-    if record.pooling in MATRIX_POOLINGS:  # rows of positions position, position + 1, ...
-        info["rows"] = record.rows
-    if record.pooling == "all_answer":
-        info["num_output_tokens"] = record.rows
-    if wanted.final_layer in wanted.layers:
-        info["layer"] = "final_norm"
-    if wanted.request.layers is not None:
-        info["layers"] = list(wanted.request.layers)
-    return info
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors, vector_info
 
 
 def _vector_fields(record: Record, wanted: WantedVectors) -> dict[str, Any]:

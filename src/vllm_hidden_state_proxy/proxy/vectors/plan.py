@@ -1,14 +1,13 @@
 """A flagged request against the rings, before it is sent: whether they can serve it
 (:func:`check_rings`), in which absolute layers (:func:`resolve_layers`, giving
-:class:`WantedVectors`), and whether its matrices can fit (:func:`check_matrix_room`). Each
-refusal is the proxy's own error, before vLLM does any work; once vLLM has replied, the record
+``wanted_vectors.WantedVectors``), and whether its matrices can fit (:func:`check_matrix_room`).
+Each refusal is the proxy's own error, before vLLM does any work; once vLLM has replied, the record
 is looked up by :mod:`.lookup`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import vllm_hidden_state_proxy.proxy.vectors.memory as vector_memory
@@ -16,7 +15,6 @@ from vllm_hidden_state_proxy.protocol import (
     KV,
     LAYERS,
     MATRIX_POOLINGS,
-    absolute_layer,
 )
 from vllm_hidden_state_proxy.proxy.errors import (
     all_answer_too_large,
@@ -28,28 +26,19 @@ from vllm_hidden_state_proxy.proxy.errors import (
     rings_of_other_models,
 )
 from vllm_hidden_state_proxy.proxy.state import RingSource
-from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int, is_token_ids
+from vllm_hidden_state_proxy.request_fields import (
+    RequestFieldError,
+    VectorRequest,
+    is_int,
+    is_token_ids,
+)
 from vllm_hidden_state_proxy.ring import (
     RingShape,
 )
 from vllm_hidden_state_proxy.ring.layout import arena_block_size
 from vllm_hidden_state_proxy.ring.records import matrix_bytes
-
-
-@dataclass(frozen=True)
-class WantedVectors:
-    """A :class:`VectorRequest` resolved against the server's rings: absolute layer indices."""
-
-    request: VectorRequest
-    #: One absolute index per requested layer, in request order (default: the final layer).
-    layers: tuple[int, ...]
-    #: The final layer's index (N): its vector also goes in ``last_hidden_state``.
-    final_layer: int
-
-    @property
-    def distinct_layers(self) -> tuple[int, ...]:
-        """The layers to capture, ascending, each once."""
-        return tuple(sorted(set(self.layers)))
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
+from vllm_hidden_state_proxy.wanted_vectors import resolve_layers as layers_of
 
 
 def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
@@ -72,30 +61,18 @@ def check_rings(rings: RingSource, ring_dir: str) -> tuple[RingShape, ...]:
 def resolve_layers(
     request: VectorRequest, shapes: Sequence[RingShape], param: str = f"{KV}.{LAYERS}"
 ) -> WantedVectors:
-    """Absolute layer indices for ``request`` on rings of ``shapes`` (at least one).
+    """Absolute layer indices for ``request`` on rings of ``shapes`` (at least one): the layers
+    every ring captures (:func:`~vllm_hidden_state_proxy.wanted_vectors.resolve_layers`).
 
     Raises 400 listing the captured layers for a layer the server does not capture.
     """
-    shape = shapes[0]
-    final = shape.num_hidden_layers
-    captured = set(shape.layers)
+    captured = set(shapes[0].layers)
     for other in shapes[1:]:
         captured &= set(other.layers)
-    asked = request.layers if request.layers is not None else (-1,)
-    resolved = []
-    for layer in asked:
-        absolute = absolute_layer(layer, final)
-        if absolute is None or absolute not in captured:
-            listed = ", ".join(str(k) for k in sorted(captured))
-            raise bad_request(
-                f"Layer {layer} is not captured by this server. It captures layers {listed} "
-                f"(the model has {final} decoder layers; -1 means {final}, the final layer "
-                "after the final norm). Choose from those, or restart vLLM with the layer in "
-                "--hidden-state-layers (HIDDEN_STATE_PROXY_LAYERS).",
-                param,
-            )
-        resolved.append(absolute)
-    return WantedVectors(request, tuple(resolved), final)
+    try:
+        return layers_of(request, shapes[0].num_hidden_layers, captured, param)
+    except RequestFieldError as refused:
+        raise bad_request(refused.message, refused.param) from None
 
 
 def check_matrix_room(
