@@ -27,13 +27,12 @@ keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, pro
 
 The walk enters six rooms of the package (proxy/, request_fields.py, protocol.py,
 wanted_vectors.py, ring/ and transport/), plus worker_hook/ inside vLLM, which publishes the
-record; a test traces it (``tests/proxy/test_walk.py``). Other paths of a flagged request: a completions prompt list and
-embeddings inputs fan out (fan_out.py; endpoints/completions.py, endpoints/embeddings.py), the
-answer's vectors are found per choice (vectors/answers.py; in a stream:
-streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
-(streams/responses.py). Every error the proxy answers itself is built in errors.py; the options
-are settings.py's table; state.py and metrics.py hold per-app state; types.py the shared type
-aliases.
+record; a test traces it (``tests/proxy/test_walk.py``). Other paths of a flagged request: a
+completions prompt list and embeddings inputs fan out (fan_out.py; endpoints/completions.py,
+endpoints/embeddings.py), the answer's vectors are found per choice (vectors/answers.py; in a
+stream: streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
+(streams/responses.py). Every error the proxy answers itself is built in errors.py; the options are
+settings.py's table; state.py and metrics.py hold per-app state; types.py the shared type aliases.
 
 Words (one per concept, in code, docs and messages; the project's, *reply* and *answer* first
 among them, are in ``protocol.py``):

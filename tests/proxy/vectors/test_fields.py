@@ -47,13 +47,12 @@ from vllm_hidden_state_proxy.proxy.vectors.encoding import dump_json, encode_vec
 from vllm_hidden_state_proxy.proxy.vectors.fields import (
     prompt_list_fields,
     single_prompt_fields,
-    vector_info,
     with_kv_fields,
 )
 from vllm_hidden_state_proxy.proxy.vectors.plan import resolve_layers
 from vllm_hidden_state_proxy.request_fields import VectorRequest
 from vllm_hidden_state_proxy.ring import RingWriter
-from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
+from vllm_hidden_state_proxy.wanted_vectors import WantedVectors, vector_info
 
 pytestmark = pytest.mark.anyio
 
