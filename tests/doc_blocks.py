@@ -60,6 +60,10 @@ TINY_EQUIVALENTS = {
     "layer_28": "layer_2",
     "[785, 6722, 315, 9625, 374]": "[299, 603, 563, 633, 347]",
 }
+#: What the README tells a reader without a GPU or a model hub to add to ``serve``, and to give
+#: a command that starts vLLM itself as its model (the tests do the same).
+TINY_SERVE_OPTION = "--tiny-model"
+TINY_MODEL_PATH = '"$(hidden-state-proxy build-tiny-model)"'
 #: The server the docs' examples talk to, and the model name they send (the tests put their
 #: stack's in).
 DOC_URL = "http://127.0.0.1:8000"

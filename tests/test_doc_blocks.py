@@ -21,6 +21,8 @@ from tests.doc_blocks import (
     NOT_RUN,
     README,
     TINY_EQUIVALENTS,
+    TINY_MODEL_PATH,
+    TINY_SERVE_OPTION,
     commands,
     every_block,
     marked,
@@ -120,10 +122,13 @@ def test_the_docs_name_one_model_and_how_to_run_without_a_hub() -> None:
         for name in re.findall(r"Qwen/[\w.-]+", block.code):
             assert name == DOC_MODEL, str(block)
     install = README.read_text().split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
-    assert "--tiny-model" in install and "hidden-state-proxy build-tiny-model" in install
-    assert "--tiny-model" in marked("quick-start")[0].code
+    assert f"add `{TINY_SERVE_OPTION}` to `serve`" in " ".join(install.split())
+    assert f"`--model {TINY_MODEL_PATH}`" in " ".join(install.split())
+    assert TINY_SERVE_OPTION in marked("quick-start")[0].code
     for path in DOCUMENTS[1:]:
-        assert "--tiny-model" in path.read_text(), path
+        assert f"`{TINY_SERVE_OPTION}`: [the README](../README.md#install)" in " ".join(
+            path.read_text().split()
+        ), path
 
 
 def test_the_extras_the_readme_names_exist() -> None:

@@ -28,7 +28,15 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.doc_blocks import DOC_MODEL, DOC_URL, commands, marked, on_tiny_model
+from tests.doc_blocks import (
+    DOC_MODEL,
+    DOC_URL,
+    TINY_MODEL_PATH,
+    TINY_SERVE_OPTION,
+    commands,
+    marked,
+    on_tiny_model,
+)
 from tests.e2e.server import SHARED_LAYERS, STARTUP_TIMEOUT, RunningStack, stack_environment
 from vllm_hidden_state_proxy.processes import (
     NotHealthy,
@@ -38,11 +46,6 @@ from vllm_hidden_state_proxy.processes import (
     wait_until_healthy,
 )
 from vllm_hidden_state_proxy.protocol import TINY_MODEL_DIR_ENV
-
-#: What the README tells a reader without a GPU or a model hub to add to serve.
-TINY_MODEL_OPTION = "--tiny-model"
-#: ... and to give a command that starts vLLM itself in place of the model's name.
-TINY_MODEL_PATH = '"$(hidden-state-proxy build-tiny-model)"'
 
 
 def environment(tiny_model_dir: Path | None = None) -> dict[str, str]:
@@ -136,7 +139,7 @@ def quick_start(tiny_model_dir: Path, tmp_path: Path) -> Iterator[int]:
     log_path = tmp_path / "serve.log"
     with one_vllm_at_a_time(), open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [*argv, TINY_MODEL_OPTION],
+            [*argv, TINY_SERVE_OPTION],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=environment(tiny_model_dir),
