@@ -428,12 +428,18 @@ def test_layers_the_model_has_go_on_to_vllm(start: Starter, tmp_path: Path) -> N
 TINY_BUILD = 120.0
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where serve --tiny-model builds the tiny model: the first test builds it, the next reuse."""
+    return tmp_path_factory.mktemp("tiny-model") / "tiny"
+
+
 @pytest.mark.timeout(TINY_BUILD + 60)
 def test_tiny_model_serves_the_built_in_model_under_the_name_given(
-    start: Starter, tmp_path: Path
+    start: Starter, tiny_dir: Path
 ) -> None:
     """The README's path without a hub: serve NAME --tiny-model."""
-    tiny = tmp_path / "tiny"
+    tiny = tiny_dir
     server: Serve = start(
         "--tiny-model",
         "--max-model-len",  # the user's own vLLM options come after the tiny model's: they win
@@ -460,12 +466,12 @@ def test_tiny_model_serves_the_built_in_model_under_the_name_given(
 
 
 @pytest.mark.timeout(TINY_BUILD + 60)
-def test_tiny_model_checks_its_layers_before_vllm_starts(start: Starter, tmp_path: Path) -> None:
+def test_tiny_model_checks_its_layers_before_vllm_starts(start: Starter, tiny_dir: Path) -> None:
     server: Serve = start(
         "--tiny-model",
         "--hidden-state-layers",
         "3",
-        environ={"FAKE_MODEL": "", TINY_MODEL_DIR_ENV: str(tmp_path / "tiny")},
+        environ={"FAKE_MODEL": "", TINY_MODEL_DIR_ENV: str(tiny_dir)},
     )
     assert server.wait(timeout=TINY_BUILD) == 1, server.output
     assert "layer 3 is out of range for a model with 2 layers" in server.output
