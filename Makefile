@@ -52,6 +52,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, transformers, torch; print('[install] vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 	@touch $@
+	@echo "[install] done. To run hidden-state-proxy (and this python) by name: source $(VENV)/bin/activate"
+	@echo "[install]   (or put $(VENV)/bin first on PATH: export PATH=\"$$PWD/$(VENV)/bin:\$$PATH\")"
 
 demo: install
 	$(PY) -m vllm_hidden_state_proxy.demo

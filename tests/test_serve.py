@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from tests.ring.helpers import directory_lock_held, ring_dir_of
-from vllm_hidden_state_proxy import serve
+from vllm_hidden_state_proxy import serve, tiny_model
 from vllm_hidden_state_proxy.processes import free_port
 from vllm_hidden_state_proxy.protocol import (
     API_KEY_ENV,
@@ -39,6 +39,7 @@ from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENV,
     RING_DIR_ENV,
     RING_DIR_MODE_ENV,
+    TINY_MODEL_DIR_ENV,
     UPSTREAM_API_KEY_ENV,
     VLLM_API_KEY_ENV,
 )
@@ -64,7 +65,7 @@ if mode == "slow-stop":
         time.sleep(2)
         os._exit(0)
     signal.signal(signal.SIGTERM, stop_slowly)
-names = ("HIDDEN_STATE_PROXY_", "VLLM_PLUGINS", "VLLM_API_KEY")
+names = ("HIDDEN_STATE_PROXY_", "VLLM_PLUGINS", "VLLM_API_KEY", "VLLM_CPU_KVCACHE", "HF_HUB_")
 seen = {k: v for k, v in os.environ.items() if k.startswith(names)}
 (pid_dir / f".{role}.env").write_text(json.dumps(seen))
 (pid_dir / f".{role}.env").rename(pid_dir / f"{role}.env")
@@ -96,7 +97,7 @@ server.serve_forever()
 """
 
 RUNNER = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 from vllm_hidden_state_proxy import serve
 from vllm_hidden_state_proxy.cli import main
@@ -121,7 +122,8 @@ serve.PROXY_STARTUP_TIMEOUT = 2.0
 serve.startup_canary = lambda url, settings: None  # the fake proxy serves no completions
 serve.vllm_command = vllm_command
 serve.proxy_command = proxy_command
-sys.exit(main(["serve", "fake-model", *sys.argv[3:]]))
+model = [os.environ["FAKE_MODEL"]] if os.environ.get("FAKE_MODEL") != "" else []
+sys.exit(main(["serve", *model, *sys.argv[3:]]))
 """
 
 UNREACHABLE_PROXY = "http://127.0.0.1:9"
@@ -164,6 +166,7 @@ class Serve:
         env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
         env.update(http_proxy=UNREACHABLE_PROXY, HTTP_PROXY=UNREACHABLE_PROXY)
         env.update({f"FAKE_{role.upper()}": mode for role, mode in fake_modes.items()})
+        env.setdefault("FAKE_MODEL", "fake-model")  # the model serve is given ("": none)
         env.update(environ or {})
         runner = [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "child.py")]
         ports = ["--port", str(self.port)]
@@ -195,8 +198,9 @@ class Serve:
         assert wait_until(path.exists, 10.0), f"no {role} started; stderr:\n{self.output}"
         return int(path.read_text())
 
-    def ready(self) -> tuple[int, int]:
-        self.wait_for(f"ready: OpenAI-compatible API at http://127.0.0.1:{self.port}/v1")
+    def ready(self, timeout: float = 10.0) -> tuple[int, int]:
+        url = f"http://127.0.0.1:{self.port}/v1"
+        self.wait_for(f"ready: OpenAI-compatible API at {url}", timeout)
         return self.pid("vllm"), self.pid("proxy")
 
     def wait(self, timeout: float = 15.0) -> int:
@@ -383,6 +387,95 @@ def test_a_ring_dir_the_hook_would_refuse_fails_before_vllm_starts(
     assert why in server.output
     assert not (server.pid_dir / "vllm").exists()  # refused before anything started
     assert ring_dir.exists()  # a --ring-dir is the user's: never removed
+
+
+def a_model(path: Path, config: Any) -> Path:
+    """A model directory holding only its ``config.json``: nothing vLLM could load."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_layers_the_model_lacks_are_refused_before_vllm_starts(
+    start: Starter, tmp_path: Path
+) -> None:
+    """The README's layers of a 28-layer model, given to a 2-layer one: refused in seconds
+    with the sentence the hook would have written after the load, and nothing started."""
+    model = a_model(tmp_path / "two-layers", {"num_hidden_layers": 2})
+    started = time.monotonic()
+    server: Serve = start("--hidden-state-layers", "8,16,-1", environ={"FAKE_MODEL": str(model)})
+    assert server.wait(timeout=30) == 1, server.output
+    assert time.monotonic() - started < 20
+    assert (
+        "vLLM cannot serve what it was started with: HIDDEN_STATE_PROXY_LAYERS='8,16,-1': "
+        "layer 8 is out of range for a model with 2 layers (valid: 0..2, or -3..-1) "
+        f"(num_hidden_layers of {model / 'config.json'}, read before loading the model)"
+    ) in server.output
+    assert not (server.pid_dir / "vllm").exists() and "starting vLLM" not in server.output
+
+
+def test_layers_the_model_has_go_on_to_vllm(start: Starter, tmp_path: Path) -> None:
+    model = a_model(tmp_path / "two-layers", {"num_hidden_layers": 2})
+    server: Serve = start("--hidden-state-layers", "0,1,-1", environ={"FAKE_MODEL": str(model)})
+    server.ready()
+    assert server.child_environment("vllm")[LAYERS_ENV] == "0,1,-1"
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+
+
+#: Building the tiny model (torch and Transformers imported, a tokenizer trained): seconds,
+#: more on a busy machine.
+TINY_BUILD = 120.0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where serve --tiny-model builds the tiny model: the first test builds it, the next reuse."""
+    return tmp_path_factory.mktemp("tiny-model") / "tiny"
+
+
+@pytest.mark.timeout(TINY_BUILD + 60)
+def test_tiny_model_serves_the_built_in_model_under_the_name_given(
+    start: Starter, tiny_dir: Path
+) -> None:
+    """The README's path without a hub: serve NAME --tiny-model."""
+    tiny = tiny_dir
+    server: Serve = start(
+        "--tiny-model",
+        "--max-model-len",  # the user's own vLLM options come after the tiny model's: they win
+        "1024",
+        environ={"FAKE_MODEL": "Qwen/Qwen3-0.6B", TINY_MODEL_DIR_ENV: str(tiny)},
+    )
+    server.ready(timeout=TINY_BUILD)
+    model, _, _, *extra = server.saved_argv("vllm")
+    assert model == str(tiny) and (tiny / "config.json").is_file()
+    assert extra == [
+        "--served-model-name",
+        "Qwen/Qwen3-0.6B",
+        *tiny_model.SERVE_VLLM_ARGS,
+        "--max-model-len",
+        "1024",
+    ]
+    vllm_env = server.child_environment("vllm")
+    for name, value in tiny_model.SERVE_ENVIRONMENT.items():
+        if name.startswith(("VLLM_CPU_KVCACHE", "HF_HUB_")):
+            assert vllm_env[name] == (os.environ.get(name) or value)  # the user's, where set
+    assert f"serving the tiny model {tiny} as Qwen/Qwen3-0.6B" in server.output
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0, server.output
+
+
+@pytest.mark.timeout(TINY_BUILD + 60)
+def test_tiny_model_checks_its_layers_before_vllm_starts(start: Starter, tiny_dir: Path) -> None:
+    server: Serve = start(
+        "--tiny-model",
+        "--hidden-state-layers",
+        "3",
+        environ={"FAKE_MODEL": "", TINY_MODEL_DIR_ENV: str(tiny_dir)},
+    )
+    assert server.wait(timeout=TINY_BUILD) == 1, server.output
+    assert "layer 3 is out of range for a model with 2 layers" in server.output
+    assert not (server.pid_dir / "vllm").exists()
 
 
 def test_proxy_that_never_answers_is_given_up_on(start: Starter) -> None:

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_hidden_state_proxy import __version__, option_table, serve_options
+from vllm_hidden_state_proxy import __version__, option_table, serve_options, tiny_model
 from vllm_hidden_state_proxy.bench.options import add_arguments as add_bench_arguments
 from vllm_hidden_state_proxy.extract import options as extract_options
 from vllm_hidden_state_proxy.option_table import option
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV, VLLM_API_KEY_ENV
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, TINY_MODEL_DIR_ENV, VLLM_API_KEY_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 
@@ -168,9 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser(
         "build-tiny-model",
         help="build the tiny offline test model and print its directory",
+        description=f"Build the built-in tiny chat model ({tiny_model.DESCRIPTION}, float32; a "
+        "ChatML template; no model hub, a few seconds) and print its directory; a build that is "
+        "already there and current is reused. "
+        "`serve --tiny-model` serves it; a command that starts vLLM itself takes the printed "
+        "directory as its model.",
     )
-    tiny.add_argument("path", nargs="?", default=None)
-    tiny.add_argument("--force", action="store_true")
+    tiny.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help=f"where to build it (default ${TINY_MODEL_DIR_ENV} or "
+        f"{tiny_model.DEFAULT_TINY_MODEL_DIR})",
+    )
+    tiny.add_argument(
+        "--force", action="store_true", help="build it again even if a current build is there"
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -192,8 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(arguments)
     if args.command != "serve" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "serve" and args.model is None:
-        parser.error("serve needs a model: serve MODEL (or serve --model MODEL)")
+    if args.command == "serve" and args.model is None and not args.tiny_model:
+        parser.error("serve needs a model: serve MODEL (or serve --model MODEL, or --tiny-model)")
     if args.command in ("serve", "proxy"):
         overrides = {"upstream_url": "http://127.0.0.1", "ring_dir": "/"}
         try:  # check the proxy's options before anything starts
@@ -233,9 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(problem))
         return run_extract(args.input, options, command_line=sys.argv)
     if args.command == "build-tiny-model":
-        from vllm_hidden_state_proxy.tiny_model import build_tiny_model
-
-        print(build_tiny_model(args.path, force=args.force))
+        print(tiny_model.build_tiny_model(args.path, force=args.force))
         return 0
     if args.command == "bench":
         from vllm_hidden_state_proxy.bench.main import run_bench

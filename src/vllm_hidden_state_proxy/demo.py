@@ -1,8 +1,9 @@
 """``make demo``: the main job, offline, on the built-in tiny model.
 
-Builds the tiny random-weight chat model, runs ``hidden-state-proxy serve`` on it, sends the
-README's quick-start request with the official OpenAI client, prints the vector's length and
-first values, and stops everything. vLLM's own log goes to a file (its path is printed); the
+Runs ``hidden-state-proxy serve Qwen/Qwen3-0.6B --tiny-model`` (the tiny random-weight chat
+model, built if needed, under the docs' name), sends the README's quick-start request with the
+official OpenAI client, prints the vector's length and first values (the README's sample
+answer's), and stops everything. vLLM's own log goes to a file (its path is printed); the
 console shows ``serve``'s progress lines, and the log's tail if something fails.
 """
 
@@ -24,9 +25,10 @@ from vllm_hidden_state_proxy.processes import (
     stop_process_group,
     wait_until_healthy,
 )
-from vllm_hidden_state_proxy.tiny_model import build_tiny_model
+from vllm_hidden_state_proxy.protocol import TINY_MODEL_DIR_ENV
 
-SERVED_MODEL_NAME = "tiny-chat"
+#: The name the docs use: the demo's request is the README's quick start.
+SERVED_MODEL_NAME = "Qwen/Qwen3-0.6B"
 
 
 def _say(message: str) -> None:
@@ -56,32 +58,27 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float, log:
 
 
 def run_demo(model_dir: Path | None, timeout: float) -> int:
-    _say("building the tiny offline chat model (random weights, a few seconds)...")
-    model_path = build_tiny_model(model_dir)
-    _say(f"model at {model_path}")
     port = free_port()  # vLLM gets serve's default: a private socket, no port
+    # The README's quick start, on the built-in tiny model (`serve --tiny-model`: its options
+    # are the tiny model's, in one place), under the name the docs use.
     command = [
         sys.executable,
         "-m",
         "vllm_hidden_state_proxy.cli",
         "serve",
-        str(model_path),
+        SERVED_MODEL_NAME,
+        "--tiny-model",
         "--port",
         str(port),
-        "--served-model-name",
-        SERVED_MODEL_NAME,
-        "--dtype",
-        "float32",
-        "--enforce-eager",
         "--max-model-len",
         "1024",
     ]
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if model_dir is not None:
+        env[TINY_MODEL_DIR_ENV] = str(model_dir)
     log_path = Path(tempfile.gettempdir()) / "vllm-hidden-state-proxy-demo.log"
-    _say("starting vLLM and the proxy (about a minute on CPU): " + " ".join(command[2:]))
+    shown = "hidden-state-proxy " + " ".join(command[3:])
+    _say(f"starting vLLM and the proxy (about a minute on CPU): {shown}")
     _say(f"vLLM's log: {log_path}")
     server = subprocess.Popen(
         command,
@@ -137,7 +134,12 @@ def run_demo(model_dir: Path | None, timeout: float) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help=f"where the tiny model is (${TINY_MODEL_DIR_ENV})",
+    )
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     sys.exit(run_demo(args.model_dir, args.timeout))

@@ -10,7 +10,9 @@ variable: the command line is visible to every local user) that only the proxy i
 key alone would not do: vLLM checks it only under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``, while ``/invocations`` (chat and completions), ``/tokenize`` and others stay open.
 ``--vllm-port`` opts into loopback TCP instead (still with the key), for tools that must reach
-vLLM directly. The ports are checked before anything starts.
+vLLM directly. The ports are checked before anything starts, and so are the layers asked for,
+against the model's ``config.json`` where it is on this machine (``model_config.py``): a
+layer the model lacks is refused in seconds, not after the model has loaded.
 
 Once vLLM answers ``/health``, the proxy starts. If either exits, the other is stopped and
 ``serve`` exits non-zero (a child killed by signal N gives 128+N), so compose or Kubernetes
@@ -46,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from vllm_hidden_state_proxy import tiny_model
+from vllm_hidden_state_proxy.model_config import layers_problem
 from vllm_hidden_state_proxy.processes import (
     GROUP_EXIT_GRACE,
     VLLM_LOOPBACK,
@@ -238,6 +242,20 @@ def ring_dir_problem(ring_dir: str) -> str | None:
         os.close(fd)
 
 
+def with_tiny_model(
+    args: argparse.Namespace, vllm_args: Sequence[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """``--tiny-model``: the built-in tiny model (built if needed) in MODEL's place, served
+    under MODEL's name, with its options before the user's (which win)."""
+    _say(f"the built-in tiny model ({tiny_model.DESCRIPTION}): building it if needed...")
+    path = tiny_model.build_tiny_model()
+    name = [] if args.model is None else ["--served-model-name", args.model]
+    shown = args.model or path
+    _say(f"serving the tiny model {path} as {shown}: random weights, for trying things out")
+    tiny_args = argparse.Namespace(**{**vars(args), "model": str(path)})
+    return tiny_args, [*name, *tiny_model.SERVE_VLLM_ARGS, *vllm_args]
+
+
 def exit_status(returncode: int) -> int:
     """``serve``'s status when a child stopped on its own: 128+N if signal N killed it (as a
     shell reports it), 1 if it exited 0 (it should not have stopped), else its own status."""
@@ -423,6 +441,9 @@ def _run(
     _say(f"starting vLLM on {vllm.describe()} (ring directory {ring_dir})")
     _say("$ " + " ".join(command))
     environment = vllm_environment(ring_dir, vllm.api_key, args.hidden_state_layers)
+    if args.tiny_model:
+        for name, value in tiny_model.SERVE_ENVIRONMENT.items():
+            environment.setdefault(name, value)
     process = children.vllm = _spawn(command, env=environment)
     status = _wait_healthy(
         vllm.url + "/health", "vLLM", args.startup_timeout, children, stop, uds=vllm.uds
@@ -482,6 +503,10 @@ def serve(args: argparse.Namespace, vllm_args: Sequence[str]) -> int:
     problem = vllm_option_problem(vllm_args) or port_problem(args)
     if problem is None and args.ring_dir is not None:
         problem = ring_dir_problem(args.ring_dir)  # the default is a fresh private directory
+    if problem is None and args.tiny_model:
+        args, vllm_args = with_tiny_model(args, vllm_args)
+    if problem is None:
+        problem = layers_problem(args.model, vllm_args, args.hidden_state_layers)
     if problem is not None:
         _say(problem)
         return 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from vllm_hidden_state_proxy import option_table
+from vllm_hidden_state_proxy import option_table, tiny_model
 from vllm_hidden_state_proxy.option_table import option, option_like
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV, layer_indices
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
@@ -76,6 +76,14 @@ class ServeOptions:
         metavar="LAYERS",
         parse=layer_list,
         shown_default="the final layer only",
+    )
+    tiny_model: bool = option(
+        False,
+        "--tiny-model",
+        f"serve the built-in tiny model ({tiny_model.DESCRIPTION}; built offline on first use, "
+        "as build-tiny-model does) in MODEL's place and under MODEL's name, in "
+        "float32 and eager mode: the docs' examples as written, without a GPU or a model hub",
+        parse=bool,
     )
     startup_timeout: float = option(
         1800.0,

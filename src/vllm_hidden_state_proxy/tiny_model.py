@@ -24,6 +24,21 @@ DEFAULT_TINY_MODEL_DIR = Path.home() / ".cache" / "vllm-hidden-state-proxy" / "t
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 HIDDEN_SIZE = 128
+NUM_HIDDEN_LAYERS = 2
+#: The model in a few words, for help texts.
+DESCRIPTION = f"random weights, {NUM_HIDDEN_LAYERS} layers, hidden size {HIDDEN_SIZE}"
+
+#: What ``serve --tiny-model`` gives vLLM before the user's own options (which win): the weights
+#: as they are (float32: vLLM on CPU would load them as bfloat16) and no compiled graphs (eager:
+#: a start of seconds, not minutes). The README's sample answer comes from these settings.
+SERVE_VLLM_ARGS = ("--dtype", "float32", "--enforce-eager")
+#: The environment ``serve --tiny-model`` gives vLLM where the user has not set these: a small
+#: CPU KV cache (GiB; the model needs a few MiB), no model hub, no usage statistics.
+SERVE_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
 
 # ChatML. `continue_final_message` leaves the last message open (no <|im_end|>);
 # `enable_thinking=false` adds an empty think block after the generation prompt, as Qwen3 does.
@@ -158,7 +173,7 @@ def build_tiny_model(path: str | os.PathLike[str] | None = None, *, force: bool 
         vocab_size=vocab_size,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,

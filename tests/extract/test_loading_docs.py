@@ -1,30 +1,29 @@
 """docs/extract.md's "Loading it" snippets, run as written on datasets made through the fake
-proxy: the docs' model (1024 wide, layer 28) becomes the fake's (8 wide, layer 2)."""
+proxy, each value checked: the docs' layer (Qwen3-0.6B's final, ``layer_28``) becomes the tiny
+model's, ``layer_2`` (tests/doc_blocks.py), which is the fake's final layer too (8 wide).
+tests/e2e/test_docs_examples.py runs them on the datasets the page's own commands make."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
-from tests.extract.fake_proxy import HIDDEN_SIZE, FakeProxy, expected_vector
+from tests.doc_blocks import EXTRACT, marked, on_tiny_model
+from tests.extract.fake_proxy import HIDDEN_SIZE, NUM_LAYERS, FakeProxy, expected_vector
 from tests.extract.runs import corpus, options, run, write_jsonl
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "extract.md"
 
 
 def snippets() -> list[str]:
-    """The section's Python blocks: vectors, a matrix column, ``datasets``."""
-    section = DOC.read_text(encoding="utf-8").split("\n## Loading it\n", 1)[1]
-    blocks = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    """The page's Python blocks: vectors, a matrix column, ``datasets``."""
+    blocks = [block.code for block in marked("python", EXTRACT)]
     assert len(blocks) == 3, blocks
     for block in blocks:
         assert "layer_28" in block  # what is rewritten is there to rewrite
-    return [b.replace("layer_28", "layer_2").replace("1024", str(HIDDEN_SIZE)) for b in blocks]
+    assert on_tiny_model("layer_28") == f"layer_{NUM_LAYERS}"
+    return [on_tiny_model(block) for block in blocks]
 
 
 def text_of(record: dict[str, Any]) -> str:
@@ -54,15 +53,18 @@ def test_the_matrix_snippet_gives_each_inputs_rows(
 ) -> None:
     records = [{"id": f"m{i}", "prompt": " ".join(["w"] * (i + 1)) + f" {i}"} for i in range(6)]
     inputs = write_jsonl(tmp_path / "in.jsonl", records)
-    opts = options(tmp_path / "states", pooling="all_prompt", rows_per_file=4)
+    opts = options(tmp_path / "matrices", pooling="all_prompt", rows_per_file=4)
     status, stderr = run(inputs, opts, FakeProxy())
     assert status == 0, stderr
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {"table": pq.read_table("states/")}  # "of the same table"
-    exec(snippets()[1], namespace)
-    rows, offsets = namespace["rows"], namespace["offsets"]
-    ids = namespace["table"].column("id").to_pylist()
+    namespace: dict[str, Any] = {}
+    exec(snippets()[1], namespace)  # it reads matrices/, as the command before it wrote
+    rows, offsets, matrix = namespace["rows"], namespace["offsets"], namespace["matrix"]
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table("matrices/").column("id").to_pylist()
     texts = {r["id"]: r["prompt"] for r in records}
+    assert len(matrix) == len(ids) and rows.shape[1] == HIDDEN_SIZE
     assert len(offsets) == len(ids) + 1 and offsets[-1] == len(rows)
     for i, id_ in enumerate(ids):
         text = texts[id_]
@@ -71,12 +73,11 @@ def test_the_matrix_snippet_gives_each_inputs_rows(
 
 
 def test_the_datasets_snippet_loads_the_parts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    pytest.importorskip("datasets")
     inputs = write_jsonl(tmp_path / "in.jsonl", corpus(5))
     status, stderr = run(inputs, options(tmp_path / "states"), FakeProxy())
     assert status == 0, stderr
@@ -85,3 +86,4 @@ def test_the_datasets_snippet_loads_the_parts(
     exec(snippets()[2], namespace)
     dataset = namespace["dataset"]
     assert len(dataset) == 5 and dataset[0]["layer_2"].shape == (HIDDEN_SIZE,)
+    assert capsys.readouterr().out.strip() == f"({HIDDEN_SIZE},)"
