@@ -41,7 +41,7 @@ def test_inputs_go_in_batches_of_one_kind_each_row_its_own(tmp_path: Path) -> No
 
 
 def test_token_ids_and_texts_are_separate_lists(tmp_path: Path) -> None:
-    records = [{"id": f"t{i}", "prompt": f"text {i}"} for i in range(5)]
+    records: list[dict[str, Any]] = [{"id": f"t{i}", "prompt": f"text {i}"} for i in range(5)]
     records += [{"id": f"i{i}", "prompt": [i + 1, 2, 3]} for i in range(5)]
     inputs = write_jsonl(tmp_path / "in.jsonl", records)
     bodies: list[Any] = []
