@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.extract.fake_proxy import FakeProxy, expected_vector
-from tests.extract.runs import corpus, errors, options, run, table, write_jsonl
+from tests.extract.runs import corpus, errors, manifest, options, run, table, write_jsonl
 
 
 def _vectors_match(out: Path) -> None:
@@ -212,6 +212,7 @@ def test_in_flight_counts_inputs_and_a_batch_fits_the_proxy(tmp_path: Path) -> N
     status, stderr = run(inputs, options(tmp_path / "out"), fake)  # --batch-size 32 asked
     assert status == 0, stderr
     assert max(fake.batches) == 6 and fake.most_in_flight <= 6
+    assert manifest(tmp_path / "out")["runs"][0]["batch_size"] == 6
     fake = FakeProxy(limits={"max_prompts": 5})
     status, stderr = run(inputs, options(tmp_path / "out2"), fake)
     assert status == 0, stderr

@@ -447,6 +447,7 @@ class Extraction:
             "input": str(self.input_path),
             "urls": [proxy.url for proxy in proxies],
             "concurrency": concurrency,
+            "batch_size": self._batch_size(proxies, concurrency),
             "state": state,
         }
         if writer is None:
