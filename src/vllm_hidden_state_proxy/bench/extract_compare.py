@@ -94,7 +94,11 @@ def make_corpus(tokenizer: Any, count: int) -> list[Item]:
     return items
 
 
-def agreement(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> str:
+def agreement(
+    actual: Mapping[str, np.ndarray],
+    expected: Mapping[str, np.ndarray],
+    min_cosine: float = MIN_COSINE,
+) -> str:
     """``yes`` or ``**NO**``, and the worst cosine and relative L2 error (in float64) of
     ``actual``'s vectors against ``expected``'s of the same ids, or the ids either side lacks."""
     missing, unexpected = len(set(expected) - set(actual)), len(set(actual) - set(expected))
@@ -112,7 +116,7 @@ def agreement(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarra
             error = float(np.max(np.linalg.norm(a - e, axis=1) / norm_e))
     except ValueError:  # vectors of other lengths
         return "**NO**: vectors of another length"
-    ok = cosine >= MIN_COSINE and error <= MAX_RELATIVE_L2  # False for NaN (a zero vector)
+    ok = cosine >= min_cosine and error <= MAX_RELATIVE_L2  # False for NaN (a zero vector)
     return ("yes" if ok else "**NO**") + f": cos >= {cosine:.7f}, rel L2 <= {error:.1e}"
 
 
