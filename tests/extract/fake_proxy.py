@@ -227,6 +227,10 @@ class FakeProxy:
             return httpx.Response(code, json=error, headers=headers)
         self.sent.append(body)
         document = _answer(text, words, body["kv_transfer_params"])
+        if isinstance(body.get("prompt"), list):  # token ids: their count, as vLLM's
+            document["kv_transfer_params"]["last_hidden_state_info"]["num_prompt_tokens"] = len(
+                body["prompt"]
+            )
         document["choices"] = [{"index": c, "text": "x"} for c in range(body.get("n", 1))]
         return httpx.Response(200, json=document)
 

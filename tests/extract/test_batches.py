@@ -174,6 +174,34 @@ def test_a_hostile_answer_to_a_list_is_split_until_it_fails_nothing_else(
         np.testing.assert_array_equal(row["layer_0"], expected_vector(f"text {row['id']}", 0))
 
 
+def test_entries_swapped_between_token_id_prompts_are_no_ones_vectors(tmp_path: Path) -> None:
+    """The lists are matched by position; a token-id prompt's entry must say its length, so a
+    list answer that gives two prompts each other's entries is split, and each input is
+    written with its own vectors, sent alone."""
+    fake = FakeProxy()
+    batch = fake._batch
+
+    def swapped(request: httpx.Request, bodies: list[dict[str, Any]]) -> httpx.Response:
+        document = json.loads(batch(request, bodies).content)
+        kv = document["kv_transfer_params"]
+        for name in ("last_hidden_states_by_layer", "last_hidden_state_infos"):
+            kv[name][0], kv[name][1] = kv[name][1], kv[name][0]
+        return httpx.Response(200, json=document)
+
+    fake._batch = swapped  # type: ignore[method-assign]
+    records = [{"id": i, "prompt": list(range(1, i + 2))} for i in range(4)]  # lengths 1 to 4
+    inputs = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    status, stderr = run(inputs, options(out, batch_size=4), fake)
+    assert status == 0, stderr
+    assert sorted(fake.batches) == [1] * 4 + [2] * 2 + [4]
+    rows = table(out).to_pylist()
+    assert len(rows) == 4
+    for row in rows:
+        text = " ".join(str(t) for t in range(1, int(row["id"]) + 2))
+        np.testing.assert_array_equal(row["layer_0"], expected_vector(text, 0))
+
+
 def test_a_list_answer_that_mangles_one_input_fails_that_input_only(tmp_path: Path) -> None:
     """A lone input whose answers are always bad: the rest of its batch is written."""
 

@@ -49,6 +49,12 @@ class Item:
     #: Why it cannot be sent (its prompt is no JSON a request carries): it fails unsent.
     refused: Refused | None = None
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Its count of prompt tokens where extract knows it: a token-id prompt's length."""
+        prompt = self.input.prompt
+        return len(prompt) if isinstance(prompt, list) and self.input.spans is None else None
+
 
 def _encode(value: Any) -> bytes:
     """``value`` as JSON: orjson, or where it refuses (an integer of more than 64 bits) the

@@ -6,8 +6,11 @@ run's.
 
 The answer to a batch (:func:`batch_rows`) must hold, for its ``k`` inputs, exactly one choice
 per prompt index and choice (``choices[].index`` ``0 .. k * n - 1``, each once) and one entry
-per input (per choice with an answer pooling), each with its vectors; otherwise the whole
-answer is refused (the run splits the batch and sends the halves again)."""
+per input (per choice with an answer pooling), each with its vectors, taken in prompt order
+(the proxy answers a list so); an entry for a token-id prompt must say that prompt's length in
+its info's ``num_prompt_tokens`` (the lists are matched by position: a length that differs is
+an entry of another prompt). Otherwise the whole answer is refused (the run splits the batch
+and sends the halves again)."""
 
 from __future__ import annotations
 
@@ -61,10 +64,14 @@ def answer_rows(id_: str, body: bytes, plan: Mapping[str, Any]) -> list[dict[str
 
 
 def batch_rows(
-    ids: Sequence[str], body: bytes, plan: Mapping[str, Any]
+    ids: Sequence[str],
+    body: bytes,
+    plan: Mapping[str, Any],
+    prompt_tokens: Sequence[int | None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """The rows of each input of a batch from its 200 answer's ``body`` (see the module
-    docstring), in the batch's order."""
+    docstring), in the batch's order. ``prompt_tokens``: each input's count of prompt tokens
+    where it is known (a token-id prompt), which its entries' info must say."""
     document = _document(body)
     choices = document.get("choices")
     expected = len(ids) * plan["n"]
@@ -78,9 +85,17 @@ def batch_rows(
         raise Refused(f"the answer's choices are not indexed 0 to {expected - 1}, each once", 200)
     per_input = _per_input(plan)
     entries = _entries(document, plan, len(ids) * per_input)
-    return [
-        _rows(id_, entries[i * per_input : (i + 1) * per_input], plan) for i, id_ in enumerate(ids)
-    ]
+    by_input = [entries[i * per_input : (i + 1) * per_input] for i in range(len(ids))]
+    for number, tokens in enumerate(prompt_tokens or ()):
+        for entry in by_input[number] if tokens is not None else ():
+            said = (entry.info or {}).get("num_prompt_tokens")
+            if said is not None and said != tokens:  # another input's entry, or none's
+                raise Refused(
+                    f"the answer's entry {number * per_input} says {said!r} prompt tokens, "
+                    f"not the {tokens} of prompt {number}",
+                    200,
+                )
+    return [_rows(id_, entries, plan) for id_, entries in zip(ids, by_input, strict=True)]
 
 
 def _rows(id_: str, entries: Sequence[Any], plan: Mapping[str, Any]) -> list[dict[str, Any]]:

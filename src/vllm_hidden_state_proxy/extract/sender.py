@@ -3,7 +3,8 @@
 its failure.
 
 A batch that fails otherwise (a 4xx, an answer that does not hold one choice and one vector per
-input: ``rows.batch_rows``, a body or an answer too long) is split in halves and each half sent
+input, or gives a token-id prompt an entry of another length: ``rows.batch_rows``, a body or an
+answer too long) is split in halves and each half sent
 again, down to single inputs sent alone: one bad input fails only itself, after about
 ``log2(batch)`` more requests. A batch whose retries ran out fails whole (the server is busy
 or gone, not an input). Chats go through ``/v1/chat/completions/batch``; a proxy that answers
@@ -159,7 +160,12 @@ class Sender:
                 if status == 200:
                     if not batch:
                         return [answer_rows(items[0].input.id, answer.body, self.plan)]
-                    rows = batch_rows([item.input.id for item in items], answer.body, self.plan)
+                    rows = batch_rows(
+                        [item.input.id for item in items],
+                        answer.body,
+                        self.plan,
+                        [item.prompt_tokens for item in items],
+                    )
                     if chats:
                         proxy.chat_batches = True
                     return rows
