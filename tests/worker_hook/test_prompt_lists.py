@@ -167,9 +167,7 @@ def test_the_list_marker(entries: dict[str, Any], expected: PromptList | str | N
     assert prompt_list_of(entries, 1) == expected
 
 
-def listed_request(
-    req_id: str, size: int, prompt: list[int] | None = None, **entries: Any
-) -> SimpleNamespace:
+def listed_request(req_id: str, size: int, prompt: Any = None, **entries: Any) -> SimpleNamespace:
     extra_args = {REQUEST_KEY_ENTRY: KEY.hex(), LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: size}
     return SimpleNamespace(
         req_id=req_id,

@@ -224,20 +224,27 @@ class PromptList:
     checksums: tuple[int, ...] | None = None
 
 
+def _count(value: Any) -> int | None:
+    """``value`` if it is an int (not a bool) of at least 0."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _count(value) is not None
 
 
 def prompt_list_of(extra_args: Mapping[str, Any], choices: int) -> PromptList | str | None:
     """The list marker in ``extra_args``; ``None`` if there is none, the problem if it is
     malformed."""
     base = extra_args.get(LIST_BASE_ENTRY)
-    size = extra_args.get(LIST_SIZE_ENTRY)
-    if base is None and size is None:
+    size_entry = extra_args.get(LIST_SIZE_ENTRY)
+    if base is None and size_entry is None:
         return None
     if not isinstance(base, str) or not 1 <= len(base) <= 64 or not set(base) <= _HEX:
         return "malformed prompt list base"
-    if not _is_count(size) or not 1 <= size <= MAX_LIST_SIZE:
+    size = _count(size_entry)
+    if size is None or not 1 <= size <= MAX_LIST_SIZE:
         return "malformed prompt list size"
     counts = extra_args.get(LIST_TOKENS_ENTRY)
     checksums = extra_args.get(LIST_CHECKSUMS_ENTRY)
@@ -361,7 +368,7 @@ class SelectedRequests:
         selection = selection_of(params, self.captured, self.final_layer)
         if selection is None:
             return None
-        listed = prompt_list_of(params.extra_args, selection.choices)
+        listed = prompt_list_of(getattr(params, "extra_args", None) or {}, selection.choices)
         if listed is None:
             return selection
         if isinstance(listed, str):  # the list's key: an error record for every prompt

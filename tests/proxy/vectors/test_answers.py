@@ -29,6 +29,7 @@ from vllm_hidden_state_proxy.protocol import (
     CHOICES_ENTRY,
     POOLING_ENTRY,
     answer_key,
+    prompt_key,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.vectors.answers import (
@@ -424,15 +425,26 @@ def test_without_asked_token_ids_restores_vllms_nulls() -> None:
 async def test_a_prompt_list_gets_one_vector_per_merged_choice(
     ring_dir: str, writer: RingWriter
 ) -> None:
+    """One request for the list: choice ``j`` of the reply is choice ``j % n`` of prompt
+    ``j // n``, whose records are under that prompt's key (the hook's ``prompt_key``)."""
+
     async def handle(request: httpx.Request) -> httpx.Response:
         document = sent_document(request)
         key = forwarded_key(request)
-        offset = 1 if document["prompt"] == "b" else 0  # the second prompt's answers are longer
         choices = []
-        for i in range(2):
-            ids = ANSWERS[i + offset]
-            publish_window(writer, key, i, len(ids))
-            choices.append({"index": i, "text": "x", "finish_reason": "length", "token_ids": ids})
+        for p, prompt in enumerate(document["prompt"]):
+            offset = 1 if prompt == "b" else 0  # the second prompt's answers are longer
+            for i in range(2):
+                ids = ANSWERS[i + offset]
+                publish_window(writer, prompt_key(key, p), i, len(ids))
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": "x",
+                        "finish_reason": "length",
+                        "token_ids": ids,
+                    }
+                )
         reply = {"id": "cmpl", "object": "text_completion", "model": MODEL, "choices": choices}
         return httpx.Response(200, json=reply)
 
@@ -446,14 +458,17 @@ async def test_a_prompt_list_gets_one_vector_per_merged_choice(
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
         response = await proxy.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    keys = {sent_document(r)["prompt"]: forwarded_key(r) for r in vllm.requests}
+    (sent,) = vllm.requests
+    key = forwarded_key(sent)
+    assert sent_document(sent)["return_token_ids"] is True
     merged = response.json()
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in merged["choices"]] == [None] * 4  # asked, taken out
     assert merged["kv_transfer_params"]["last_hidden_states"] == [
-        expected_vector(keys["a"], 0, 2),
-        expected_vector(keys["a"], 1, 3),
-        expected_vector(keys["b"], 0, 3),
-        expected_vector(keys["b"], 1, 4),
+        expected_vector(prompt_key(key, 0), 0, 2),
+        expected_vector(prompt_key(key, 0), 1, 3),
+        expected_vector(prompt_key(key, 1), 0, 3),
+        expected_vector(prompt_key(key, 1), 1, 4),
     ]
 
 
