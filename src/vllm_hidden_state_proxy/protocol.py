@@ -70,6 +70,12 @@ SPANS_ENTRY = XARGS_PREFIX + "spans"
 #: and publishes the prompt's record under :func:`prompt_key`.
 LIST_BASE_ENTRY = XARGS_PREFIX + "list_base"
 LIST_SIZE_ENTRY = XARGS_PREFIX + "list_size"
+#: The list's form, how vLLM names its items: ``"cmpl"`` (completions prompts, the default:
+#: ``"cmpl-{base}-{i}"``) or ``"chatcmpl"`` (the conversations of ``/v1/chat/completions/batch``:
+#: ``"chatcmpl-{base}_{i}"``), either followed by the random suffix.
+LIST_FORM_ENTRY = XARGS_PREFIX + "list_form"
+#: The list forms: each one's prefix before the base and separator before the index.
+LIST_FORMS = {"cmpl": "-", "chatcmpl": "_"}
 #: With a list of token-id prompts: each prompt's token count and
 #: :func:`token_ids_checksum`, which the hook checks against the engine request's prompt.
 LIST_TOKENS_ENTRY = XARGS_PREFIX + "list_tokens"

@@ -6,8 +6,8 @@ attribution hard to get right by luck: several lists at once, of many distinct t
 of different lengths, some repeated and several sharing a long prefix (prefix-cache hits), each
 vector checked against Transformers on its own prompt, and closer to its own prompt's reference
 than to any other prompt's of its list; the client's hostile ``X-Request-Id`` beside them;
-``n = 2`` with ``"last_answer"``; and (own server) vLLM keeping ids unsuffixed
-(``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
+``n = 2`` with ``"last_answer"``; a ``/v1/chat/completions/batch`` of conversations; and (own
+server) vLLM keeping ids unsuffixed (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
 """
 
 from __future__ import annotations
@@ -174,3 +174,38 @@ def test_lists_where_vllm_keeps_ids_unsuffixed(
     for prompts, response in zip(lists, responses, strict=True):
         vectors = response.model_extra["kv_transfer_params"]["last_hidden_states"]
         check_own_vectors(prompts, vectors, reference)
+
+
+@pytest.mark.both_runners
+def test_a_chat_batch_gets_each_conversations_vector(
+    stack: RunningStack, model_name: str, reference: Reference
+) -> None:
+    import httpx
+
+    conversations = [
+        [{"role": "user", "content": f"Batch question {i}: " + "why " * (i * 2)}] for i in range(6)
+    ]
+    conversations += [conversations[3], [{"role": "user", "content": PREAMBLE}]]
+    body = {
+        "model": model_name,
+        "messages": conversations,
+        "max_tokens": 2,
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "kv_transfer_params": {**FLAG, "last_hidden_state_info": True},
+    }
+    unflagged = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    with httpx.Client(base_url=stack.proxy_url, timeout=300, trust_env=False) as client:
+        response = client.post(
+            "/v1/chat/completions/batch", json=body, headers={"X-Request-Id": "3_y"}
+        )
+        ordinary = client.post("/v1/chat/completions/batch", json=unflagged)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["id"] == "chatcmpl-3_y"
+    vectors = answer["kv_transfer_params"]["last_hidden_states"]
+    ids = [reference.chat_token_ids(c, enable_thinking=False) for c in conversations]
+    check_own_vectors(ids, vectors, reference)
+    assert ordinary.status_code == 200, ordinary.text
+    assert len(ordinary.json()["choices"]) == len(conversations)
+    assert "kv_transfer_params" not in ordinary.json() or not ordinary.json()["kv_transfer_params"]

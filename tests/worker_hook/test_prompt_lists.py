@@ -16,6 +16,7 @@ from vllm_hidden_state_proxy.protocol import (
     CHOICES_ENTRY,
     LIST_BASE_ENTRY,
     LIST_CHECKSUMS_ENTRY,
+    LIST_FORM_ENTRY,
     LIST_SIZE_ENTRY,
     LIST_TOKENS_ENTRY,
     REQUEST_KEY_ENTRY,
@@ -34,6 +35,7 @@ KEY = bytes(range(16))
 BASE = "0123456789abcdef" * 2
 LIST = PromptList(BASE, 12)
 PAIRS = PromptList(BASE, 12, choices=2)
+CHATS = PromptList(BASE, 12, form="chatcmpl")
 
 
 @pytest.mark.parametrize(
@@ -44,6 +46,8 @@ PAIRS = PromptList(BASE, 12, choices=2)
         (f"cmpl-{BASE}-3", LIST, False, 3),
         (f"1_cmpl-{BASE}-7-deadbeef", PAIRS, True, 7),
         (f"0_cmpl-{BASE}-7", PAIRS, False, 7),
+        (f"chatcmpl-{BASE}_11-0a1b2c3d", CHATS, True, 11),
+        (f"chatcmpl-{BASE}_0", CHATS, False, 0),
     ],
 )
 def test_the_index_of_an_id_as_vllm_forms_it(
@@ -98,6 +102,22 @@ def test_choice_prefixes_are_exact(req_id: str) -> None:
     assert prompt_index(req_id, PAIRS, randomized=True) is None
 
 
+@pytest.mark.parametrize(
+    "req_id",
+    [
+        f"chatcmpl-{BASE}-1-deadbeef",  # a completions prompt's form
+        f"cmpl-{BASE}_1-deadbeef",
+        f"chatcmpl-{BASE}_12-deadbeef",
+        f"chatcmpl-{BASE}_1_2-deadbeef",
+        f"0_chatcmpl-{BASE}_1-deadbeef",
+        f"chatcmpl-{BASE}_01-deadbeef",
+    ],
+)
+def test_a_chat_batchs_ids_are_exact(req_id: str) -> None:
+    assert prompt_index(req_id, CHATS, randomized=True) is None
+    assert prompt_index(f"cmpl-{BASE}-1-deadbeef", CHATS, randomized=True) is None
+
+
 def test_without_randomization_a_suffix_is_refused() -> None:
     assert prompt_index(f"cmpl-{BASE}-1-deadbeef", LIST, randomized=False) is None
 
@@ -137,6 +157,14 @@ def test_ids_randomized_reads_vllms_variable() -> None:
         ({LIST_BASE_ENTRY: BASE.upper(), LIST_SIZE_ENTRY: 3}, "malformed prompt list base"),
         ({LIST_BASE_ENTRY: "a" * 65, LIST_SIZE_ENTRY: 3}, "malformed prompt list base"),
         ({LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: 0}, "malformed prompt list size"),
+        (
+            {LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: 3, LIST_FORM_ENTRY: "chatcmpl"},
+            PromptList(BASE, 3, form="chatcmpl"),
+        ),
+        (
+            {LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: 3, LIST_FORM_ENTRY: "embd"},
+            "malformed prompt list form",
+        ),
         ({LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: True}, "malformed prompt list size"),
         ({LIST_BASE_ENTRY: BASE, LIST_SIZE_ENTRY: "3"}, "malformed prompt list size"),
         (

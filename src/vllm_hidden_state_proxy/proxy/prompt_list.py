@@ -21,6 +21,11 @@ prompts of one list sharing a prefix would hit each other's cached blocks, and t
 answer the later ones with an error (:class:`~..worker_hook.selection.MeanGap`). So does an
 answer's pooling with ``echo`` (vLLM leaves the echoed prompt out of the text once the proxy
 asks for the token ids it counts the answers by).
+
+``POST /v1/chat/completions/batch`` (vLLM's conversations of one request, ``n`` 1) is served the
+same way: conversation ``i`` runs as ``"chatcmpl-{base}_{i}"`` and the suffix
+(``vllm/entrypoints/openai/chat_completion/batch_serving.py``); the poolings that fan out for a
+completions list are refused there (send each conversation to ``/v1/chat/completions``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from vllm_hidden_state_proxy.protocol import (
     EVERY_PROMPT_POSITION,
     LIST_BASE_ENTRY,
     LIST_CHECKSUMS_ENTRY,
+    LIST_FORM_ENTRY,
     LIST_SIZE_ENTRY,
     LIST_TOKENS_ENTRY,
     new_request_key,
@@ -81,7 +87,10 @@ def one_request_serves(document: dict[str, Any], wanted: WantedVectors) -> bool:
     """Whether a flagged prompt list can be sent as one request (else it fans out)."""
     if wanted.request.record_pooling in EVERY_PROMPT_POSITION:
         return False
-    return not (wanted.request.pooling in ANSWER_POOLINGS and document.get("echo") is True)
+    if wanted.request.pooling not in ANSWER_POOLINGS:
+        return True
+    # The answers are counted by their token ids, which these lose (vLLM's doing).
+    return document.get("echo") is not True and document.get("include_reasoning") is not False
 
 
 def choices_of(document: dict[str, Any]) -> int:
@@ -89,9 +98,11 @@ def choices_of(document: dict[str, Any]) -> int:
     return n if is_int(n) and n > 1 else 1
 
 
-def list_entries(base: str, prompts: list[Any], choices: int) -> dict[str, Any]:
+def list_entries(base: str, prompts: list[Any], choices: int, form: str = "cmpl") -> dict[str, Any]:
     """The ``vllm_xargs`` entries that tell the hook the list's prompts apart."""
     entries: dict[str, Any] = {LIST_BASE_ENTRY: base, LIST_SIZE_ENTRY: len(prompts)}
+    if form != "cmpl":
+        entries[LIST_FORM_ENTRY] = form
     if choices > 1:
         entries[CHOICES_ENTRY] = choices
     if all(is_token_ids(prompt) for prompt in prompts):
@@ -118,7 +129,7 @@ def with_request_id(scope: Scope, base: str) -> Scope:
 
 
 def _as_the_clients(
-    headers: RawHeaders, completion: dict[str, Any], client_id: str | None
+    headers: RawHeaders, completion: dict[str, Any], client_id: str | None, form: str
 ) -> tuple[RawHeaders, dict[str, Any]]:
     """vLLM's reply as it would have named it had the client's id been sent."""
     if client_id is None:
@@ -127,7 +138,7 @@ def _as_the_clients(
         (k, client_id.encode("latin-1") if k.lower() == _REQUEST_ID_HEADER else v)
         for k, v in headers
     ]
-    return named, {**completion, "id": f"cmpl-{client_id}"}
+    return named, {**completion, "id": f"{form}-{client_id}"}
 
 
 async def prompt_list_exchange(
@@ -137,11 +148,13 @@ async def prompt_list_exchange(
     document: dict[str, Any],
     wanted: WantedVectors,
     prompts: list[Any],
+    form: str = "cmpl",
 ) -> None:
-    """Serve a flagged list of prompts with one keyed request: one entry per prompt (one per
-    choice for an answer's pooling), in prompt order, or the first error."""
+    """Serve a flagged list of prompts (``form`` ``"chatcmpl"``: the conversations of a chat
+    batch) with one keyed request: one entry per prompt (one per choice for an answer's
+    pooling), in prompt order, or the first error."""
     key, base, choices = new_request_key(), secrets.token_hex(16), choices_of(document)
-    entries = list_entries(base, prompts, choices)
+    entries = list_entries(base, prompts, choices, form)
     asks = None
     if wanted.request.pooling in ANSWER_POOLINGS:  # each choice's count: its token ids
         asks = AnswerAsks(token_ids=document.get("return_token_ids") is not True, choices=choices)
@@ -169,7 +182,7 @@ async def prompt_list_exchange(
             records = await _answer_records(state, key, wanted, completion, choices)
             completion = without_asked_token_ids(completion, asks)
         headers, completion = _as_the_clients(
-            list(response.headers.raw), completion, client_request_id(scope, document)
+            list(response.headers.raw), completion, client_request_id(scope, document), form
         )
         await send_joined(send, headers, completion, prompt_list_fields(records, wanted))
     except ProxyError as error:

@@ -37,6 +37,8 @@ from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENTRY,
     LIST_BASE_ENTRY,
     LIST_CHECKSUMS_ENTRY,
+    LIST_FORM_ENTRY,
+    LIST_FORMS,
     LIST_SIZE_ENTRY,
     LIST_TOKENS_ENTRY,
     MAX_LIST_SIZE,
@@ -222,6 +224,8 @@ class PromptList:
     #: Each prompt's token count and checksum, when the proxy sent token ids.
     token_counts: tuple[int, ...] | None = None
     checksums: tuple[int, ...] | None = None
+    #: How vLLM names the items (``LIST_FORMS``): completions prompts or chat conversations.
+    form: str = "cmpl"
 
 
 def _count(value: Any) -> int | None:
@@ -246,14 +250,17 @@ def prompt_list_of(extra_args: Mapping[str, Any], choices: int) -> PromptList | 
     size = _count(size_entry)
     if size is None or not 1 <= size <= MAX_LIST_SIZE:
         return "malformed prompt list size"
+    form = extra_args.get(LIST_FORM_ENTRY, "cmpl")
+    if not isinstance(form, str) or form not in LIST_FORMS:
+        return "malformed prompt list form"
     counts = extra_args.get(LIST_TOKENS_ENTRY)
     checksums = extra_args.get(LIST_CHECKSUMS_ENTRY)
     if counts is None and checksums is None:
-        return PromptList(base, size, choices)
+        return PromptList(base, size, choices, form=form)
     for values in (counts, checksums):
         if not isinstance(values, list) or len(values) != size or not all(map(_is_count, values)):
             return "malformed prompt list checks"
-    return PromptList(base, size, choices, tuple(counts), tuple(checksums))  # type: ignore[arg-type]
+    return PromptList(base, size, choices, tuple(counts), tuple(checksums), form)  # type: ignore[arg-type]
 
 
 def _index_below(text: str, bound: int) -> int | None:
@@ -270,8 +277,8 @@ def _index_below(text: str, bound: int) -> int | None:
 def prompt_index(req_id: str, listed: PromptList, randomized: bool = True) -> int | None:
     """The prompt index of engine request ``req_id`` of the list ``listed``: exactly
     ``["{c}_"] + "cmpl-{base}-{index}" + ["-" + 8 hex]`` as vLLM 0.32 forms it (the
-    choice prefix when ``n > 1``, the suffix unless vLLM keeps ids); ``None`` for anything
-    else."""
+    choice prefix when ``n > 1``, the suffix unless vLLM keeps ids; a chat batch's
+    conversation: ``"chatcmpl-{base}_{index}"``); ``None`` for anything else."""
     if not isinstance(req_id, str):
         return None
     rest = req_id
@@ -279,7 +286,7 @@ def prompt_index(req_id: str, listed: PromptList, randomized: bool = True) -> in
         head, sep, rest = req_id.partition("_")
         if not sep or _index_below(head, listed.choices) is None:
             return None
-    prefix = f"cmpl-{listed.base}-"
+    prefix = f"{listed.form}-{listed.base}{LIST_FORMS[listed.form]}"
     if not rest.startswith(prefix):
         return None
     tail = rest[len(prefix) :]
@@ -306,8 +313,8 @@ def list_selection(
         return replace(
             selection,
             problem=f"vLLM request {req_id[:_QUOTED]!r} is not a prompt of the list "
-            f"'cmpl-{listed.base}' of {listed.size} prompts as vLLM names them, so its prompt is "
-            "unknown",
+            f"'{listed.form}-{listed.base}' of {listed.size} prompts as vLLM names them, so its "
+            "prompt is unknown",
         )
     key = prompt_key(selection.key, index)
     problem = selection.problem

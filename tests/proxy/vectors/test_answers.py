@@ -431,7 +431,7 @@ async def test_a_prompt_list_gets_one_vector_per_merged_choice(
     async def handle(request: httpx.Request) -> httpx.Response:
         document = sent_document(request)
         key = forwarded_key(request)
-        choices = []
+        choices: list[dict[str, Any]] = []
         for p, prompt in enumerate(document["prompt"]):
             offset = 1 if prompt == "b" else 0  # the second prompt's answers are longer
             for i in range(2):
