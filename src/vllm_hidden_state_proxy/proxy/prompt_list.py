@@ -20,7 +20,9 @@ out (:mod:`.fan_out`): they are sent with a fresh ``cache_salt``, which is one p
 prompts of one list sharing a prefix would hit each other's cached blocks, and the hook would
 answer the later ones with an error (:class:`~..worker_hook.selection.MeanGap`). So does an
 answer's pooling with ``echo`` (vLLM leaves the echoed prompt out of the text once the proxy
-asks for the token ids it counts the answers by).
+asks for the token ids it counts the answers by), and a list whose records would take more than
+a quarter of the smallest ring's slots (:data:`RING_SHARE`): they are all published before
+vLLM's reply ends, and read after it (a fan-out reads each prompt's after its own reply).
 
 ``POST /v1/chat/completions/batch`` (vLLM's conversations of one request, ``n`` 1) is served the
 same way: conversation ``i`` runs as ``"chatcmpl-{base}_{i}"`` and the suffix
@@ -38,6 +40,7 @@ from starlette.types import Scope, Send
 
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
+    ANSWER_WINDOW,
     CHOICES_ENTRY,
     EVERY_PROMPT_POSITION,
     LIST_BASE_ENTRY,
@@ -83,14 +86,36 @@ _REQUEST_ID_HEADER = b"x-request-id"
 _NO_ENCODING = frozenset({b"accept-encoding"})
 
 
-def one_request_serves(document: dict[str, Any], wanted: WantedVectors) -> bool:
-    """Whether a flagged prompt list can be sent as one request (else it fans out)."""
+#: A list sent as one request may take at most this share of the smallest ring's slots: its
+#: records are all published before vLLM's reply ends and read only after it, so more would
+#: let the list's own later records (and other traffic) overwrite its first ones.
+RING_SHARE = 4
+
+
+def why_not_one_request(
+    document: dict[str, Any], wanted: WantedVectors, count: int, slots: int | None
+) -> str | None:
+    """Why a flagged list of ``count`` prompts cannot be sent as one request (it fans out, or
+    a chat batch is refused, saying so); ``None`` if it can be."""
+    pooling = wanted.request.pooling
     if wanted.request.record_pooling in EVERY_PROMPT_POSITION:
-        return False
-    if wanted.request.pooling not in ANSWER_POOLINGS:
-        return True
-    # The answers are counted by their token ids, which these lose (vLLM's doing).
-    return document.get("echo") is not True and document.get("include_reasoning") is not False
+        return (
+            f"pooling {pooling!r} needs every prompt position computed, with a cache_salt per "
+            "request"
+        )
+    if pooling in ANSWER_POOLINGS and (
+        document.get("echo") is True or document.get("include_reasoning") is False
+    ):  # the answers are counted by their token ids, which these lose (vLLM's doing)
+        return f"pooling {pooling!r} with 'echo' or 'include_reasoning': false"
+    per_prompt = {"last_answer": ANSWER_WINDOW, "all_answer": 1}.get(pooling, 0)
+    needed = count * per_prompt * choices_of(document) if per_prompt else count
+    room = 0 if slots is None else slots // RING_SHARE
+    if needed > room:
+        return (
+            f"its {needed} records would take more than a quarter of the ring's {slots} slots "
+            "(HIDDEN_STATE_PROXY_RING_SLOTS) before the proxy can read them"
+        )
+    return None
 
 
 def choices_of(document: dict[str, Any]) -> int:

@@ -5,7 +5,7 @@ vLLM request whose conversations the hook tells apart by their engine ids
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +17,7 @@ from tests.proxy.fakes import (
     FINAL,
     FakeVLLM,
     Hook,
+    create_writer,
     error_of,
     proxy_client,
     publish,
@@ -30,6 +31,14 @@ from vllm_hidden_state_proxy.ring import ErrorRecord, RingWriter
 from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def writer(ring_dir: str) -> Iterator[RingWriter]:
+    """A real ring of 1024 slots (a list sent as one request takes at most a quarter)."""
+    with create_writer(ring_dir, slot_count=1024) as ring:
+        yield ring
+
 
 BATCH = "/v1/chat/completions/batch"
 FLAG = {"return_last_hidden_state": True}
@@ -186,3 +195,20 @@ async def test_conversations_vllm_names_otherwise_get_an_error(
         )
     assert response.status_code == 502, response.text
     assert "is not a prompt of the list" in error_of(response)["message"]
+
+
+async def test_a_batch_too_large_for_a_quarter_of_the_ring_is_refused(ring_dir: str) -> None:
+    with create_writer(ring_dir) as small:  # 16 slots: one request takes at most 4 records
+        vllm = FakeVLLM(BatchVLLM(small))
+        async with proxy_client(settings_for(ring_dir), vllm) as proxy:
+            fits = await proxy.client.post(
+                BATCH, json={"messages": CONVERSATIONS[:4], "kv_transfer_params": FLAG}
+            )
+            refused = await proxy.client.post(
+                BATCH, json={"messages": CONVERSATIONS, "kv_transfer_params": FLAG}
+            )
+    assert fits.status_code == 200, fits.text
+    assert refused.status_code == 400
+    assert error_of(refused)["param"] == "messages"
+    assert "HIDDEN_STATE_PROXY_RING_SLOTS" in error_of(refused)["message"]
+    assert len(vllm.requests) == 1

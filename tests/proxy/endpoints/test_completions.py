@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +20,7 @@ from tests.proxy.fakes import (
     FakeRing,
     FakeVLLM,
     Hook,
+    create_writer,
     error_of,
     forwarded_key,
     is_keyed,
@@ -39,6 +40,14 @@ from vllm_hidden_state_proxy.ring import ErrorRecord, RingWriter
 from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def writer(ring_dir: str) -> Iterator[RingWriter]:
+    """A real ring of 1024 slots (a list sent as one request takes at most a quarter)."""
+    with create_writer(ring_dir, slot_count=1024) as ring:
+        yield ring
+
 
 COMPLETIONS = "/v1/completions"
 FLAG = {"return_last_hidden_state": True}
@@ -482,3 +491,20 @@ async def test_a_prompt_vllm_runs_otherwise_gets_an_error_not_another_vector(
         )
     assert response.status_code == 502, response.text
     assert expected in error_of(response)["message"]
+
+
+async def test_a_list_too_large_for_a_quarter_of_the_ring_fans_out(ring_dir: str) -> None:
+    with create_writer(ring_dir) as small:  # 16 slots: one request takes at most 4 records
+        handler = CompletionsVLLM(small)
+        async with proxy_client(settings_for(ring_dir), FakeVLLM(handler)) as proxy:
+            four = await proxy.client.post(
+                COMPLETIONS, json={"prompt": list("abcd"), "kv_transfer_params": FLAG}
+            )
+            assert len(handler.sent) == 1
+            five = await proxy.client.post(
+                COMPLETIONS, json={"prompt": list("vwxyz"), "kv_transfer_params": FLAG}
+            )
+    assert four.status_code == five.status_code == 200, five.text
+    assert len(handler.sent) == 1 + 5
+    vectors = five.json()["kv_transfer_params"]["last_hidden_states"]
+    assert vectors == [vector_for(handler.key_of(p)) for p in "vwxyz"]

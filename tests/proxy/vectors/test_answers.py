@@ -4,7 +4,7 @@ choice's last chunk."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -16,6 +16,7 @@ from tests.proxy.fakes import (
     HIDDEN_SIZE,
     MODEL,
     FakeVLLM,
+    create_writer,
     error_of,
     forwarded_key,
     proxy_client,
@@ -41,6 +42,14 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def wide_writer(ring_dir: str) -> Iterator[RingWriter]:
+    """A real ring of 1024 slots (a list sent as one request takes at most a quarter)."""
+    with create_writer(ring_dir, slot_count=1024) as ring:
+        yield ring
+
 
 CHAT = "/v1/chat/completions"
 PROMPT_TOKENS = 5
@@ -423,8 +432,9 @@ def test_without_asked_token_ids_restores_vllms_nulls() -> None:
 
 
 async def test_a_prompt_list_gets_one_vector_per_merged_choice(
-    ring_dir: str, writer: RingWriter
+    ring_dir: str, wide_writer: RingWriter
 ) -> None:
+    writer = wide_writer
     """One request for the list: choice ``j`` of the reply is choice ``j % n`` of prompt
     ``j // n``, whose records are under that prompt's key (the hook's ``prompt_key``)."""
 

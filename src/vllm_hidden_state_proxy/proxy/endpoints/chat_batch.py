@@ -6,7 +6,8 @@ suffix), all with one ``SamplingParams``: sent as one keyed request whose conver
 hook tells apart by those ids, as a completions prompt list (:mod:`..prompt_list`). The
 poolings that a completions list fans out for (``"mean"``, spans, ``"all_prompt"``: their
 ``cache_salt`` is one per request) are refused here, as is an answer's pooling with ``echo`` or
-``include_reasoning: false``: send each conversation to ``/v1/chat/completions``.
+``include_reasoning: false``, and a batch whose records would take more than a quarter of the
+smallest ring's slots: send each conversation to ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm_hidden_state_proxy.proxy.endpoints import GenerationEndpoint, resolve_
 from vllm_hidden_state_proxy.proxy.errors import bad_request
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.planned_fields import CHAT_FIELDS
-from vllm_hidden_state_proxy.proxy.prompt_list import one_request_serves, prompt_list_exchange
+from vllm_hidden_state_proxy.proxy.prompt_list import prompt_list_exchange, why_not_one_request
 
 #: The path, as vLLM 0.32 registers it (``chat_completion/api_router.py``).
 CHAT_BATCH_PATH = "/v1/chat/completions/batch"
@@ -55,12 +56,13 @@ class ChatBatchApp(GenerationEndpoint):
         document = flagged.document
         conversations = conversation_list(document, self.state.settings.max_prompts)
         wanted = resolve_wanted(self.state, flagged)
-        if not one_request_serves(document, wanted):
+        slots = self.state.rings.smallest_slot_count()
+        why = why_not_one_request(document, wanted, len(conversations), slots)
+        if why is not None:
             raise bad_request(
-                f"'{KV}.{POOLING}': {wanted.request.pooling!r} (with these fields) is not "
-                f"supported on {CHAT_BATCH_PATH}: send each conversation to "
-                "/v1/chat/completions.",
-                f"{KV}.{POOLING}",
+                f"A flagged {CHAT_BATCH_PATH} is one vLLM request, and here {why}: send fewer "
+                "conversations, or each to /v1/chat/completions.",
+                "messages" if "slots" in why else f"{KV}.{POOLING}",
             )
         return prompt_list_exchange(
             self.state, scope, send, document, wanted, conversations, form="chatcmpl"

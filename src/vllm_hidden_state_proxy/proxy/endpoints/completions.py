@@ -3,11 +3,13 @@
 A list is sent to vLLM as one request (:mod:`..prompt_list`: the hook tells its prompts apart
 by the engine ids vLLM gives them), except with the poolings that need every prompt position
 (``"mean"``, spans, ``"all_prompt"``: their fresh ``cache_salt`` is one per request, so prompts
-of one list sharing a prefix would hit each other's cache) and with an answer's pooling and
-``echo``. Those fan out: one upstream request per prompt, each with its own key, at most
-``settings.fan_out_limit`` in flight per client request, then the replies merged the way vLLM
-would have (choices numbered in prompt order, usage summed). If any prompt fails, the client
-gets that failure (the first in prompt order) and never a partial list.
+of one list sharing a prefix would hit each other's cache), with an answer's pooling and
+``echo``, and for a list whose records would take more than a quarter of the smallest ring
+(:func:`..prompt_list.why_not_one_request`). Those fan out: one upstream request per prompt,
+each with its own key, at most ``settings.fan_out_limit`` in flight per client request, then
+the replies merged the way vLLM would have (choices numbered in prompt order, usage summed).
+If any prompt fails, the client gets that failure (the first in prompt order) and never a
+partial list.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
-from vllm_hidden_state_proxy.proxy.prompt_list import one_request_serves, prompt_list_exchange
+from vllm_hidden_state_proxy.proxy.prompt_list import prompt_list_exchange, why_not_one_request
 from vllm_hidden_state_proxy.proxy.replies import send_joined, send_unchanged
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
@@ -120,7 +122,8 @@ class CompletionsApp(GenerationEndpoint):
         wanted = resolve_wanted(self.state, flagged)
         if prompts is None:
             return keyed_exchange(self.state, scope, send, document, wanted)
-        if one_request_serves(document, wanted):
+        slots = self.state.rings.smallest_slot_count()
+        if why_not_one_request(document, wanted, len(prompts), slots) is None:
             return prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
         return _prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
 
