@@ -76,9 +76,9 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
     without_asked_token_ids,
 )
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
-from vllm_hidden_state_proxy.proxy.vectors.lookup import wait_for_record
+from vllm_hidden_state_proxy.proxy.vectors.lookup import EarlyRecords, wait_for_record
 from vllm_hidden_state_proxy.request_fields import is_int, is_token_ids
-from vllm_hidden_state_proxy.ring import PublishMarks, Record
+from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
 from vllm_hidden_state_proxy.transport import close_quietly
 from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
@@ -186,8 +186,14 @@ async def prompt_list_exchange(
         document = {**document, "return_token_ids": True}
     body = keyed_body({**document, "request_id": base}, request_key_to_wire(key), wanted, entries)
     marks = state.rings.publish_marks()
+    # The prompts' records (not the answers': known only by the reply's counts), picked up as
+    # they are published, before other traffic can overwrite them.
+    keys = [prompt_key(key, index) for index in range(len(prompts))]
+    early = EarlyRecords(state.rings, keys if asks is None else [], marks)
     try:
-        response = await open_upstream(state, with_request_id(scope, base), body, _NO_ENCODING)
+        # vLLM's JSON reply comes whole at the end, headers too: look from the start.
+        sending = open_upstream(state, with_request_id(scope, base), body, _NO_ENCODING)
+        response = await early.during(sending)
     except ProxyError as error:
         await send_error(send, error)
         return
@@ -195,14 +201,14 @@ async def prompt_list_exchange(
         if response.status_code != 200:
             await relay_response(state, send, response)  # vLLM's own error, unchanged
             return
-        completion = await _read_completion(state, response)
+        completion = await early.during(_read_completion(state, response))
         choices_listed = completion.get("choices")
         if not isinstance(choices_listed, list) or len(choices_listed) != len(prompts) * choices:
             raise completions_not_mergeable(
                 ValueError(f"{len(prompts)} prompts x n = {choices} choices expected")
             )
         if asks is None:
-            records = await _prompt_records(state, key, marks, wanted, prompts)
+            records = await _prompt_records(state, key, marks, wanted, prompts, early.found)
         else:
             records = await _answer_records(state, key, wanted, completion, choices)
             completion = without_asked_token_ids(completion, asks)
@@ -238,18 +244,21 @@ async def _prompt_records(
     marks: PublishMarks,
     wanted: WantedVectors,
     prompts: list[Any],
+    early: dict[bytes, Found],
 ) -> list[Record]:
-    """Each prompt's record, in prompt order: under its own key, or an error record under its
-    own or the list's key."""
+    """Each prompt's record, in prompt order (``early``: those picked up during the reply):
+    under its own key, or an error record under its own or the list's key."""
     layers, pooling = wanted.distinct_layers, wanted.request.record_pooling
     records = []
     for index, prompt in enumerate(prompts):
+        own = prompt_key(key, index)
         record = await wait_for_record(
             state.rings,
-            prompt_key(key, index),
+            own,
             marks,
             state.settings.vector_timeout,
             state.metrics,
+            early.get(own),
             error_key=key,
         )
         if record.pooling != pooling or not set(layers) <= set(record.layers):

@@ -508,3 +508,28 @@ async def test_a_list_too_large_for_a_quarter_of_the_ring_fans_out(ring_dir: str
     assert len(handler.sent) == 1 + 5
     vectors = five.json()["kv_transfer_params"]["last_hidden_states"]
     assert vectors == [vector_for(handler.key_of(p)) for p in "vwxyz"]
+
+
+class BusyVLLM(CompletionsVLLM):
+    """Runs the list, then, before its reply, other traffic fills the ring many times over."""
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        response = await super().__call__(request)
+        await anyio.sleep(0.3)  # the proxy looks for the records meanwhile
+        for _ in range(100):
+            publish(self.hook, record_for(secrets.token_bytes(16)))
+        return response
+
+
+async def test_a_lists_records_are_picked_up_before_other_traffic_overwrites_them(
+    ring_dir: str,
+) -> None:
+    with create_writer(ring_dir) as small:  # 16 slots, overwritten six times before the reply
+        handler = BusyVLLM(small)
+        async with proxy_client(settings_for(ring_dir), FakeVLLM(handler)) as proxy:
+            response = await proxy.client.post(
+                COMPLETIONS, json={"prompt": list("abcd"), "kv_transfer_params": FLAG}
+            )
+    assert response.status_code == 200, response.text
+    vectors = response.json()["kv_transfer_params"]["last_hidden_states"]
+    assert vectors == [vector_for(handler.key_of(p)) for p in "abcd"]
