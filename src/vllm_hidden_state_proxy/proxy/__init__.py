@@ -29,8 +29,9 @@ The walk enters six rooms of the package (proxy/, request_fields.py, protocol.py
 wanted_vectors.py, ring/ and transport/), plus worker_hook/ inside vLLM, which publishes the
 record; a test traces it (``tests/proxy/test_walk.py``). Other paths of a flagged request: a
 completions prompt list is one keyed request whose prompts the hook tells apart by the engine
-ids vLLM gives them (prompt_list.py; endpoints/completions.py), or, with the poolings of every
-prompt position, fans out like embeddings inputs (fan_out.py; endpoints/embeddings.py), the
+ids vLLM gives them (prompt_list.py; endpoints/completions.py; a chat batch's conversations
+alike: endpoints/chat_batch.py), or, with the poolings of every prompt position, fans out like
+embeddings inputs (fan_out.py; endpoints/embeddings.py), the
 answer's vectors are found per choice (vectors/answers.py; in a
 stream: streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
 (streams/responses.py). Every error the proxy answers itself is built in errors.py; the options are
