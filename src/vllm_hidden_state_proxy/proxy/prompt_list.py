@@ -153,14 +153,18 @@ def with_request_id(scope: Scope, base: str) -> Scope:
     return {**scope, "headers": headers}
 
 
-def _as_the_clients(
+def as_the_clients(
     headers: RawHeaders, completion: dict[str, Any], client_id: str | None, form: str
 ) -> tuple[RawHeaders, dict[str, Any]]:
     """vLLM's reply as it would have named it had the client's id been sent."""
     if client_id is None:
         return headers, completion
+    try:  # vLLM's X-Request-Id response header (--enable-request-id-headers): the client's
+        value = client_id.encode("latin-1")
+    except UnicodeEncodeError:  # a body's request_id no header can carry: vLLM's kept
+        value = None
     named = [
-        (k, client_id.encode("latin-1") if k.lower() == _REQUEST_ID_HEADER else v)
+        (k, value if value is not None and k.lower() == _REQUEST_ID_HEADER else v)
         for k, v in headers
     ]
     return named, {**completion, "id": f"{form}-{client_id}"}
@@ -212,7 +216,7 @@ async def prompt_list_exchange(
         else:
             records = await _answer_records(state, key, wanted, completion, choices)
             completion = without_asked_token_ids(completion, asks)
-        headers, completion = _as_the_clients(
+        headers, completion = as_the_clients(
             list(response.headers.raw), completion, client_request_id(scope, document), form
         )
         await send_joined(send, headers, completion, prompt_list_fields(records, wanted))

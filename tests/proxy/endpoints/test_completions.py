@@ -35,6 +35,7 @@ from tests.proxy.fakes import (
 from vllm_hidden_state_proxy.protocol import LIST_BASE_ENTRY
 from vllm_hidden_state_proxy.proxy.endpoints.completions import merge_completions, prompt_list
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
+from vllm_hidden_state_proxy.proxy.prompt_list import as_the_clients
 from vllm_hidden_state_proxy.request_fields import is_token_ids
 from vllm_hidden_state_proxy.ring import ErrorRecord, RingWriter
 from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests
@@ -533,3 +534,13 @@ async def test_a_lists_records_are_picked_up_before_other_traffic_overwrites_the
     assert response.status_code == 200, response.text
     vectors = response.json()["kv_transfer_params"]["last_hidden_states"]
     assert vectors == [vector_for(handler.key_of(p)) for p in "abcd"]
+
+
+@pytest.mark.parametrize("client_id", ["plain", "\u00e9t\u00e9", "\u0663" * 3])
+def test_the_reply_is_named_by_the_clients_id(client_id: str) -> None:
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", b"0" * 32)]
+    named, completion = as_the_clients(headers, {"id": "cmpl-" + "0" * 32}, client_id, "cmpl")
+    assert completion["id"] == f"cmpl-{client_id}"
+    latin = client_id.isascii() or all(ord(c) < 256 for c in client_id)
+    assert named[1] == (b"x-request-id", client_id.encode("latin-1") if latin else b"0" * 32)
+    assert as_the_clients(headers, completion, None, "cmpl") == (headers, completion)
