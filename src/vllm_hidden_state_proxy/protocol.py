@@ -39,6 +39,8 @@ from __future__ import annotations
 import hashlib
 import secrets
 import struct
+import zlib
+from collections.abc import Sequence
 
 # -- the request key -------------------------------------------------------------------------
 
@@ -58,6 +60,28 @@ CHOICES_ENTRY = XARGS_PREFIX + "choices"
 #: ...]`` (token positions of the prompt, ``end`` exclusive; vLLM's ``vllm_xargs`` values may
 #: be lists of numbers or strings, not of lists).
 SPANS_ENTRY = XARGS_PREFIX + "spans"
+
+#: ``vllm_xargs`` entries of a flagged list of completions prompts sent as one request (all its
+#: prompts share one ``extra_args``): the list's **base**, the ``request_id`` the proxy gives
+#: vLLM (fresh, 32 hex characters, never the client's), and its prompt count. vLLM runs prompt
+#: ``i`` as engine request ``"cmpl-{base}-{i}"`` plus ``"-"`` and 8 random hex characters
+#: (unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``), choice ``c`` of ``n > 1`` as
+#: ``"{c}_"`` before that (``n``: :data:`CHOICES_ENTRY`); the hook parses the index from it
+#: and publishes the prompt's record under :func:`prompt_key`.
+LIST_BASE_ENTRY = XARGS_PREFIX + "list_base"
+LIST_SIZE_ENTRY = XARGS_PREFIX + "list_size"
+#: The list's form, how vLLM names its items: ``"cmpl"`` (completions prompts, the default:
+#: ``"cmpl-{base}-{i}"``) or ``"chatcmpl"`` (the conversations of ``/v1/chat/completions/batch``:
+#: ``"chatcmpl-{base}_{i}"``), either followed by the random suffix.
+LIST_FORM_ENTRY = XARGS_PREFIX + "list_form"
+#: The list forms: each one's prefix before the base and separator before the index.
+LIST_FORMS = {"cmpl": "-", "chatcmpl": "_"}
+#: With a list of token-id prompts: each prompt's token count and
+#: :func:`token_ids_checksum`, which the hook checks against the engine request's prompt.
+LIST_TOKENS_ENTRY = XARGS_PREFIX + "list_tokens"
+LIST_CHECKSUMS_ENTRY = XARGS_PREFIX + "list_checksums"
+#: The longest prompt list sent as one request (the proxy's ``--max-prompts`` is below it).
+MAX_LIST_SIZE = 1_000_000
 
 #: Request key length in bytes (128-bit random).
 REQUEST_KEY_BYTES = 16
@@ -227,6 +251,27 @@ def answer_key(key: bytes, choice: int, num_output_tokens: int) -> bytes:
     return hashlib.blake2b(
         data, key=key, digest_size=REQUEST_KEY_BYTES, person=b"hsp-answer"
     ).digest()
+
+
+def prompt_key(key: bytes, index: int) -> bytes:
+    """The request key of prompt ``index`` of a list sent as one request keyed ``key``: its
+    records are found by it as a single prompt's by its request key (an answer's:
+    :func:`answer_key` of it). Unguessable without ``key``, distinct per index."""
+    return hashlib.blake2b(
+        struct.pack("<Q", index), key=key, digest_size=REQUEST_KEY_BYTES, person=b"hsp-prompt"
+    ).digest()
+
+
+def token_ids_checksum(token_ids: Sequence[int]) -> int:
+    """CRC-32 of a prompt's token ids (each modulo 2**64, 8 bytes little-endian): what the
+    proxy sends for each prompt of a token-id list and the hook checks, so that a prompt's
+    record is never another prompt's."""
+    crc = 0
+    for start in range(0, len(token_ids), 4096):
+        chunk = token_ids[start : start + 4096]
+        packed = struct.pack(f"<{len(chunk)}Q", *(int(i) & 0xFFFF_FFFF_FFFF_FFFF for i in chunk))
+        crc = zlib.crc32(packed, crc)
+    return crc
 
 
 def all_answer_key(key: bytes, choice: int) -> bytes:

@@ -31,6 +31,7 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import (
+    KV,
     LAYERS_ENTRY,
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
@@ -567,9 +568,12 @@ async def test_a_json_reply_over_the_reply_limit_is_502_naming_it(path: str) -> 
         body["prompt"] = "big"
     async with running(app) as client:
         too_big = await client.post(path, json=body)
-        if path != CHAT:  # a list shares one budget: two answers that fit alone do not together
-            fits = await client.post(path, json={**body, "prompt": ["small"]})
-            shared = await client.post(path, json={**body, "prompt": ["small"] * 700})
+        if path != CHAT:  # a list fanned out (pooling "mean") shares one budget: two answers
+            # that fit alone do not together (a list sent as one request has one reply)
+            mean = {**flag, "last_hidden_state_pooling": "mean"}
+            fanned = {**body, KV: mean}
+            fits = await client.post(path, json={**fanned, "prompt": ["small"]})
+            shared = await client.post(path, json={**fanned, "prompt": ["small"] * 700})
     assert too_big.status_code == 502
     message = too_big.json()["error"]["message"]
     assert f"({limit} bytes, --max-answer-size)" in message

@@ -28,8 +28,11 @@ keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, pro
 The walk enters six rooms of the package (proxy/, request_fields.py, protocol.py,
 wanted_vectors.py, ring/ and transport/), plus worker_hook/ inside vLLM, which publishes the
 record; a test traces it (``tests/proxy/test_walk.py``). Other paths of a flagged request: a
-completions prompt list and embeddings inputs fan out (fan_out.py; endpoints/completions.py,
-endpoints/embeddings.py), the answer's vectors are found per choice (vectors/answers.py; in a
+completions prompt list is one keyed request whose prompts the hook tells apart by the engine
+ids vLLM gives them (prompt_list.py; endpoints/completions.py; a chat batch's conversations
+alike: endpoints/chat_batch.py), or, with the poolings of every prompt position, fans out like
+embeddings inputs (fan_out.py; endpoints/embeddings.py), the
+answer's vectors are found per choice (vectors/answers.py; in a
 stream: streams/answer_vectors.py), the Responses API's stream gets them on ``response.completed``
 (streams/responses.py). Every error the proxy answers itself is built in errors.py; the options are
 settings.py's table; state.py and metrics.py hold per-app state; types.py the shared type aliases.
@@ -45,8 +48,9 @@ among them, are in ``protocol.py``):
   same in absolute layers of the live rings.
 - **keyed request**: a request the proxy sends vLLM for a flagged request, with a fresh
   request key in ``vllm_xargs`` (``keyed_request.py``). A flagged request is sent as one keyed
-  request, or as several (a list of prompts, embeddings inputs: the **fan-out**,
-  ``fan_out.py``).
+  request (a list of prompts too: ``prompt_list.py``, each prompt's records under a key derived
+  from the list's), or as several (embeddings inputs, a list of prompts with ``"mean"`` or
+  ``"all_prompt"``: the **fan-out**, ``fan_out.py``).
 - **exchange**: everything that answers one client request once its body is read, from the
   request to vLLM to the client's last byte; an endpoint builds it (``endpoints/``), a client
   that leaves cancels it.

@@ -17,6 +17,7 @@ from vllm_hidden_state_proxy.protocol import CAPTURE_PATH
 from vllm_hidden_state_proxy.proxy.auth import ApiKeyGuard
 from vllm_hidden_state_proxy.proxy.endpoints import ChatApp, PassthroughApp, ResponsesApp
 from vllm_hidden_state_proxy.proxy.endpoints.capture import CaptureApp
+from vllm_hidden_state_proxy.proxy.endpoints.chat_batch import CHAT_BATCH_PATH, ChatBatchApp
 from vllm_hidden_state_proxy.proxy.endpoints.completions import CompletionsApp
 from vllm_hidden_state_proxy.proxy.endpoints.embeddings import EmbeddingsApp
 from vllm_hidden_state_proxy.proxy.endpoints.ops import HealthApp, MetricsApp
@@ -110,6 +111,7 @@ def create_app(
         Route(METRICS_PATH, MetricsApp(state), methods=["GET"]),
         Route(CAPTURE_PATH, CaptureApp(state), methods=["GET"]),
         Route("/v1/chat/completions", ChatApp(state), methods=["POST"]),
+        Route(CHAT_BATCH_PATH, ChatBatchApp(state), methods=["POST"]),
         Route("/v1/completions", CompletionsApp(state), methods=["POST"]),
         Route("/v1/embeddings", EmbeddingsApp(state), methods=["POST"]),
         Route("/v1/responses", ResponsesApp(state), methods=["POST"]),

@@ -396,6 +396,14 @@ def completions_not_mergeable(exc: Exception) -> ProxyError:
     return ProxyError(502, f"vLLM's completions answers cannot be merged: {exc}")
 
 
+def list_record_mismatch(index: int, published: int, sent: int) -> ProxyError:
+    return ProxyError(
+        502,
+        f"The vLLM worker hook published a record of {published} prompt tokens for prompt "
+        f"{index} of the list, which has {sent}: not this prompt's vector, so none is sent.",
+    )
+
+
 def fan_out_incomplete() -> ProxyError:
     return ProxyError(502, "a fanned-out request did not complete")
 

@@ -249,8 +249,9 @@ async def check_other_endpoint(body: bytes, content_type: bytes | None) -> Proxy
     kv = document.get(KV) if isinstance(document, dict) else None
     if isinstance(kv, dict) and kv.get(FLAG, False) is not False:
         return bad_request(
-            f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions, POST /v1/completions "
-            "and POST /v1/responses only (and /v1/embeddings returns vectors by design).",
+            f"'{KV}.{FLAG}' is supported on POST /v1/chat/completions (and its /batch), POST "
+            "/v1/completions and POST /v1/responses only (and /v1/embeddings returns vectors by "
+            "design).",
             f"{KV}.{FLAG}",
         )
     return None

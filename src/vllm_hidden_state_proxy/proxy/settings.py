@@ -211,8 +211,8 @@ class ProxySettings:
     max_prompts: int = option(
         2048,
         "--max-prompts",
-        "flagged /v1/completions: most prompts in a list (each becomes its own vLLM request); "
-        "more get 400",
+        "flagged /v1/completions: most prompts in a list (and conversations in a "
+        "/v1/chat/completions/batch); more get 400",
         metavar="N",
         parse=int,
     )

@@ -98,6 +98,7 @@ from vllm_hidden_state_proxy.worker_hook.selection import (
     ScheduledRequest,
     SelectedRequests,
     Selection,
+    ids_randomized,
     last_prompt_row,
 )
 from vllm_hidden_state_proxy.worker_hook.settings import DEVICE, HookSettings
@@ -141,7 +142,9 @@ class StepCapture:
         self.writer = writer  # a RingWriter, or None on ranks that do not publish
         self.model_name = model_name
         self.captured = captured or CapturedLayers(1, (1,))
-        self.selected = SelectedRequests(self.captured.layers, self.captured.num_hidden_layers)
+        self.selected = SelectedRequests(
+            self.captured.layers, self.captured.num_hidden_layers, randomized_ids=ids_randomized()
+        )
         self.means = MeanPooling()
         self.matrices = PromptMatrix()
         self.spans = SpanPooling()

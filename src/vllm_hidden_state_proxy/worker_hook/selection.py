@@ -13,25 +13,44 @@ rows ``query_start .. query_start + ns - 1`` of the step's hidden states.
   adds the positions from there on (a recomputation after preemption may repeat some, which
   are skipped); a step that starts *past* it (positions served from the prefix cache) leaves a
   gap that makes the mean impossible.
+
+A flagged list of completions prompts sent as one request (all its prompts share one
+``extra_args``, so one request key): each prompt's engine request id says its index, as vLLM
+forms it from the base the proxy set (:func:`prompt_index`); the prompt's records go under
+:func:`~vllm_hidden_state_proxy.protocol.prompt_key` of the list's key and that index, once its
+token count and checksum (token-id lists) match what the proxy sent (:func:`list_selection`).
+An id that does not parse, or a prompt that does not match, gets an error record: never another
+prompt's vector.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_hidden_state_proxy.protocol import (
     CHOICES_ENTRY,
     LAYERS_ENTRY,
+    LIST_BASE_ENTRY,
+    LIST_CHECKSUMS_ENTRY,
+    LIST_FORM_ENTRY,
+    LIST_FORMS,
+    LIST_SIZE_ENTRY,
+    LIST_TOKENS_ENTRY,
+    MAX_LIST_SIZE,
     MAX_SPANS,
     POOLING_ENTRY,
     POOLINGS,
     REQUEST_KEY_ENTRY,
     SPANS_ENTRY,
     SPANS_POOLING,
+    prompt_key,
     request_key_from_wire,
+    token_ids_checksum,
 )
 
 #: The most choices a request's choices entry may name.
@@ -174,6 +193,145 @@ def _spans(value: Any) -> tuple[tuple[int, int], ...] | None:
     return spans if all(0 <= start < end for start, end in spans) else None
 
 
+#: vLLM's variable that keeps engine request ids as given (no random suffix).
+KEEP_IDS_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+#: The hex digits of vLLM's random suffix (``random_uuid()``: lowercase hex).
+_HEX = frozenset("0123456789abcdef")
+_RANDOM_SUFFIX = 8
+#: How much of a request id an error message quotes.
+_QUOTED = 80
+
+logger = logging.getLogger(__name__)
+
+
+def ids_randomized(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether vLLM adds its random suffix to engine request ids (read as ``vllm.envs`` reads
+    it; a value vLLM would not parse counts as the default)."""
+    try:
+        return not bool(int(environ.get(KEEP_IDS_ENV, "0")))
+    except ValueError:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class PromptList:
+    """The list marker of a flagged prompt list sent as one request (``vllm_xargs``)."""
+
+    base: str
+    size: int
+    #: The request's ``n``: each prompt runs as ``n`` child requests ``"{c}_..."``.
+    choices: int = 1
+    #: Each prompt's token count and checksum, when the proxy sent token ids.
+    token_counts: tuple[int, ...] | None = None
+    checksums: tuple[int, ...] | None = None
+    #: How vLLM names the items (``LIST_FORMS``): completions prompts or chat conversations.
+    form: str = "cmpl"
+
+
+def _count(value: Any) -> int | None:
+    """``value`` if it is an int (not a bool) of at least 0."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
+def _is_count(value: Any) -> bool:
+    return _count(value) is not None
+
+
+def prompt_list_of(extra_args: Mapping[str, Any], choices: int) -> PromptList | str | None:
+    """The list marker in ``extra_args``; ``None`` if there is none, the problem if it is
+    malformed."""
+    base = extra_args.get(LIST_BASE_ENTRY)
+    size_entry = extra_args.get(LIST_SIZE_ENTRY)
+    if base is None and size_entry is None:
+        return None
+    if not isinstance(base, str) or not 1 <= len(base) <= 64 or not set(base) <= _HEX:
+        return "malformed prompt list base"
+    size = _count(size_entry)
+    if size is None or not 1 <= size <= MAX_LIST_SIZE:
+        return "malformed prompt list size"
+    form = extra_args.get(LIST_FORM_ENTRY, "cmpl")
+    if not isinstance(form, str) or form not in LIST_FORMS:
+        return "malformed prompt list form"
+    counts = extra_args.get(LIST_TOKENS_ENTRY)
+    checksums = extra_args.get(LIST_CHECKSUMS_ENTRY)
+    if counts is None and checksums is None:
+        return PromptList(base, size, choices, form=form)
+    for values in (counts, checksums):
+        if not isinstance(values, list) or len(values) != size or not all(map(_is_count, values)):
+            return "malformed prompt list checks"
+    return PromptList(base, size, choices, tuple(counts), tuple(checksums), form)  # type: ignore[arg-type]
+
+
+def _index_below(text: str, bound: int) -> int | None:
+    """``text`` as vLLM writes an index (``f"{i}"``: ASCII digits, no leading zero) below
+    ``bound``, else ``None``."""
+    if not text or len(text) > 7 or not text.isascii() or not text.isdigit():
+        return None
+    if text != "0" and text.startswith("0"):
+        return None
+    index = int(text)
+    return index if index < bound else None
+
+
+def prompt_index(req_id: str, listed: PromptList, randomized: bool = True) -> int | None:
+    """The prompt index of engine request ``req_id`` of the list ``listed``: exactly
+    ``["{c}_"] + "cmpl-{base}-{index}" + ["-" + 8 hex]`` as vLLM 0.32 forms it (the
+    choice prefix when ``n > 1``, the suffix unless vLLM keeps ids; a chat batch's
+    conversation: ``"chatcmpl-{base}_{index}"``); ``None`` for anything else."""
+    if not isinstance(req_id, str):
+        return None
+    rest = req_id
+    if listed.choices > 1:
+        head, sep, rest = req_id.partition("_")
+        if not sep or _index_below(head, listed.choices) is None:
+            return None
+    prefix = f"{listed.form}-{listed.base}{LIST_FORMS[listed.form]}"
+    if not rest.startswith(prefix):
+        return None
+    tail = rest[len(prefix) :]
+    if randomized:
+        tail, sep, suffix = tail.partition("-")
+        if not sep or len(suffix) != _RANDOM_SUFFIX or not set(suffix) <= _HEX:
+            return None
+    return _index_below(tail, listed.size)
+
+
+def list_selection(
+    selection: Selection,
+    listed: PromptList,
+    req_id: str,
+    prompt_token_ids: Sequence[int] | None,
+    randomized: bool = True,
+) -> Selection:
+    """``selection`` (of the list's key) as the selection of the prompt ``req_id`` is: under
+    that prompt's key, with a problem if its token ids do not match what the proxy sent. An id
+    that does not parse keeps the list's key with a problem: an error record under it, which
+    answers for every prompt of the list."""
+    index = prompt_index(req_id, listed, randomized)
+    if index is None:
+        return replace(
+            selection,
+            problem=f"vLLM request {req_id[:_QUOTED]!r} is not a prompt of the list "
+            f"'{listed.form}-{listed.base}' of {listed.size} prompts as vLLM names them, so its "
+            "prompt is unknown",
+        )
+    key = prompt_key(selection.key, index)
+    problem = selection.problem
+    if problem is None and listed.token_counts is not None and listed.checksums is not None:
+        expected = listed.token_counts[index]
+        if prompt_token_ids is None:
+            problem = f"prompt {index} of the list has no token ids in vLLM to check"
+        elif len(prompt_token_ids) != expected:
+            problem = (
+                f"prompt {index} of the list has {len(prompt_token_ids)} tokens in vLLM, not "
+                f"the {expected} sent"
+            )
+        elif token_ids_checksum(prompt_token_ids) != listed.checksums[index]:
+            problem = f"prompt {index} of the list has other token ids in vLLM than were sent"
+    return replace(selection, key=key, problem=problem)
+
+
 class SelectedRequests:
     """Requests waiting for their vectors, keyed by vLLM request id (worker-local).
 
@@ -187,8 +345,11 @@ class SelectedRequests:
         captured: Sequence[int] = (1,),
         final_layer: int = 1,
         remember_published: int = 65536,
+        randomized_ids: bool = True,
     ) -> None:
         self.captured = tuple(captured)
+        #: Whether vLLM suffixes engine request ids (how a list's prompt ids are parsed).
+        self.randomized_ids = randomized_ids
         self.final_layer = final_layer
         self.pending: dict[str, Selection] = {}
         self._published: OrderedDict[bytes, None] = OrderedDict()
@@ -201,10 +362,26 @@ class SelectedRequests:
             for req_id in finished_req_ids:
                 self.pending.pop(req_id, None)
         for new_request in new_requests:
-            params = getattr(new_request, "sampling_params", None)
-            selection = selection_of(params, self.captured, self.final_layer)
+            try:
+                selection = self._selection(new_request)
+            except Exception:  # one malformed request must not cost the others theirs
+                logger.exception("vllm-hidden-state-proxy: reading a new request's selection")
+                continue
             if selection is not None and selection.key not in self._published:
                 self.pending[new_request.req_id] = selection
+
+    def _selection(self, new_request: Any) -> Selection | None:
+        params = getattr(new_request, "sampling_params", None)
+        selection = selection_of(params, self.captured, self.final_layer)
+        if selection is None:
+            return None
+        listed = prompt_list_of(getattr(params, "extra_args", None) or {}, selection.choices)
+        if listed is None:
+            return selection
+        if isinstance(listed, str):  # the list's key: an error record for every prompt
+            return replace(selection, problem=listed)
+        prompt = getattr(new_request, "prompt_token_ids", None)
+        return list_selection(selection, listed, new_request.req_id, prompt, self.randomized_ids)
 
     def has_sibling(self, req_id: str, key: bytes) -> bool:
         """Whether another pending request (an ``n > 1`` child) waits on the same key."""

@@ -4,7 +4,7 @@ choice's last chunk."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -16,6 +16,7 @@ from tests.proxy.fakes import (
     HIDDEN_SIZE,
     MODEL,
     FakeVLLM,
+    create_writer,
     error_of,
     forwarded_key,
     proxy_client,
@@ -29,6 +30,7 @@ from vllm_hidden_state_proxy.protocol import (
     CHOICES_ENTRY,
     POOLING_ENTRY,
     answer_key,
+    prompt_key,
 )
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.vectors.answers import (
@@ -40,6 +42,14 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
 from vllm_hidden_state_proxy.ring import ErrorRecord, Record, RingWriter
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def wide_writer(ring_dir: str) -> Iterator[RingWriter]:
+    """A real ring of 1024 slots (a list sent as one request takes at most a quarter)."""
+    with create_writer(ring_dir, slot_count=1024) as ring:
+        yield ring
+
 
 CHAT = "/v1/chat/completions"
 PROMPT_TOKENS = 5
@@ -422,17 +432,29 @@ def test_without_asked_token_ids_restores_vllms_nulls() -> None:
 
 
 async def test_a_prompt_list_gets_one_vector_per_merged_choice(
-    ring_dir: str, writer: RingWriter
+    ring_dir: str, wide_writer: RingWriter
 ) -> None:
+    writer = wide_writer
+    """One request for the list: choice ``j`` of the reply is choice ``j % n`` of prompt
+    ``j // n``, whose records are under that prompt's key (the hook's ``prompt_key``)."""
+
     async def handle(request: httpx.Request) -> httpx.Response:
         document = sent_document(request)
         key = forwarded_key(request)
-        offset = 1 if document["prompt"] == "b" else 0  # the second prompt's answers are longer
-        choices = []
-        for i in range(2):
-            ids = ANSWERS[i + offset]
-            publish_window(writer, key, i, len(ids))
-            choices.append({"index": i, "text": "x", "finish_reason": "length", "token_ids": ids})
+        choices: list[dict[str, Any]] = []
+        for p, prompt in enumerate(document["prompt"]):
+            offset = 1 if prompt == "b" else 0  # the second prompt's answers are longer
+            for i in range(2):
+                ids = ANSWERS[i + offset]
+                publish_window(writer, prompt_key(key, p), i, len(ids))
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": "x",
+                        "finish_reason": "length",
+                        "token_ids": ids,
+                    }
+                )
         reply = {"id": "cmpl", "object": "text_completion", "model": MODEL, "choices": choices}
         return httpx.Response(200, json=reply)
 
@@ -446,14 +468,17 @@ async def test_a_prompt_list_gets_one_vector_per_merged_choice(
     async with proxy_client(settings_for(ring_dir), vllm) as proxy:
         response = await proxy.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    keys = {sent_document(r)["prompt"]: forwarded_key(r) for r in vllm.requests}
+    (sent,) = vllm.requests
+    key = forwarded_key(sent)
+    assert sent_document(sent)["return_token_ids"] is True
     merged = response.json()
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in merged["choices"]] == [None] * 4  # asked, taken out
     assert merged["kv_transfer_params"]["last_hidden_states"] == [
-        expected_vector(keys["a"], 0, 2),
-        expected_vector(keys["a"], 1, 3),
-        expected_vector(keys["b"], 0, 3),
-        expected_vector(keys["b"], 1, 4),
+        expected_vector(prompt_key(key, 0), 0, 2),
+        expected_vector(prompt_key(key, 0), 1, 3),
+        expected_vector(prompt_key(key, 1), 0, 3),
+        expected_vector(prompt_key(key, 1), 1, 4),
     ]
 
 

@@ -9,7 +9,8 @@ flagged request asks for against the live rings.
 
 - ``POST /v1/chat/completions``: :class:`ChatApp`; ``POST /v1/responses``:
   :class:`ResponsesApp`; every other path: :class:`PassthroughApp` (here);
-- ``POST /v1/completions``: :mod:`.completions` (a flagged list of prompts fans out);
+- ``POST /v1/completions``: :mod:`.completions` (a flagged list of prompts: one request, or
+  a fan-out); ``POST /v1/chat/completions/batch``: :mod:`.chat_batch`;
 - ``POST /v1/embeddings``: :mod:`.embeddings`, planned by :mod:`.embeddings_plan`;
 - ``GET /health`` and ``GET /metrics``: :mod:`.ops`; ``GET /v1/hidden_states``:
   :mod:`.capture`.

@@ -1,11 +1,15 @@
 """``POST /v1/completions``: like chat, and a flagged list of prompts gets one entry per prompt.
 
-vLLM runs every prompt of a list as its own engine request but with one shared
-``SamplingParams``, so one request key cannot tell the prompts apart. The proxy therefore fans
-the list out: one upstream request per prompt, each with its own key (exact under any
-concurrency), at most ``settings.fan_out_limit`` in flight per client request, then merges the
-replies the way vLLM would have (choices numbered in prompt order, usage summed). If any prompt
-fails, the client gets that failure (the first in prompt order) and never a partial list.
+A list is sent to vLLM as one request (:mod:`..prompt_list`: the hook tells its prompts apart
+by the engine ids vLLM gives them), except with the poolings that need every prompt position
+(``"mean"``, spans, ``"all_prompt"``: their fresh ``cache_salt`` is one per request, so prompts
+of one list sharing a prefix would hit each other's cache), with an answer's pooling and
+``echo``, and for a list whose records would take more than a quarter of the smallest ring
+(:func:`..prompt_list.why_not_one_request`). Those fan out: one upstream request per prompt,
+each with its own key, at most ``settings.fan_out_limit`` in flight per client request, then
+the replies merged the way vLLM would have (choices numbered in prompt order, usage summed).
+If any prompt fails, the client gets that failure (the first in prompt order) and never a
+partial list.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from vllm_hidden_state_proxy.proxy.fan_out import Failed, fetch_all
 from vllm_hidden_state_proxy.proxy.inspection import Flagged
 from vllm_hidden_state_proxy.proxy.keyed_exchange import keyed_exchange
 from vllm_hidden_state_proxy.proxy.planned_fields import COMPLETIONS_FIELDS
+from vllm_hidden_state_proxy.proxy.prompt_list import prompt_list_exchange, why_not_one_request
 from vllm_hidden_state_proxy.proxy.replies import send_joined, send_unchanged
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
@@ -36,7 +41,7 @@ _USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 def prompt_list(document: dict[str, Any], limit: int) -> list[Any] | None:
     """The prompts of a flagged completions request if it has a list of them, ``None`` for a
     single prompt. Raises ``ProxyError`` 400 for shapes the flag cannot serve, and for a list
-    of more than ``limit`` prompts (each would become its own vLLM request)."""
+    of more than ``limit`` prompts."""
     prompt = document.get("prompt")
     embeds = document.get("prompt_embeds")
     single_embeds = not isinstance(embeds, list) or len(embeds) == 1
@@ -117,6 +122,9 @@ class CompletionsApp(GenerationEndpoint):
         wanted = resolve_wanted(self.state, flagged)
         if prompts is None:
             return keyed_exchange(self.state, scope, send, document, wanted)
+        slots = self.state.rings.smallest_slot_count()
+        if why_not_one_request(document, wanted, len(prompts), slots) is None:
+            return prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
         return _prompt_list_exchange(self.state, scope, send, document, wanted, prompts)
 
 

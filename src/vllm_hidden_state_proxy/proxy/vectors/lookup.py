@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 import anyio
@@ -204,3 +204,49 @@ class EarlyCapture:
             if self.rings.overwritten_since(self.marks):
                 return
             await asyncio.sleep(EARLY_INTERVAL)
+
+
+class EarlyRecords:
+    """Picks up the records of several keys while one long reply is still running (a prompt
+    list sent as one request, whose prompts publish at their prefills): as
+    :class:`EarlyCapture`, but one task looks for every key not found yet. Records only (a
+    matrix's rows are not taken early: those lists fan out)."""
+
+    def __init__(self, rings: RingSource, keys: Sequence[bytes], marks: PublishMarks) -> None:
+        self.rings = rings
+        self.keys = list(keys)
+        self.marks = marks
+        self.found: dict[bytes, Found] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def during(self, work: Awaitable[T]) -> T:
+        """Await ``work``; from ``EARLY_DELAY`` on, look for the records beside it."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(EARLY_DELAY, self._start)
+        try:
+            return await work
+        finally:
+            timer.cancel()
+            if self._task is not None:
+                self._task.cancel()
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.poll())
+
+    async def poll(self) -> None:
+        """Look until every key is found or the rings have moved past the marks; less often
+        the more keys are left (a lookup each)."""
+        while True:
+            pending = [key for key in self.keys if key not in self.found]
+            if not pending:
+                return
+            try:
+                for key in pending:
+                    found = _matching(self.rings, key)
+                    if isinstance(found, (Record, ErrorRecord)):
+                        self.found[key] = found
+                if self.rings.overwritten_since(self.marks):
+                    return
+            except Exception:  # the direct lookup afterwards reports ring trouble
+                return
+            await asyncio.sleep(EARLY_INTERVAL * max(1, len(pending) // 16))

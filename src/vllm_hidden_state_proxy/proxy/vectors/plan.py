@@ -107,7 +107,8 @@ def _check_vectors_bound(
 ) -> None:
     """413 before sending if the request's matrices, as far as their size is known now, are
     more than ``--max-vectors-size``: ``"all_answer"`` with ``max_tokens`` (times ``n``), and
-    ``"all_prompt"`` of token-id prompts; either times the prompts of a completions list. (The
+    ``"all_prompt"`` of token-id prompts; either times the prompts of a completions list (the
+    conversations of a chat batch). (The
     rows of a text prompt are known only in vLLM: those are counted as they arrive.)"""
     share = vector_memory.current()
     if share is None:
@@ -117,6 +118,9 @@ def _check_vectors_bound(
     prompts: list[Any] = [prompt]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompts = prompt
+    messages = document.get("messages")  # a chat batch's conversations
+    if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+        prompts = messages
     if pooling == "all_answer":
         limits = [document.get(name) for name in ("max_completion_tokens", "max_tokens")]
         rows = next((value for value in limits if is_int(value)), None)
