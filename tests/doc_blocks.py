@@ -47,6 +47,8 @@ MARKS = {
     "(tests/e2e/test_docs_examples.py)",
     "manifest": "the keys of the manifest that the command above writes "
     "(tests/e2e/test_docs_examples.py)",
+    "object-store": "run with bash against the shared e2e stack, moto's S3 server in the "
+    "environment, the corpus block put at its INPUT (tests/e2e/test_extract_object_store.py)",
 }
 #: The marks of blocks that are not run: each is checked against what it names, or skipped.
 NOT_RUN = ("github", "docker-helm", "llamaindex")
