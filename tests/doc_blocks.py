@@ -47,6 +47,9 @@ MARKS = {
     "(tests/e2e/test_docs_examples.py)",
     "manifest": "the keys of the manifest that the command above writes "
     "(tests/e2e/test_docs_examples.py)",
+    "ray": "run against the shared e2e stack on a local Ray cluster of two nodes, moto's S3 "
+    "server in the environment, its corpus put at its input (tests/e2e/test_mapper_ray.py)",
+    "mapper": "run against the shared e2e stack (tests/e2e/test_mapper_ray.py)",
     "object-store": "run with bash against the shared e2e stack, moto's S3 server in the "
     "environment, the corpus block put at its INPUT (tests/e2e/test_extract_object_store.py)",
 }

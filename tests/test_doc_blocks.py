@@ -62,6 +62,7 @@ def test_the_blocks_that_are_not_run_are_these() -> None:
         ("clients.md", "llamaindex"),
         ("extract.md", "github"),
         ("extract.md", "github"),
+        ("extract.md", "github"),
     ]
     (llamaindex,) = [b for b in not_run if b.mark == "llamaindex"]
     assert "llama_index" in llamaindex.code and "not run by the tests" in llamaindex.code

@@ -106,7 +106,7 @@ def test_parquet_input_on_s3_and_a_dataset_read_back_with_pyarrow(tmp_path: Path
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     dataset = pq.read_table(f"{bucket}/out", filesystem=PyFileSystem(FSSpecHandler(fs)))
-    assert sorted(dataset.column("id").to_pylist()) == sorted(r["id"] for r in rows)
+    assert sorted(dataset.column("id").to_pylist()) == sorted(str(r["id"]) for r in rows)
 
 
 def test_s3_output_refusals_are_the_local_ones(tmp_path: Path, s3: S3) -> None:
