@@ -63,6 +63,7 @@ def test_the_blocks_that_are_not_run_are_these() -> None:
         ("extract.md", "github"),
         ("extract.md", "github"),
         ("extract.md", "github"),
+        ("extract.md", "kubernetes"),
     ]
     (llamaindex,) = [b for b in not_run if b.mark == "llamaindex"]
     assert "llama_index" in llamaindex.code and "not run by the tests" in llamaindex.code
