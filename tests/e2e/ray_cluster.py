@@ -2,7 +2,9 @@
 of its own (Ray's own ``ray.cluster_utils.Cluster``, as Ray's tests make one), with few CPUs.
 Run as a script (``python -m tests.e2e.ray_cluster CPUS``): it prints the cluster's address on
 one line once both nodes are up, and shuts down the processes it started when its standard
-input closes. A process of its own keeps Ray's imports, threads and warnings out of pytest's."""
+input closes. A process of its own keeps Ray's imports, threads and warnings out of pytest's.
+Its environment should hold ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (the test's does), or Ray
+takes the machine's own address for 127.0.0.1 (test_mapper_ray.RAY_LOOPBACK)."""
 
 from __future__ import annotations
 

@@ -34,28 +34,32 @@ def s3() -> Iterator[S3]:
         yield server
 
 
+#: Ray on loopback alone, its nodes and its drivers: Ray resolves 127.0.0.1 to the machine's
+#: own address unless clusters are "off", which on Linux means only that (ray_cluster.py).
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 @pytest.fixture(scope="module")
 def ray_address(s3: S3) -> Iterator[str]:
     """A head and a second node, started with S3's variables in their environment."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RAY_USAGE_STATS_ENABLED": "0"}
-    process = subprocess.Popen(
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **RAY_LOOPBACK}
+    with subprocess.Popen(
         [sys.executable, "-m", "tests.e2e.ray_cluster", "2"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
         text=True,
-    )
-    try:
+    ) as process:
         assert process.stdout is not None and process.stdin is not None
-        line = process.stdout.readline()  # once both nodes are up (or the script ended)
-        assert line, f"the Ray cluster did not start (exit {process.wait()})"
-        cluster = json.loads(line)
-        assert cluster["nodes"] == 2
-        yield str(cluster["address"])
-    finally:
-        if process.stdin is not None:
+        try:
+            line = process.stdout.readline()  # once both nodes are up (or the script ended)
+            assert line, f"the Ray cluster did not start (exit {process.wait()})"
+            cluster = json.loads(line)
+            assert cluster["nodes"] == 2
+            yield str(cluster["address"])
+        finally:
             process.stdin.close()  # the script shuts its nodes down
-        process.wait(timeout=120)
+            process.wait(timeout=120)
 
 
 def test_the_ray_pipeline_of_the_extract_page_runs_on_two_nodes_s3_to_s3(
@@ -73,7 +77,8 @@ def test_the_ray_pipeline_of_the_extract_page_runs_on_two_nodes_s3_to_s3(
     pq.write_table(corpus, sink)
     fs.pipe_file("corpora/texts.parquet", sink.getvalue())
 
-    run_block(stack, model_name, block, extra_env={**s3.env, "RAY_ADDRESS": ray_address})
+    env = {**s3.env, **RAY_LOOPBACK, "RAY_ADDRESS": ray_address}
+    run_block(stack, model_name, block, extra_env=env)
 
     fs.invalidate_cache()
     parts = sorted(k for k in fs.find("datasets/states-ray") if k.endswith(".parquet"))

@@ -134,3 +134,17 @@ def test_datasets_map_batched_runs_it() -> None:
     assert mapped.num_rows == 10 and mapped["id"] == [str(r["id"]) for r in records]
     assert mapped[ERROR_COLUMN] == [None] * 10
     assert np.asarray(mapped["layer_0"][0], dtype=np.float32).shape == (HIDDEN_SIZE,)
+
+
+def test_datasets_map_in_two_processes_gives_each_its_own_copy() -> None:
+    import datasets
+
+    records = corpus(8)
+    dataset = datasets.Dataset.from_dict(_columns(records))
+    mapper = _mapper(FakeProxy(), layers=[0])
+    mapped = dataset.map(
+        mapper, batched=True, batch_size=2, num_proc=2, remove_columns=dataset.column_names
+    )
+    assert mapped["id"] == [str(r["id"]) for r in records]
+    assert mapped[ERROR_COLUMN] == [None] * 8
+    assert mapper._session is None  # this one was pickled, never called
