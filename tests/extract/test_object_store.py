@@ -128,6 +128,15 @@ def test_s3_output_refusals_are_the_local_ones(tmp_path: Path, s3: S3) -> None:
     assert status == runner.EXIT_SETUP and f"s3://{bucket}/absent.jsonl does not exist" in stderr
 
 
+def test_an_output_in_a_bucket_that_is_not_there_is_refused(tmp_path: Path, s3: S3) -> None:
+    inputs = write_jsonl(tmp_path / "in.jsonl", corpus(1))
+    fake = FakeProxy()
+    status, stderr = run(inputs, options("s3://no-such-bucket/out"), fake)
+    assert status == runner.EXIT_SETUP, stderr
+    assert "the bucket no-such-bucket does not exist" in stderr and not fake.sent
+    assert not s3.fs().exists("no-such-bucket")
+
+
 def test_an_unknown_protocol_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
     inputs = write_jsonl(tmp_path / "in.jsonl", corpus(1))
     fake = FakeProxy()

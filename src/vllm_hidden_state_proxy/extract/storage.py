@@ -122,7 +122,12 @@ class StorePath:
     # -- reading and writing -------------------------------------------------------------------
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.makedirs(self.path, exist_ok=True)  # a prefix: nothing to make on S3
+        """A prefix: nothing to make in a bucket, but the bucket must be there (s3fs would
+        make a bucket of a misspelt name)."""
+        bucket = self.path.split("/", 1)[0]
+        if self.fs.root_marker == "" and "/" in self.path and not self.fs.exists(bucket):
+            raise FileNotFoundError(f"the bucket {bucket} does not exist")
+        self.fs.makedirs(self.path, exist_ok=True)
 
     def open(self, mode: str = "r", encoding: str | None = None) -> IO[Any]:
         if mode == "rb":  # io's reader: fsspec's files take no size in readline()
