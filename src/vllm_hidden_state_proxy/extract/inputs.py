@@ -224,6 +224,12 @@ def _checked(line: int, record: Any, spans: bool, parquet: bool) -> Input | Inpu
     return Input(line, id_, messages, prompt, span_list)
 
 
+def check_record(line: int, record: Mapping[str, Any], *, spans: bool) -> Input | InputProblem:
+    """One record of plain values (a Parquet row's, a mapper's batch's) checked as extract
+    checks each input (its values JSON a request can carry included)."""
+    return _checked(line, record, spans, True)
+
+
 def read_inputs(
     path: Location,
     fmt: str | None = None,

@@ -42,7 +42,7 @@ import numpy as np
 
 from vllm_hidden_state_proxy.extract.dataset import dataset_schema, rows_table
 from vllm_hidden_state_proxy.extract.exchange import Refused
-from vllm_hidden_state_proxy.extract.inputs import InputProblem, _checked
+from vllm_hidden_state_proxy.extract.inputs import InputProblem, check_record
 from vllm_hidden_state_proxy.extract.limits import answer_limit, body_limit
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
 from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight
@@ -195,7 +195,7 @@ class HiddenStateMapper:
         semaphore = asyncio.Semaphore(session.concurrency)
 
         async def one(line: int, record: dict[str, Any]) -> list[dict[str, Any]]:
-            item = _checked(line, record, self.options.spans, True)
+            item = check_record(line, record, spans=self.options.spans)
             if isinstance(item, InputProblem):
                 return [_failed(item.id, item.reason)]
             async with semaphore:
