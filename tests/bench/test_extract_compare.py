@@ -85,6 +85,25 @@ def test_the_corpus_is_distinct_token_ids() -> None:
     assert len({len(item.tokens) for item in corpus}) > 10  # lengths vary
 
 
+def test_each_kind_of_input_is_the_same_text() -> None:
+    class Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+            return {"input_ids": [len(word) for word in text.split()]}
+
+        def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+            assert kwargs == {"tokenize": False, "add_generation_prompt": True}
+            return f"<user> {messages[0]['content']} <assistant>"
+
+    [item] = ec.make_corpus(Tokenizer(), 1)
+    assert item.record("ids") == {"id": "in-0", "prompt": item.tokens}
+    assert item.record("text") == {"id": "in-0", "prompt": item.text}
+    assert item.record("chat")["messages"] == [{"role": "user", "content": item.text}]
+    assert item.pooling_input("chat") == [6, *item.tokens, 11]  # the template's tokens
+    assert item.pooling_input("text") == item.text and item.pooling_input("ids") == item.tokens
+
+
 # -- the extract dataset, read back -----------------------------------------------------------
 
 
@@ -197,7 +216,8 @@ def test_the_table_carries_rates_ratios_and_agreement() -> None:
     assert extract_last["method"] == ec.EXTRACT and extract_last["pooling"] == "last"
     assert extract_last["vectors/s"] == pytest.approx(100.0)  # 6 inputs, median 0.06 s
     assert extract_last["range over rounds"] == "50-100"
-    assert extract_last["/ pooling server (1 a request)"] == pytest.approx(100 / 150)
+    assert extract_last["/ pooling server (32 a request)"] == pytest.approx(100 / 300)
+    assert extract_last["input"] == "ids"  # arms named method|pooling: the token-id corpus
     assert str(extract_last["equals the pooling server"]).startswith("yes")
     assert table.rows[1]["equals the pooling server"] == "(the reference)"
     assert [row["method"] for row in table.rows] == [

@@ -24,7 +24,10 @@ def saved(work: Path, shift: float = 0.0) -> None:
 def test_offline_rows_carry_ratios_to_the_pooling_llm_and_to_extract(tmp_path: Path) -> None:
     saved(tmp_path)
     results = Results(meta={})
-    rows = [{"method": EXTRACT, "pooling": "last", "vectors/s": 55.0}]
+    rows = [
+        {"method": EXTRACT, "input": kind, "pooling": "last", "vectors/s": rate}
+        for kind, rate in (("text", 40.0), ("ids", 55.0), ("chat", 30.0))
+    ]  # the offline corpus is the token-id one
     results.tables["extract_compare"] = Table("x", rows)  # type: ignore[arg-type]
     table = offline._table(RATES, offline._extract_rates(results), tmp_path, 4)
     by_arm = {row["arm"]: row for row in table.rows}

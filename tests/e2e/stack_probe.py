@@ -81,6 +81,25 @@ def vllm_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
     return stopped([process.pid for process in vllm_processes(stack)])
 
 
+def vllm_engine_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
+    """vLLM's engine (every process below its API server) stops until the block ends, while
+    the API server keeps answering: it sees a client hang up and sends the engine its abort,
+    which the engine reads before its next steps when it goes on."""
+    server, *engine = vllm_processes(stack)
+    assert engine, f"vLLM's API server {server.pid} has no engine process below it"
+    return stopped([process.pid for process in engine])
+
+
+def hang_ups_pending(process: psutil.Process, port: int) -> int:
+    """Connections to ``process``'s local ``port`` that the client has closed and the process
+    has not (CLOSE_WAIT): hang-ups the server has yet to notice."""
+    return sum(
+        1
+        for connection in process.net_connections(kind="tcp")
+        if connection.status == psutil.CONN_CLOSE_WAIT and connection.laddr.port == port
+    )
+
+
 def rss(process: psutil.Process) -> int:
     return int(process.memory_info().rss)
 

@@ -43,6 +43,7 @@ from tests.e2e.stack_probe import (
     MIB,
     Progress,
     connections_to,
+    hang_ups_pending,
     port_of,
     progress,
     proxy_process,
@@ -53,7 +54,9 @@ from tests.e2e.stack_probe import (
     readable,
     ring_publishes,
     rss,
+    vllm_engine_frozen,
     vllm_frozen,
+    vllm_processes,
     wait_idle,
     wait_until,
 )
@@ -70,8 +73,9 @@ SLOW = {"n": 32, "logprobs": True, "top_logprobs": 5}
 FULL = LONG * int(SLOW["n"])
 #: A safety net, not a timing: how long a request may take to reach vLLM on a loaded machine.
 STARTED_WITHIN = 120.0
-#: Seconds vLLM may take, once the client is gone, to have nothing running or waiting.
-ABORT_WITHIN = 10.0
+#: A safety net, not a timing: how long vLLM may take, once the client is gone, to have nothing
+#: running or waiting on a loaded machine.
+ABORT_WITHIN = 60.0
 #: Most the proxy's RSS may grow over the repeated disconnects.
 MAX_RSS_GROWTH = 4 * MIB
 
@@ -120,11 +124,11 @@ FAN_OUT_INPUTS = 2048
 
 
 class MissedWindow(Exception):
-    """vLLM was first seen working on the request late in it (or after it): hanging up then
-    proves nothing about the proxy, so the attempt is made again."""
+    """vLLM was seen working on the request late in it (or after it) when the client was about
+    to hang up: hanging up then proves nothing about the proxy, so the attempt is made again."""
 
 
-#: Attempts at catching vLLM early in an ordinary generation (see ``seen_early``).
+#: Attempts at catching vLLM early in a request (see ``seen_early`` and ``hang_up``).
 ATTEMPTS = 5
 
 
@@ -139,6 +143,52 @@ def seen_early(stack: RunningStack, before: Progress) -> bool:
     if now.finished > before.finished or now.generated - before.generated >= FULL / 2:
         raise MissedWindow(f"first seen at {now.generated - before.generated:g} of {FULL} tokens")
     return now.in_flight >= 1
+
+
+#: A safety net, not a timing: how long a loaded machine may take to pass a hang-up along.
+HANG_UP_WITHIN = 60.0
+
+
+def settled_progress(stack: RunningStack) -> Progress:
+    """vLLM's counters once its API server has taken in every output the (frozen) engine sent:
+    two looks in a row agree."""
+    look = progress(stack)
+    for _ in range(1000):
+        again = progress(stack)
+        if again == look:
+            return look
+        look = again
+    raise AssertionError(f"vLLM's counters kept moving with its engine frozen: {look}")
+
+
+def hang_up(stack: RunningStack, sock: socket.socket, kind: str, before: Progress) -> None:
+    """Close ``sock`` while vLLM's engine stands still, and let the engine go on once the hang-up
+    has reached vLLM's API server (the proxy dropped its connection to vLLM, and the server
+    closed its end, which sends the engine an abort): however slowly a loaded machine passes
+    the hang-up along, the request cannot finish in between. States, not times.
+
+    Raises ``MissedWindow`` (the socket closed, the engine let go) if the engine was already
+    more than half-way through the request when it was stopped: a loaded machine's engine can
+    run far ahead of the outputs its API server and the proxy have passed on.
+    """
+    proxy, port = proxy_process(stack), port_of(stack.vllm_url)
+    server = vllm_processes(stack)[0]
+    with vllm_engine_frozen(stack):
+        look = settled_progress(stack)
+        finished, generated = look.finished - before.finished, look.generated - before.generated
+        if kind == "embeddings_fan_out":
+            late = finished >= FAN_OUT_INPUTS / 2
+        else:
+            late = finished > 0 or generated >= FULL / 2
+        if late:
+            sock.close()
+            raise MissedWindow(f"stopped after {finished:g} requests, {generated:g} tokens")
+        busy = connections_to(proxy, port)
+        sock.close()
+        dropped = wait_until(lambda: connections_to(proxy, port) < busy, HANG_UP_WITHIN)
+        assert dropped is not None, "the proxy kept its connection to vLLM after the hang-up"
+        noticed = wait_until(lambda: hang_ups_pending(server, port) == 0, HANG_UP_WITHIN)
+        assert noticed is not None, "vLLM's API server never noticed the proxy hang up"
 
 
 def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> Progress:
@@ -172,8 +222,7 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
             if kind.endswith("stream"):
                 head = read_until(sock, b"data: ", count=3)
                 assert head.startswith(b"HTTP/1.1 200"), head[:200]
-                return before
-            if wait_until(started, STARTED_WITHIN, interval=0.05) is None:
+            elif wait_until(started, STARTED_WITHIN, interval=0.05) is None:
                 sock.settimeout(1)
                 try:
                     answer = sock.recv(1000)
@@ -182,13 +231,22 @@ def disconnect_once(stack: RunningStack, model: str, kind: str, round_: int) -> 
                 raise AssertionError(
                     f"{kind}: vLLM had nothing in flight; the proxy sent {answer!r}"
                 )
-            return before
         except MissedWindow as late:
             missed.append(str(late))
-        finally:
             sock.close()
-        wait_idle(stack, ABORT_WITHIN)
-    raise AssertionError(f"{kind}: vLLM was never seen early in a generation: {missed}")
+            wait_idle(stack, ABORT_WITHIN)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            hang_up(stack, sock, kind, before)
+        except MissedWindow as late:
+            missed.append(str(late))
+            wait_idle(stack, ABORT_WITHIN)
+            continue
+        return before
+    raise AssertionError(f"{kind}: vLLM was never caught early in a request: {missed}")
 
 
 #: vLLM (uvicorn, 5 s keep-alive) closes every idle connection after 5 s; a loaded machine may
@@ -251,13 +309,14 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
     with capsys.disabled():
         print(
             f"\ndisconnects: {rounds * len(DISCONNECTS)}; per kind: seconds until vLLM had "
-            f"nothing running or waiting (max); work vLLM did before the abort (max):\n"
+            f"nothing running or waiting (max); work vLLM did before the abort (each round):\n"
             + "\n".join(
-                f"  {kind:<20} {max(to_idle[kind]):5.2f} s   {max(work[kind]):6.0f} "
+                f"  {kind:<20} {max(to_idle[kind]):5.2f} s   "
+                + " ".join(f"{done:6.0f}" for done in work[kind])
                 + (
-                    f"of {FAN_OUT_INPUTS} inputs"
+                    f" of {FAN_OUT_INPUTS} inputs"
                     if kind == "embeddings_fan_out"
-                    else f"of {FULL} tokens"
+                    else f" of {FULL} tokens"
                 )
                 for kind in DISCONNECTS
             )

@@ -185,3 +185,36 @@ def test_extract_with_its_defaults_takes_no_front_door_503s(
     [run] = manifest["runs"]
     assert run["concurrency"] < connections and run["inputs_written"] == 1100
     assert "503 front server" not in run["retries_by_cause"], run["retries_by_cause"]
+
+
+def test_extract_in_small_batches_with_mean_pooling_equals_transformers(
+    stack: RunningStack, reference: Reference, tmp_path: Path
+) -> None:
+    """Batches of 5 (texts, token ids and chats each their own), mean pooling, one input too
+    long for the model in a batch of texts: it fails alone, every other vector is its own
+    prompt's (issue #46)."""
+    records = corpus(reference)[:40]
+    records.insert(7, {"id": TOO_LONG, "prompt": "many " * (MAX_MODEL_LEN + 10)})
+    inputs = tmp_path / "corpus.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    output = tmp_path / "batched"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    more = ("--batch-size", "5", "--pooling", "mean")
+    done = subprocess.run(
+        command(stack, inputs, output, *more), env=env, stderr=subprocess.PIPE, timeout=300
+    )
+    assert done.returncode == 1, done.stderr.decode()  # the input too long failed
+    errors = [json.loads(line) for line in (output / "_errors.jsonl").read_text().splitlines()]
+    assert [(e["id"], e["status"], e["line"]) for e in errors] == [(TOO_LONG, 400, 8)], errors
+    rows = pq.read_table(output).to_pylist()
+    assert sorted(row["id"] for row in rows) == sorted(
+        str(r["id"]) for r in records if r["id"] != TOO_LONG
+    )
+    final = reference.num_hidden_layers
+    by_id = {str(r["id"]): r for r in records}
+    for row in rows:
+        ids_of = token_ids(reference, by_id[row["id"]])
+        assert row["num_prompt_tokens"] == len(ids_of)
+        for layer in (0, 1, final):
+            expected = reference.layer_vector(ids_of, layer, "mean")
+            assert_matches(row[f"layer_{layer}"], expected, f"layer {layer}, mean (extract)")

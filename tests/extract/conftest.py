@@ -5,13 +5,13 @@ from collections.abc import Iterator
 import pytest
 
 from tests.moto_s3 import S3, moto_s3, s3_environment
-from vllm_hidden_state_proxy.extract import runner
+from vllm_hidden_state_proxy.extract import sender
 
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """Retries at once (a test that looks at the waits sets its own)."""
-    monkeypatch.setattr(runner, "BACKOFF_FIRST", 0.0)
+    monkeypatch.setattr(sender, "BACKOFF_FIRST", 0.0)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,11 @@ mid-run: send a signal, hold requests (:meth:`FakeProxy.stall`) until the run ca
 ``override`` (called with the prompt's text and the request body) answers a request its own
 way when it returns a response (a hostile answer). ``limits`` are laid over the capture
 description's.
+
+A batch (a completions list of prompts, or ``/v1/chat/completions/batch``, which the fake serves
+unless ``chat_batches`` is false: then 404) is answered as the proxy does: each prompt as
+above, the first that is not a 200 (or that ``override`` answers) the whole answer, else one
+choice and one entry per prompt. ``batches`` records each request's count of inputs.
 """
 
 from __future__ import annotations
@@ -90,6 +95,14 @@ def _text(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
 
 
+def _inputs(body: dict[str, Any]) -> int:
+    """A request's count of inputs: a list's prompts, a chat batch's chats, else one."""
+    batch = body.get("prompt", body.get("messages"))
+    if isinstance(batch, list) and batch and isinstance(batch[0], (str, list)):
+        return len(batch)
+    return 1
+
+
 #: How long :meth:`FakeProxy.stall` waits for the run to cancel it before it fails the test.
 STALL_LIMIT = 30.0
 
@@ -103,7 +116,10 @@ class FakeProxy:
         instance: str = "00",
         override: Callable[[str, dict[str, Any]], httpx.Response | None] | None = None,
         limits: Mapping[str, int | None] | None = None,
+        chat_batches: bool = True,
     ) -> None:
+        self.chat_batches = chat_batches
+        self.batches: list[int] = []
         self.override = override
         self.limits = limits
         self.slots = slots
@@ -137,7 +153,8 @@ class FakeProxy:
             document = capture_document(self.slots, self.model, self.instance, self.limits)
             return httpx.Response(200, json=document)
         self.requests += 1
-        self.in_flight += 1
+        inputs = _inputs(json.loads(request.content))  # each a ring slot
+        self.in_flight += inputs
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             if self.on_request is not None:
@@ -145,10 +162,49 @@ class FakeProxy:
             await asyncio.sleep(0)
             return unread(self._answer(request))
         finally:
-            self.in_flight -= 1
+            self.in_flight -= inputs
 
     def _answer(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
+        if request.url.path == "/v1/chat/completions/batch":
+            if not self.chat_batches:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            bodies = [{**body, "messages": chat} for chat in body["messages"]]
+            return self._batch(request, bodies)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return self._batch(request, [{**body, "prompt": one} for one in prompt])
+        self.batches.append(1)
+        return self._one(request, body)
+
+    def _batch(self, request: httpx.Request, bodies: list[dict[str, Any]]) -> httpx.Response:
+        self.batches.append(len(bodies))
+        documents = []
+        for body in bodies:
+            response = self._one(request, body)
+            if response.status_code != 200:
+                return response
+            try:
+                document = json.loads(response.content)
+            except (httpx.ResponseNotRead, ValueError):  # an override's answer
+                return response
+            if "choices" not in document:  # an override's answer
+                return response
+            documents.append(document)
+        kv: dict[str, Any] = {"last_hidden_states_by_layer": [], "last_hidden_state_infos": []}
+        choices: list[dict[str, Any]] = []
+        for document in documents:
+            one = document["kv_transfer_params"]
+            kv["last_hidden_states_by_layer"].append(one["last_hidden_states_by_layer"])
+            kv["last_hidden_state_infos"].append(one["last_hidden_state_info"])
+            choices += [{**c, "index": len(choices) + i} for i, c in enumerate(document["choices"])]
+        if "last_hidden_state_dtype" in documents[0]["kv_transfer_params"]:
+            kv["last_hidden_state_dtype"] = documents[0]["kv_transfer_params"][
+                "last_hidden_state_dtype"
+            ]
+        return httpx.Response(200, json={"choices": choices, "kv_transfer_params": kv})
+
+    def _one(self, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
         text = _text(body)
         self.tries[text] += 1
         words = text.split()
@@ -170,7 +226,13 @@ class FakeProxy:
             error = {"error": {"message": f"refused {code}", "code": code}}
             return httpx.Response(code, json=error, headers=headers)
         self.sent.append(body)
-        return httpx.Response(200, json=_answer(text, words, body["kv_transfer_params"]))
+        document = _answer(text, words, body["kv_transfer_params"])
+        if isinstance(body.get("prompt"), list):  # token ids: their count, as vLLM's
+            document["kv_transfer_params"]["last_hidden_state_info"]["num_prompt_tokens"] = len(
+                body["prompt"]
+            )
+        document["choices"] = [{"index": c, "text": "x"} for c in range(body.get("n", 1))]
+        return httpx.Response(200, json=document)
 
 
 def _answer(text: str, words: list[str], kv: Mapping[str, Any]) -> dict[str, Any]:

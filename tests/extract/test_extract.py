@@ -104,7 +104,7 @@ def test_busy_answers_and_dropped_connections_are_retried(tmp_path: Path) -> Non
     inputs = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
     fake = FakeProxy()
-    status, stderr = run(inputs, options(out), fake)
+    status, stderr = run(inputs, options(out, batch_size=1), fake)  # one request an input
     assert status == 0, stderr
     assert sorted(table(out).column("id").to_pylist()) == ["a", "b"]
     assert fake.tries == {"busy 2 then fine": 3, "drop 3 then ok": 4}

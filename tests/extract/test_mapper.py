@@ -21,6 +21,7 @@ from vllm_hidden_state_proxy.extract.mapper import (
     ERROR_COLUMN,
     MAPPER_OPTIONS,
     HiddenStateMapper,
+    ProxiesUnavailable,
     input_records,
 )
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
@@ -148,3 +149,11 @@ def test_datasets_map_in_two_processes_gives_each_its_own_copy() -> None:
     assert mapped["id"] == [str(r["id"]) for r in records]
     assert mapped[ERROR_COLUMN] == [None] * 8
     assert mapper._session is None  # this one was pickled, never called
+
+
+def test_proxies_busy_past_the_retries_fail_the_batch_not_its_rows() -> None:
+    """No input's fault: the batch fails (Ray may run it again), no row says "busy"."""
+    with _mapper(FakeProxy(), retries=1) as mapper:
+        with pytest.raises(ProxiesUnavailable, match="after 1 retries"):
+            mapper({"id": ["a", "b"], "prompt": ["busy 9 a", "busy 9 b"]})
+        assert mapper({"id": ["c"], "prompt": ["fine c"]})[ERROR_COLUMN].to_pylist() == [None]

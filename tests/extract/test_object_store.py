@@ -61,7 +61,7 @@ def test_s3_input_and_output_interrupted_and_resumed_equal_a_local_run(
 
     fake = FakeProxy()
     _interrupt_at(fake, 13)
-    opts = options(output, concurrency=4, rows_per_file=3, row_group_rows=1)
+    opts = options(output, concurrency=4, batch_size=1, rows_per_file=3, row_group_rows=1)
     status, stderr = run(source, opts, fake)
     assert status == runner.EXIT_INTERRUPTED, stderr
     assert fake.stalled and fake.stalled == fake.released
@@ -73,7 +73,7 @@ def test_s3_input_and_output_interrupted_and_resumed_equal_a_local_run(
     assert manifest(first)["runs"][-1]["input"] == source
 
     again = FakeProxy()
-    status, stderr = run(source, options(output, resume=True), again)
+    status, stderr = run(source, options(output, resume=True, batch_size=1), again)
     assert status == runner.EXIT_FAILED, stderr
     assert f"{len(held)} skipped" in stderr
     assert len(again.sent) == 40 - len(held)  # and the bad input, answered 400

@@ -1,19 +1,14 @@
-"""The extract comparison (issue #38; the phase ``extract``): vectors per second of ``extract``
-through the generation server you already run, against vLLM's pooling server, on one corpus of
-token-id prompts (no chat template: both see the very same tokens). (The memory of each setup
-was measured in issue #38: docs/benchmark.md.)
+"""The extract comparison (issues #38, #46; the phase ``extract``): vectors per second of
+``extract`` (its runner as a library, at its defaults) through ``serve``'s proxy, ``last`` and
+``mean`` of the final layer, against vLLM's pooling server (``--runner pooling --convert
+embed``, LAST or MEAN, no normalisation, one server per pooling) sent the same inputs through
+``/v1/embeddings``, one and 32 a request, as many in flight; one corpus as texts, token ids and
+chats (to the pooling server: its chat template's tokens, as a chat completion renders them).
 
-- ``extract`` (its runner, called as a library) through the proxy of one generation server
-  (``hidden-state-proxy serve``), ``last`` and ``mean`` pooling of the final layer;
-- vLLM's pooling server (``--runner pooling --convert embed``, LAST or MEAN pooling, no
-  normalisation), one server per pooling, sent the same inputs through ``/v1/embeddings`` at
-  the same concurrency: one input a request, and 32 a request (how one would batch it).
-
-Only one vLLM runs at a time (the caller holds the machine-wide lock): the generation stack,
-then the LAST pooling server, then the MEAN one. The arms of one server take turns in rounds
-(:func:`~.turns.take_turns`), a turn one whole corpus; a rate is the median over rounds. Every
-arm's vectors are compared by id with the pooling server's, one input a request.
-"""
+One vLLM at a time (the caller holds the lock): the generation stack, then the LAST pooling
+server, then the MEAN one. The arms of one server take turns in rounds (:func:`~.turns.
+take_turns`), a turn one whole corpus; a rate is the median over rounds. Every arm's vectors
+are compared by id with the pooling server's, one input a request."""
 
 from __future__ import annotations
 
@@ -44,10 +39,11 @@ from vllm_hidden_state_proxy.protocol import HOOK_ENABLED_ENV
 
 POOLINGS = ("last", "mean")
 #: Acceptance thresholds in float32, as the e2e tests' (tests/e2e/reference.py, issue #2).
-MIN_COSINE, MAX_RELATIVE_L2 = 0.9999, 1e-3
+MIN_COSINE, MAX_RELATIVE_L2 = 0.99999, 1e-3
 #: The pooling server's inputs per request in its batched arm (in flight: the concurrency over
 #: this, so that as many inputs are in flight as in every other arm).
 POOLING_BATCH = 32
+KINDS = ("text", "ids", "chat")
 TITLE = "Extract: a corpus to vectors, extract against vLLM's pooling server"
 EXTRACT = "extract -> proxy -> generation vLLM"
 POOLING_ONE = "pooling server, 1 input a request"
@@ -65,23 +61,44 @@ _WORDS = _TEXT.split(" ")
 class Item:
     id: str
     tokens: list[int]
+    text: str = ""
+    chat_tokens: tuple[int, ...] = ()
+
+    def record(self, kind: str) -> dict[str, Any]:  # its line of extract's JSONL
+        if kind == "chat":
+            return {"id": self.id, "messages": [{"role": "user", "content": self.text}]}
+        return {"id": self.id, "prompt": self.text if kind == "text" else self.tokens}
+
+    def pooling_input(self, kind: str) -> str | list[int]:  # a chat: its template's tokens
+        return (
+            self.text if kind == "text" else self.tokens if kind == "ids" else [*self.chat_tokens]
+        )
 
 
 def make_corpus(tokenizer: Any, count: int) -> list[Item]:
-    """``count`` distinct texts of 4 to 80 words (so 5 to ~100 tokens), as token ids (no
-    special tokens: every method sees exactly these)."""
+    """``count`` distinct texts of 4 to 80 words (so 5 to ~100 tokens), their token ids (no
+    special tokens) and a chat of each as its template renders it (when the tokenizer has one)."""
     items = []
     for number in range(count):
         length = 4 + (number * 37) % 77
         words = [_WORDS[(number * 7 + k * 13 + k * k) % len(_WORDS)] for k in range(length)]
         text = f"Input {number}: " + " ".join(words) + "."
-        items.append(
-            Item(f"in-{number}", list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-        )
+        chat: tuple[int, ...] = ()
+        if getattr(tokenizer, "chat_template", None):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            chat = tuple(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        items.append(Item(f"in-{number}", tokens, text, chat))
     return items
 
 
-def agreement(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> str:
+def agreement(
+    actual: Mapping[str, np.ndarray],
+    expected: Mapping[str, np.ndarray],
+    min_cosine: float = MIN_COSINE,
+) -> str:
     """``yes`` or ``**NO**``, and the worst cosine and relative L2 error (in float64) of
     ``actual``'s vectors against ``expected``'s of the same ids, or the ids either side lacks."""
     missing, unexpected = len(set(expected) - set(actual)), len(set(actual) - set(expected))
@@ -99,13 +116,12 @@ def agreement(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarra
             error = float(np.max(np.linalg.norm(a - e, axis=1) / norm_e))
     except ValueError:  # vectors of other lengths
         return "**NO**: vectors of another length"
-    ok = cosine >= MIN_COSINE and error <= MAX_RELATIVE_L2  # False for NaN (a zero vector)
+    ok = cosine >= min_cosine and error <= MAX_RELATIVE_L2  # False for NaN (a zero vector)
     return ("yes" if ok else "**NO**") + f": cos >= {cosine:.7f}, rel L2 <= {error:.1e}"
 
 
 def read_extract_dataset(directory: Path) -> dict[str, np.ndarray]:
-    """The final-layer vectors of an ``extract`` dataset, by id (its manifest names the
-    column; its ``choice`` must be 0 everywhere: one row per input)."""
+    """The final-layer vectors of an ``extract`` dataset by id (one row, choice 0, an input)."""
     import pyarrow.parquet as pq
 
     from vllm_hidden_state_proxy.extract.dataset import column_name, read_manifest
@@ -127,8 +143,10 @@ def read_extract_dataset(directory: Path) -> dict[str, np.ndarray]:
 Arm = Callable[[httpx.AsyncClient], Awaitable[dict[str, np.ndarray]]]
 
 
-def embeddings_arm(url: str, corpus: Sequence[Item], concurrency: int, batch: int) -> Arm:
-    """The corpus through ``/v1/embeddings``, ``batch`` inputs a request (token ids, base64
+def embeddings_arm(
+    url: str, corpus: Sequence[Item], concurrency: int, batch: int, kind: str = "ids"
+) -> Arm:
+    """The corpus through ``/v1/embeddings``, ``batch`` inputs a request (as ``kind``, base64
     float32, no normalisation), ``concurrency`` inputs in flight."""
     from vllm_hidden_state_proxy.client.answers import decode_values
 
@@ -138,9 +156,10 @@ def embeddings_arm(url: str, corpus: Sequence[Item], concurrency: int, batch: in
 
         async def request() -> float:  # the next chunk: each sent once
             chunk = next(chunks)
+            inputs = [item.pooling_input(kind) for item in chunk]
             body = {
                 "model": SERVED_MODEL_NAME,
-                "input": [item.tokens for item in chunk] if batch > 1 else chunk[0].tokens,
+                "input": inputs if batch > 1 else inputs[0],
                 "encoding_format": "base64",
                 "use_activation": False,
             }
@@ -205,29 +224,20 @@ def default_concurrency(stack: ChatStack) -> int:
 def pooling_server(
     model_dir: Path, pooling: str, log_dir: Path, timeout: float, progress: Progress
 ) -> Iterator[str]:
-    """Plain vLLM (the worker hook off) as an embedding server, ``pooling`` (LAST or MEAN)
-    without normalisation; yields its URL."""
+    """Plain vLLM (no hook) as an embedding server, ``pooling`` unnormalised; yields its URL."""
     port = free_port()
     config = json.dumps({"pooling_type": pooling.upper(), "use_activation": False})
     extra = [*VLLM_ARGS, "--runner", "pooling", "--convert", "embed", "--pooler-config", config]
     env = {**offline_environment(), HOOK_ENABLED_ENV: "0"}
     url = f"http://127.0.0.1:{port}"
     log, name = log_dir / f"pooling-server-{pooling}.log", f"the vLLM pooling server ({pooling})"
-    with started(
-        vllm_command(str(model_dir), port, extra),
-        env,
-        log,
-        url + "/health",
-        timeout,
-        name,
-        progress,
-    ):
+    command = vllm_command(str(model_dir), port, extra)
+    with started(command, env, log, url + "/health", timeout, name, progress):
         yield url
 
 
 def _client(_: str) -> httpx.AsyncClient:
-    """A client on the engine ``extract`` uses (aiohttp's, under httpx's API), so that every
-    arm's client costs the same per request and the arms differ by their servers."""
+    """A client on ``extract``'s engine (aiohttp's): every arm's client costs the same."""
     from vllm_hidden_state_proxy.extract.runner import client_transport
 
     return httpx.AsyncClient(transport=client_transport(), timeout=600, trust_env=False)
@@ -235,7 +245,7 @@ def _client(_: str) -> httpx.AsyncClient:
 
 @dataclass
 class Measured:
-    """Everything the phase found, for its tables; arms are named ``method|pooling``."""
+    """Everything the phase found, for its tables; arms are named ``method|input|pooling``."""
 
     inputs: int
     tokens: int
@@ -259,7 +269,7 @@ class Measured:
             await arms[name](client)
 
         task = progress.task(
-            f"extract comparison: {', '.join(arms)}", len(arms) * rounds * self.inputs
+            f"extract comparison: {len(arms)} arms", len(arms) * rounds * self.inputs
         )
         await take_turns(list(arms), _client, turn, rounds, task, warm_up=warm_up)
         task.done()
@@ -276,23 +286,27 @@ def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str,
     log_dir, timeout = options.output_dir, options.startup_timeout
     work_dir = Path(tempfile.mkdtemp(prefix="hsp-bench-extract-"))
     try:
-        inputs = work_dir / "corpus.jsonl"  # extract's JSONL: an id and the prompt's token ids
-        inputs.write_text(
-            "".join(json.dumps({"id": i.id, "prompt": i.tokens}) + "\n" for i in corpus)
-        )
+        kinds = [k for k in KINDS if k != "chat" or corpus[0].chat_tokens]
+        inputs = {kind: work_dir / f"{kind}.jsonl" for kind in kinds}  # extract's JSONL
+        for kind, path in inputs.items():
+            path.write_text("".join(json.dumps(i.record(kind)) + "\n" for i in corpus))
         with chat_stack(model_dir, log_dir, timeout, progress, name="extract-compare") as stack:
             measured.concurrency = options.extract_concurrency or default_concurrency(stack)
             arms = {
-                f"{EXTRACT}|{p}": extract_arm(
-                    stack.proxy_url, inputs, work_dir, p, options.extract_concurrency
+                f"{EXTRACT}|{k}|{p}": extract_arm(
+                    stack.proxy_url, inputs[k], work_dir, p, options.extract_concurrency
                 )
+                for k in kinds
                 for p in POOLINGS
             }
             run_async(measured.take_turns(arms, rounds, progress))
         for pooling in POOLINGS:
             with pooling_server(model_dir, pooling, log_dir, timeout, progress) as url:
                 arms = {
-                    f"{name}|{pooling}": embeddings_arm(url, corpus, measured.concurrency, batch)
+                    f"{name}|{k}|{pooling}": embeddings_arm(
+                        url, corpus, measured.concurrency, batch, k
+                    )
+                    for k in kinds
                     for name, batch in ((POOLING_ONE, 1), (POOLING_MANY, POOLING_BATCH))
                 }
                 run_async(measured.take_turns(arms, rounds, progress))
@@ -304,25 +318,23 @@ def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str,
 def compare_tables(measured: Measured) -> dict[str, Table]:
     """The comparison's table: each method's rate and its vectors against the reference's."""
     rows: list[Row] = []
-    for kind in POOLINGS:
-        reference = measured.vectors.get(f"{POOLING_ONE}|{kind}", {})
-        rates = {
-            name: statistics.median(tally.rates)
-            for name, tally in measured.tallies.items()
-            if name.endswith(f"|{kind}")
-        }
+    rates = {name: statistics.median(tally.rates) for name, tally in measured.tallies.items()}
+    for group in dict.fromkeys(name.split("|", 1)[1] for name in measured.tallies):
+        reference = measured.vectors.get(f"{POOLING_ONE}|{group}", {})
         for method in (EXTRACT, POOLING_ONE, POOLING_MANY):
-            if (name := f"{method}|{kind}") not in rates:
+            if (name := f"{method}|{group}") not in rates:
                 continue
             tally = measured.tallies[name]
+            *kind, pooling = group.split("|")
             rows.append(
                 {
                     "method": method,
-                    "pooling": kind,
+                    "input": kind[0] if kind else "ids",
+                    "pooling": pooling,
                     "vectors/s": rates[name],
                     "range over rounds": f"{min(tally.rates):.0f}-{max(tally.rates):.0f}",
-                    "/ pooling server (1 a request)": ratio(
-                        rates[name], rates.get(f"{POOLING_ONE}|{kind}")
+                    f"/ pooling server ({POOLING_BATCH} a request)": ratio(
+                        rates[name], rates.get(f"{POOLING_MANY}|{group}")
                     ),
                     "equals the pooling server": "(the reference)"
                     if method == POOLING_ONE
@@ -330,12 +342,12 @@ def compare_tables(measured: Measured) -> dict[str, Table]:
                 }
             )
     note = (
-        f"{measured.inputs} token-id prompts ({measured.tokens} tokens, no chat template), "
-        f"final layer, {measured.concurrency} requests in flight in every arm (extract's "
-        "default here: its proxy's ring slots; the batched pooling arm: as many inputs in "
-        "flight). vectors/s: the median over rounds of one whole corpus' rate (extract: the "
-        "whole library call, dataset written). Vectors compared by id with the pooling "
-        f"server's, one input a request (cosine >= {MIN_COSINE}, relative L2 <= "
+        f"{measured.inputs} prompts ({measured.tokens} tokens as ids; as texts, and as chats "
+        f"in the chat template), final layer, {measured.concurrency} inputs in flight in every "
+        "arm (extract's default here, in batches of 32; the pooling server's batched arm as "
+        "many inputs in flight). vectors/s: the median over rounds of one whole corpus' rate "
+        "(extract: the whole library call, dataset written). Vectors compared by id with the "
+        f"pooling server's, one input a request (cosine >= {MIN_COSINE}, relative L2 <= "
         f"{MAX_RELATIVE_L2:g})."
     )
     return {"extract_compare": Table(TITLE, rows, note)}

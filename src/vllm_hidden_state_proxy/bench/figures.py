@@ -172,10 +172,10 @@ def extract_panels(results: Results) -> list[Panel]:
     if not (rows := table_rows(results, "extract_compare")):
         return []
     methods = list(dict.fromkeys(str(row["method"]) for row in rows))
-    by_arm = {(row["method"], row["pooling"]): row for row in rows}
+    by_arm = {(row["method"], f"{row.get('input', 'ids')} {row['pooling']}"): row for row in rows}
     series = {
-        pooling: column_values([by_arm.get((m, pooling), {}) for m in methods], "vectors/s")
-        for pooling in dict.fromkeys(str(row["pooling"]) for row in rows)
+        group: column_values([by_arm.get((m, group), {}) for m in methods], "vectors/s")
+        for group in dict.fromkeys(group for _, group in by_arm)
     }
     labels = {p: [None if v is None else f"{v:.0f}" for v in vs] for p, vs in series.items()}
     title = "throughput, same inputs and concurrency"

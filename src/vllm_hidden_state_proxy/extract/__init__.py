@@ -6,16 +6,22 @@ Along the data's path:
 - ``options.py``: the options table;
 - ``inputs.py``: reading the corpus, streamed, each input checked (what no JSON request can
   carry included) and its id once, each line bounded;
-- ``proxies.py``: the proxies' capture descriptions and how many requests each may have in
+- ``proxies.py``: the proxies' capture descriptions and how many inputs each may have in
   flight (its rings' slots, its front server's connections);
 - ``limits.py``: the bounds on one input's request body and answer;
-- ``exchange.py``: one request, its body encoded once, its answer read within ``--timeout``
-  and ``--max-answer-size`` (decoded);
-- ``rows.py``: an answer's rows, checked whole: what cannot make them fails that input alone;
+- ``batches.py``: inputs grouped into batches of one kind (text, token ids, chats), each
+  input's prompt encoded once, a request's body joined from those bytes;
+- ``sender.py``: a batch's requests (retries, the proxy with the fewest in flight), split in
+  halves when it fails, so one bad input fails alone;
+- ``exchange.py``: one request, its answer read within ``--timeout`` and
+  ``--max-answer-size`` (decoded);
+- ``rows.py``: an answer's rows (a batch's: one choice and one entry per input), checked
+  whole: what cannot make them fails that input (a batch: is split);
 - ``output_dir.py``: which files of ``--output`` are extract's, and what a run may do there;
 - ``resume.py``: what ``--resume`` checks (the manifest's and each part's settings, the
   parts' columns);
 - ``dataset.py``: the Parquet parts, written as answers arrive, and the manifest;
+- ``write_behind.py``: the parts' writes on a thread of their own;
 - ``runner.py``: the run (bounded concurrency, retries, Ctrl-C, a stop) and the summary;
 - ``progress.py``: the run's counts (retries by cause) and its progress line.
 

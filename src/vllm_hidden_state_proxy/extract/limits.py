@@ -4,7 +4,8 @@
   hundred KiB can decode to a GiB): what the request can carry, its vectors (or, for matrices,
   the proxies' largest record per entry) in base64, plus :data:`VLLM_ANSWER_BYTES` of vLLM's own
   answer (the proxy's ``--max-answer-size`` at its default: it refuses a longer one). Past it,
-  the input fails. ``--max-answer-size`` sets it outright.
+  the input fails. ``--max-answer-size`` sets it outright (for a batch, that many bytes per
+  input).
 - A **request body** is at most what the proxies take (their capture description's
   ``max_body_bytes``, the smallest of them): a longer one fails before it is sent.
 - A JSONL **line** longer than that is not read (no request of it could be sent).
@@ -29,9 +30,10 @@ def _base64_bytes(raw: int) -> int:
     return (raw + 2) // 3 * 4
 
 
-def answer_limit(plan: Mapping[str, Any], *, max_record_bytes: int) -> int:
-    """The most bytes an answer to one of the plan's requests can hold (see the module)."""
-    entries = plan["n"] if plan["pooling"] in ANSWER_POOLINGS else 1
+def answer_limit(plan: Mapping[str, Any], *, max_record_bytes: int, inputs: int = 1) -> int:
+    """The most bytes an answer to one of the plan's requests for ``inputs`` inputs (a batch)
+    can hold (see the module)."""
+    entries = inputs * (plan["n"] if plan["pooling"] in ANSWER_POOLINGS else 1)
     if plan["matrix"]:
         per_entry = max_record_bytes  # all of one entry's layers, float32
     else:

@@ -9,13 +9,15 @@ returns a pyarrow Table of the columns extract writes (``id``, ``choice``, ``pos
 rows, the reason for an input that failed (its other columns null then, but ``id``). One row
 per input, or per input and choice with an answer pooling and ``n`` above 1: in the batch's
 order. A bad input, or one whose answer cannot make rows, is its row's ``error``, never its
-batch's failure; a proxy that cannot be reached when the instance starts is
-(:class:`~vllm_hidden_state_proxy.extract.runner.ExtractSetupError`), as is a bug.
+batch's failure; proxies that cannot be reached when the instance starts
+(:class:`~vllm_hidden_state_proxy.extract.runner.ExtractSetupError`), or that stay busy or
+unreachable past the retries (:class:`ProxiesUnavailable`), fail it, as a bug does.
 
 Everything between is extract's, not another copy: the options (:class:`ExtractOptions`' names
 and defaults), each input's checks (``inputs.py``), the proxies' capture descriptions, the plan,
-the request, its retries and bounds (``runner.py``, ``exchange.py``), the rows (``rows.py``)
-and the table (``dataset.rows_table``).
+the batches (``batches.py``: ``batch_size`` inputs of one kind a request), their retries,
+halving and bounds (``sender.py``, ``exchange.py``), the rows (``rows.py``) and the table
+(``dataset.rows_table``).
 
 An instance holds one HTTP client to its proxies, made at its first batch, on an event loop in
 a thread of its own (the caller may run a loop of its own: a notebook's), with up to
@@ -40,13 +42,15 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from vllm_hidden_state_proxy.extract.batches import Batcher
 from vllm_hidden_state_proxy.extract.dataset import dataset_schema, rows_table
 from vllm_hidden_state_proxy.extract.exchange import Refused
-from vllm_hidden_state_proxy.extract.inputs import InputProblem, check_record
-from vllm_hidden_state_proxy.extract.limits import answer_limit, body_limit
+from vllm_hidden_state_proxy.extract.inputs import Input, InputProblem, check_record
+from vllm_hidden_state_proxy.extract.limits import body_limit
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
-from vllm_hidden_state_proxy.extract.proxies import Proxy, most_in_flight
+from vllm_hidden_state_proxy.extract.proxies import most_in_flight
 from vllm_hidden_state_proxy.extract.runner import Extraction, client_transport
+from vllm_hidden_state_proxy.extract.sender import GaveUp, Sender
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV
 
 #: The input columns read from a batch (any other is left alone).
@@ -55,23 +59,29 @@ INPUT_COLUMNS = ("id", "messages", "prompt", "spans")
 ERROR_COLUMN = "error"
 #: extract's options a mapper takes: what decides the requests and their answers' reading.
 MAPPER_OPTIONS = (
-    "layers", "pooling", "spans", "dtype", "concurrency", "max_tokens", "n", "extra_body",
-    "model", "api_key", "retries", "timeout", "max_answer_size",
+    "layers", "pooling", "spans", "dtype", "concurrency", "batch_size", "max_tokens", "n",
+    "extra_body", "model", "api_key", "retries", "timeout", "max_answer_size",
 )  # fmt: skip
 
 T = TypeVar("T")
 
 
+class ProxiesUnavailable(Exception):
+    """The proxies stayed busy or unreachable past ``retries``: no input's fault, so the batch
+    fails (Ray, or whoever runs it, may run it again) rather than give every row an error."""
+
+
 @dataclass
 class _Session:
-    """What an instance made at its first batch: its client, its proxies and plan."""
+    """What an instance made at its first batch: its client, and extract's sender to its
+    proxies with the run's plan, the inputs in flight and in a request."""
 
     client: httpx.AsyncClient
-    extraction: Extraction
-    proxies: list[Proxy]
+    sender: Sender
     plan: dict[str, Any]
     schema: Any
     concurrency: int
+    batch_size: int
 
 
 class HiddenStateMapper:
@@ -151,15 +161,18 @@ class HiddenStateMapper:
         except BaseException:
             await client.aclose()
             raise
-        # The bounds of one input's request and answer, as extract's run sets them.
+        # The bounds of a request and its answer, in flight and a batch, as extract's run's.
         extraction._body_limit = body_limit([proxy.capture for proxy in proxies])
-        records = max(proxy.capture.limits.get("max_record_bytes", 0) for proxy in proxies)
-        extraction._answer_limit = options.max_answer_size or answer_limit(
-            plan, max_record_bytes=records
-        )
         most = most_in_flight(proxies)
         concurrency = min(options.concurrency or most_in_flight(proxies, default=True), most)
-        return _Session(client, extraction, proxies, plan, output_schema(plan), concurrency)
+        return _Session(
+            client,
+            extraction._sender(client, proxies, plan),
+            plan,
+            output_schema(plan),
+            concurrency,
+            extraction._batch_size(proxies, concurrency),
+        )
 
     def close(self) -> None:
         """Close the client and stop the loop (a Ray actor's or the process's end does too)."""
@@ -191,22 +204,34 @@ class HiddenStateMapper:
         if self._session is None:
             self._session = await self._open()
         session = self._session
-        plan, extraction = session.plan, session.extraction
-        semaphore = asyncio.Semaphore(session.concurrency)
+        plan = session.plan
+        checked = [
+            check_record(line, record, spans=self.options.spans)
+            for line, record in enumerate(records, start=1)
+        ]
+        # Each input's rows, or its failure, by its place in the batch (its line).
+        results: dict[int, list[dict[str, Any]]] = {
+            item.line: [_failed(item.id, item.reason)]
+            for item in checked
+            if isinstance(item, InputProblem)
+        }
+        inputs = [item for item in checked if isinstance(item, Input)]
+        batcher = Batcher(iter(inputs), session.batch_size, plan["n"], lambda item: False)
 
-        async def one(line: int, record: dict[str, Any]) -> list[dict[str, Any]]:
-            item = check_record(line, record, spans=self.options.spans)
-            if isinstance(item, InputProblem):
-                return [_failed(item.id, item.reason)]
-            async with semaphore:
-                try:
-                    rows = await extraction._send(session.client, session.proxies, item, plan)
-                except Refused as failure:
-                    return [_failed(item.id, failure.reason)]
-            return rows
+        async def work() -> None:
+            while (batch := await batcher.next()) is not None:
+                for item, result in await session.sender.send(batch):
+                    if isinstance(result, GaveUp):
+                        raise ProxiesUnavailable(result.reason)
+                    line = item.input.line
+                    if isinstance(result, Refused):
+                        results[line] = [_failed(item.input.id, result.reason)]
+                    else:
+                        results[line] = result
 
-        results = await asyncio.gather(*(one(i + 1, r) for i, r in enumerate(records)))
-        rows = [row for result in results for row in result]
+        workers = max(1, session.concurrency // session.batch_size)
+        await asyncio.gather(*(work() for _ in range(workers)))
+        rows = [row for line in range(1, len(records) + 1) for row in results[line]]
         return rows_table(
             rows,
             session.schema,

@@ -123,7 +123,7 @@ class ExtractOptions:
     concurrency: int | None = option(
         None,
         "--concurrency",
-        "requests in flight over all URLs",
+        "inputs in flight over all URLs (each a ring slot of its proxy, batched or not)",
         metavar="N",
         parse=_positive,
         # Not a guess at vLLM's batch: its default --max-num-seqs depends on the device (1024
@@ -133,6 +133,15 @@ class ExtractOptions:
         shown_default="what each proxy's capture description allows: its smallest ring's "
         "slots over --n (1024 by default), half its --max-client-connections (512 of 1024), "
         "for matrices its arena over its largest record; at most fewer than its connections",
+    )
+    batch_size: int = option(
+        32,
+        "--batch-size",
+        "inputs sent in one request: text or token-id prompts as one completions list, chats "
+        "through /v1/chat/completions/batch (one request each where the proxy lacks it); a "
+        "batch that fails is split in halves and resent, so one bad input fails alone",
+        metavar="N",
+        parse=_positive,
     )
     max_tokens: int = option(
         1,

@@ -13,8 +13,9 @@ from vllm_hidden_state_proxy.client import Capture
 
 @dataclass
 class Proxy:
-    """One ``--url``: its capture description (parsed and verbatim), the most requests it may
-    have in flight and how many it has by default, and the requests it has in flight now."""
+    """One ``--url``: its capture description (parsed and verbatim), the most inputs it may
+    have in flight and how many it has by default, the inputs it has in flight now, and whether
+    it serves ``/v1/chat/completions/batch`` (``None``: not known yet)."""
 
     url: str
     capture: Capture
@@ -22,6 +23,7 @@ class Proxy:
     limit: int
     default: int
     in_flight: int = 0
+    chat_batches: bool | None = None
 
 
 def proxy_limits(capture: Capture, *, matrix: bool, n: int) -> tuple[int, int]:

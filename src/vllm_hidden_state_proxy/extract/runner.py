@@ -1,9 +1,11 @@
-"""The run: inputs in, flagged requests out to the proxies with bounded concurrency, answers
-decoded by the client module and written as they arrive.
+"""The run: inputs in, flagged batches out to the proxies with bounded concurrency (inputs in
+flight counted, ``batches.py``, ``sender.py``), answers decoded by the client module and written
+as they arrive (on a thread: ``write_behind.py``).
 
 Each input is sent once (retried after 429, 503, 504, a connection error or a timeout, with
-backoff) and ends in exactly one place: the dataset (one row per choice), the errors file (with
-its reason), or, after Ctrl-C or an error no input explains, nowhere yet: ``--resume`` sends it.
+backoff; resent in a half of its batch when the batch failed) and ends in exactly one place:
+the dataset (one row per choice), the errors file (with its reason), or, after Ctrl-C or an
+error no input explains, nowhere yet: ``--resume`` sends it.
 Whatever one input or its answer holds is at most that input's failure: its reading
 (``inputs.py``), its request and answer (``exchange.py``: bounded in size and time), its rows
 (``rows.py``). The manifest is written before the first request (the settings ``--resume``
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import signal
 import sys
 import time
@@ -35,9 +36,9 @@ from vllm_hidden_state_proxy.client import (
     CAPTURE_PATH,
     HiddenStateDecodeError,
     HiddenStateServerError,
-    hidden_state_fields,
     read_capture,
 )
+from vllm_hidden_state_proxy.extract.batches import Batcher, BodyMaker
 from vllm_hidden_state_proxy.extract.dataset import (
     ERRORS,
     DatasetWriter,
@@ -48,7 +49,7 @@ from vllm_hidden_state_proxy.extract.dataset import (
     part_files,
     write_manifest,
 )
-from vllm_hidden_state_proxy.extract.exchange import Refused, encode_body, exchange
+from vllm_hidden_state_proxy.extract.exchange import Refused
 from vllm_hidden_state_proxy.extract.inputs import (
     CorpusError,
     Input,
@@ -74,17 +75,11 @@ from vllm_hidden_state_proxy.extract.resume import (
     check_parts,
     settings_of,
 )
-from vllm_hidden_state_proxy.extract.rows import answer_rows
+from vllm_hidden_state_proxy.extract.sender import Sender
 from vllm_hidden_state_proxy.extract.storage import Location, StorageError, location
+from vllm_hidden_state_proxy.extract.write_behind import WriteBehind
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 
-#: Answers worth another try: the server is busy or a vector came late, not the input's fault.
-RETRIED_STATUSES = frozenset({429, 503, 504})
-BACKOFF_FIRST = 0.5
-BACKOFF_MOST = 30.0
-#: Inputs that are not sent (a problem, an id already written) between two turns of the event
-#: loop: a million duplicates must not hold off Ctrl-C or the connections' keep-alive.
-_INPUTS_PER_TURN = 64
 EXIT_FAILED = 1
 EXIT_SETUP = 2
 #: A worker failed in a way no input explains: the others stopped, the dataset is whole.
@@ -116,11 +111,9 @@ class Extraction:
         self.directory = location(options.output)  # a path, or an object store's URI
         self.counts = Counts()
         self.interrupted = False
-        self._turn = 0
         self._workers: list[asyncio.Future[None]] = []
         self._wrapping_up = False
         self._body_limit = 0
-        self._answer_limit = 0
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -227,80 +220,6 @@ class Extraction:
         self.stderr.write(f"extract: {message}\n")
         self.stderr.flush()
 
-    def _pick(self, proxies: list[Proxy]) -> Proxy:
-        """The proxy with the fewest in flight; ties in turn."""
-        self._turn += 1
-        start = self._turn % len(proxies)
-        ordered = proxies[start:] + proxies[:start]
-        return min(ordered, key=lambda p: p.in_flight / p.limit)
-
-    def _body(self, item: Input, plan: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        extra = dict(self.options.extra_body or {})
-        fields = hidden_state_fields(
-            layers=plan["layers"],
-            pooling=plan["pooling"],
-            spans=item.spans,
-            dtype=plan["dtype"],
-            info=True,
-            kv_transfer_params=extra.pop("kv_transfer_params", None),
-        )
-        body: dict[str, Any] = {"model": plan["model"], "n": plan["n"], **extra, **fields}
-        if item.messages is not None:
-            body.update(messages=item.messages, max_completion_tokens=plan["max_tokens"])
-            return "/v1/chat/completions", body
-        body.update(prompt=item.prompt, max_tokens=plan["max_tokens"])
-        return "/v1/completions", body
-
-    async def _send(
-        self, client: httpx.AsyncClient, proxies: list[Proxy], item: Input, plan: dict[str, Any]
-    ) -> list[dict[str, Any]]:
-        try:
-            path, body = self._body(item, plan)
-        except ValueError as exc:  # the client module's checks (spans)
-            raise Refused(str(exc), 400) from None
-        content = encode_body(body, max_bytes=self._body_limit)
-        attempt = 0
-        timeout = self.options.timeout
-        while True:
-            proxy = self._pick(proxies)
-            proxy.in_flight += 1
-            wait: float | None = None
-            try:
-                answer = await exchange(
-                    client,
-                    proxy.url + path,
-                    content,
-                    max_bytes=self._answer_limit,
-                    timeout=timeout,
-                )
-            except asyncio.TimeoutError:
-                status, cause = None, "timeout"
-                reason = f"{proxy.url}: no whole answer within --timeout {timeout:g} s"
-            except httpx.TimeoutException as exc:
-                status, cause, reason = None, "timeout", f"{proxy.url}: {type(exc).__name__}: {exc}"
-            except httpx.TransportError as exc:
-                status, cause = None, "connection"
-                reason = f"{proxy.url}: {type(exc).__name__}: {exc}"
-            else:
-                status = answer.status
-                if status == 200:
-                    return answer_rows(item.id, answer.body, plan)
-                reason, cause, wait = (
-                    answer.error_reason(),
-                    answer.retry_cause(),
-                    answer.retry_after(),
-                )
-            finally:
-                proxy.in_flight -= 1
-            if status is not None and status not in RETRIED_STATUSES:
-                raise Refused(reason, status)
-            if attempt >= self.options.retries:
-                raise Refused(f"{reason} (after {attempt} retries)", status)
-            backoff = min(BACKOFF_MOST, BACKOFF_FIRST * 2**attempt) * random.uniform(0.5, 1.0)
-            attempt += 1
-            self.counts.retried(cause)
-            await _sleep(backoff if wait is None else min(wait, BACKOFF_MOST))
-
     def _fail(
         self, errors: IO[str], line: int, id_: str | None, reason: str, status: int | None
     ) -> None:
@@ -329,10 +248,6 @@ class Extraction:
             plan = self._plan(proxies)
             done, manifest = self._prepare_directory(plan)
             self._body_limit = body_limit([proxy.capture for proxy in proxies])
-            records = max(proxy.capture.limits.get("max_record_bytes", 0) for proxy in proxies)
-            self._answer_limit = options.max_answer_size or answer_limit(
-                plan, max_record_bytes=records
-            )
             most = most_in_flight(proxies)
             concurrency = options.concurrency or most_in_flight(proxies, default=True)
             if concurrency > most:
@@ -343,6 +258,7 @@ class Extraction:
             except OutputRefused as refused:
                 raise ExtractSetupError(str(refused)) from None
             writer = self._writer(plan)
+            behind = WriteBehind(writer)
             show = options.progress or self.stderr.isatty()
             progress = Progress(
                 self.stderr, count_inputs(self.input_path, fmt) if show else None, show
@@ -358,13 +274,14 @@ class Extraction:
                 # leaves a manifest whose settings --resume checks, its run still "running".
                 self._write_manifest(plan, proxies, runs, ids=len(done))
                 try:
+                    sender = self._sender(client, proxies, plan)
                     stopped_by = await self._drive(
-                        client, proxies, plan, inputs, done, writer, errors, progress, concurrency
+                        sender, inputs, done, behind, errors, progress, concurrency
                     )
                 finally:
                     self._wrapping_up = True  # a signal now: the manifest is written first
                     try:
-                        writer.close()
+                        behind.close()
                     except Exception as error:  # a full disk: the part stays .tmp (not data)
                         stopped_by = stopped_by or error
                     progress.update(self.counts, force=True)
@@ -384,6 +301,41 @@ class Extraction:
         if self.interrupted:
             return EXIT_INTERRUPTED
         return EXIT_FAILED if self.counts.failed else 0
+
+    def _sender(
+        self, client: httpx.AsyncClient, proxies: list[Proxy], plan: dict[str, Any]
+    ) -> Sender:
+        options = self.options
+        records = max(proxy.capture.limits.get("max_record_bytes", 0) for proxy in proxies)
+        most = options.max_answer_size
+        one = most or answer_limit(plan, max_record_bytes=records)
+
+        def limit(inputs: int) -> int:
+            if most is not None or inputs == 1:
+                return one * inputs
+            return answer_limit(plan, max_record_bytes=records, inputs=inputs)
+
+        return Sender(
+            client,
+            proxies,
+            plan,
+            BodyMaker(plan, options.extra_body),
+            self.counts,
+            body_limit=self._body_limit,
+            answer_limit=limit,
+            retries=options.retries,
+            timeout=options.timeout,
+            sleep=_sleep,
+        )
+
+    def _batch_size(self, proxies: list[Proxy], concurrency: int) -> int:
+        """``--batch-size``, at most the inputs in flight and what every proxy takes in one
+        request (its ``--max-prompts``, its ring slots)."""
+        takes = min(
+            min(proxy.limit, proxy.capture.limits.get("max_prompts", proxy.limit))
+            for proxy in proxies
+        )
+        return max(1, min(self.options.batch_size, concurrency, takes))
 
     def _writer(self, plan: dict[str, Any]) -> DatasetWriter:
         options = self.options
@@ -422,48 +374,50 @@ class Extraction:
 
     async def _drive(
         self,
-        client: httpx.AsyncClient,
-        proxies: list[Proxy],
-        plan: dict[str, Any],
+        sender: Sender,
         inputs: Iterator[Input | InputProblem],
         done: set[str],
-        writer: DatasetWriter,
+        behind: WriteBehind,
         errors: IO[str],
         progress: Progress,
         concurrency: int,
     ) -> Exception | None:
-        """Every input through ``concurrency`` workers; the error that stopped them, if one
-        failed in a way no input explains (a bug, a full disk, an unreadable corpus): the
-        others are cancelled then, as on Ctrl-C, so the dataset is closed and resumable."""
+        """Every input, in batches, ``concurrency`` inputs in flight (each batch's inputs
+        counted); the error that stopped them, if one failed in a way no input explains (a bug,
+        a full disk, an unreadable corpus): the others are cancelled then, as on Ctrl-C, so the
+        dataset is closed and resumable."""
         counts = self.counts
+        size = self._batch_size(sender.proxies, concurrency)
+
+        def skip(item: Input | InputProblem) -> bool:
+            counts.seen += 1
+            if isinstance(item, InputProblem):
+                self._fail(errors, item.line, item.id, item.reason, None)
+                return True
+            if item.id in done:
+                counts.skipped += 1
+                return True
+            return False
+
+        batcher = Batcher(inputs, size, self.options.n, skip)
 
         async def work() -> None:
-            unsent = 0
-            for item in inputs:  # one iterator shared by every worker: each input once
-                counts.seen += 1
-                if isinstance(item, InputProblem) or item.id in done:
-                    if isinstance(item, InputProblem):
-                        self._fail(errors, item.line, item.id, item.reason, None)
-                    else:
-                        counts.skipped += 1
-                    unsent += 1
-                    if unsent % _INPUTS_PER_TURN == 0:
-                        await asyncio.sleep(0)  # the loop's turn: signals, keep-alive
-                    continue
-                try:
-                    rows = await self._send(client, proxies, item, plan)
-                except Refused as failure:
-                    self._fail(errors, item.line, item.id, failure.reason, failure.status)
-                else:
-                    for row in rows:
-                        writer.add(row)
+            while (batch := await batcher.next()) is not None:  # each input once
+                for item, result in await sender.send(batch):
+                    if isinstance(result, Refused):
+                        line, id_ = item.input.line, item.input.id
+                        self._fail(errors, line, id_, result.reason, result.status)
+                        continue
+                    await behind.add(result)
                     counts.written += 1
-                    counts.rows += len(rows)
+                    counts.rows += len(result)
                 progress.update(counts)
 
         if self.interrupted:  # a signal before the first input
             return None
-        workers = self._workers = [asyncio.ensure_future(work()) for _ in range(concurrency)]
+        workers = self._workers = [
+            asyncio.ensure_future(work()) for _ in range(max(1, concurrency // size))
+        ]
         try:
             await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         finally:
@@ -494,6 +448,7 @@ class Extraction:
             "input": str(self.input_path),
             "urls": [proxy.url for proxy in proxies],
             "concurrency": concurrency,
+            "batch_size": self._batch_size(proxies, concurrency),
             "state": state,
         }
         if writer is None:
