@@ -47,9 +47,16 @@ MARKS = {
     "(tests/e2e/test_docs_examples.py)",
     "manifest": "the keys of the manifest that the command above writes "
     "(tests/e2e/test_docs_examples.py)",
+    "ray": "run against the shared e2e stack on a local Ray cluster of two nodes, moto's S3 "
+    "server in the environment, its corpus put at its input (tests/e2e/test_mapper_ray.py)",
+    "mapper": "run against the shared e2e stack (tests/e2e/test_mapper_ray.py)",
+    "kubernetes": "not run (a cluster, S3): the Job it applies is checked offline "
+    "(tests/deploy/test_deploy_extract_job.py)",
+    "object-store": "run with bash against the shared e2e stack, moto's S3 server in the "
+    "environment, the corpus block put at its INPUT (tests/e2e/test_extract_object_store.py)",
 }
 #: The marks of blocks that are not run: each is checked against what it names, or skipped.
-NOT_RUN = ("github", "docker-helm", "llamaindex")
+NOT_RUN = ("github", "docker-helm", "llamaindex", "kubernetes")
 
 #: The docs' values of Qwen3-0.6B (28 layers) and the tiny model's (2 layers, a vocabulary of
 #: 640), each pair written in the docs next to where the first is used.

@@ -61,6 +61,9 @@ def test_the_blocks_that_are_not_run_are_these() -> None:
         ("clients.md", "github"),
         ("clients.md", "llamaindex"),
         ("extract.md", "github"),
+        ("extract.md", "github"),
+        ("extract.md", "github"),
+        ("extract.md", "kubernetes"),
     ]
     (llamaindex,) = [b for b in not_run if b.mark == "llamaindex"]
     assert "llama_index" in llamaindex.code and "not run by the tests" in llamaindex.code

@@ -180,3 +180,37 @@ def test_the_offline_api_imports_nothing_of_the_proxy() -> None:
             todo.extend(graph[name])
     assert not {name for name in reached if name.startswith(f"{PACKAGE}.proxy")}
     assert f"{PACKAGE}.wanted_vectors" in reached
+
+
+#: What the engines beyond one machine bring (issue #48): extract's mapper and storage use them
+#: or are called by them; the proxy and the client module never import them.
+_ENGINES = {"ray", "datasets", "fsspec", "s3fs", "gcsfs", "adlfs"}
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top names of everything ``path`` imports, wherever the statement stands."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_proxy_and_the_client_import_no_engine_nor_object_store() -> None:
+    """Ray, datasets and fsspec: not in proxy/ or client/, nor in any module they import."""
+    graph, modules = import_graph(), _modules()
+    roots = [n for n in modules if n.startswith((f"{PACKAGE}.proxy", f"{PACKAGE}.client"))]
+    reached, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += graph[name]
+    assert f"{PACKAGE}.extract.mapper" not in reached
+    assert f"{PACKAGE}.extract.storage" not in reached
+    bad = {
+        name: found for name in reached if (found := _third_party_imports(modules[name]) & _ENGINES)
+    }
+    assert not bad, bad

@@ -25,12 +25,12 @@ def write_jsonl(path: Path, records: list[Any]) -> Path:
     return path
 
 
-def options(output: Path, **changes: Any) -> ExtractOptions:
+def options(output: Path | str, **changes: Any) -> ExtractOptions:
     return replace(ExtractOptions(urls=(URL,), output=str(output)), **changes)
 
 
 def run(
-    inputs: Path, opts: ExtractOptions, fake: FakeProxy | httpx.AsyncBaseTransport | None
+    inputs: Path | str, opts: ExtractOptions, fake: FakeProxy | httpx.AsyncBaseTransport | None
 ) -> tuple[int, str]:
     """``extract`` against the fake (or a transport; ``None``: its own, over the network)."""
     stderr = io.StringIO()

@@ -26,4 +26,11 @@ Along the data's path:
 - ``progress.py``: the run's counts (retries by cause) and its progress line.
 
 pyarrow is the ``extract`` extra's: it is imported only when a run starts.
+
+Beyond one machine (issue #48):
+
+- ``storage.py``: INPUT and ``--output`` on an object store (``s3://``: fsspec, the
+  ``object-store`` extra) or a local path;
+- ``mapper.py``: the same requests and rows as a batch mapper, for Ray Data's ``map_batches``
+  and ``datasets``' ``map``.
 """

@@ -30,10 +30,16 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from vllm_hidden_state_proxy.extract.storage import (
+    Location,
+    StorePath,
+    parquet_source,
+    replace,
+)
 
 MANIFEST = "_manifest.json"
 ERRORS = "_errors.jsonl"
@@ -52,36 +58,43 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | 
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
-def part_files(directory: Path) -> list[Path]:
+def part_files(directory: Location) -> list[Location]:
     """Every ``part-*.parquet`` (a name not :data:`PART`'s is refused by ``output_dir.py``)."""
     return sorted(directory.glob(_PART_GLOB))
 
 
-def create_file(path: Path, mode: str = "w") -> IO[Any]:
+def create_file(path: Location, mode: str = "w") -> IO[Any]:
     """A new file at ``path``: ``FileExistsError`` if anything is there (a link included)."""
+    if isinstance(path, StorePath):
+        return path.create(mode)
     descriptor = os.open(path, _CREATE, 0o666)
     if "b" in mode:
         return os.fdopen(descriptor, mode)
     return os.fdopen(descriptor, mode, encoding="utf-8")
 
 
-def existing_ids(directory: Path) -> set[str]:
+def existing_ids(directory: Location) -> set[str]:
     """The ids the dataset's whole part files hold (what ``--resume`` skips)."""
     import pyarrow.parquet as pq
 
     ids: set[str] = set()
     for part in part_files(directory):
-        ids.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+        with parquet_source(part) as source:
+            ids.update(pq.read_table(source, columns=["id"]).column("id").to_pylist())
     return ids
 
 
-def count_rows(directory: Path) -> int:
+def count_rows(directory: Location) -> int:
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(part).metadata.num_rows for part in part_files(directory))
+    rows = 0
+    for part in part_files(directory):
+        with parquet_source(part) as source:
+            rows += pq.ParquetFile(source).metadata.num_rows
+    return rows
 
 
-def read_manifest(directory: Path) -> dict[str, Any] | None:
+def read_manifest(directory: Location) -> dict[str, Any] | None:
     """The manifest as written (``output_dir.py`` checks one a run is to trust)."""
     path = directory / MANIFEST
     if not path.exists():
@@ -89,13 +102,13 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return dict(json.loads(path.read_text(encoding="utf-8")))
 
 
-def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> None:
+def write_manifest(directory: Location, manifest: Mapping[str, Any]) -> None:
     """Write the manifest whole under a fresh name, then put it in place (a reader sees the
     last one or this one, never half)."""
     temporary = directory / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"
     with create_file(temporary) as file:
         file.write(json.dumps(manifest, indent=2) + "\n")
-    os.replace(temporary, directory / MANIFEST)
+    replace(temporary, directory / MANIFEST)
 
 
 def column_name(layer: int) -> str:
@@ -130,6 +143,54 @@ def dataset_schema(
     return pa.schema(fields, metadata=metadata)
 
 
+def _layer_array(
+    arrays: Sequence[np.ndarray | None], *, hidden_size: int, matrix: bool, dtype: np.dtype[Any]
+) -> Any:
+    """One layer's column: a vector (or a matrix) per row; null where the array is ``None``
+    (the mapper's failed inputs: the writer has none)."""
+    import pyarrow as pa
+
+    mask = None
+    if any(a is None for a in arrays):
+        mask = pa.array([a is None for a in arrays])
+        empty = np.zeros((0, hidden_size) if matrix else (hidden_size,), dtype)
+        arrays = [empty if a is None else a for a in arrays]
+    present: list[np.ndarray] = [a for a in arrays if a is not None]
+    if not matrix:
+        flat = np.concatenate([a.reshape(-1) for a in present]).astype(dtype, copy=False)
+        return pa.FixedSizeListArray.from_arrays(pa.array(flat), hidden_size, mask=mask)
+    rows = np.concatenate([a.reshape(-1, hidden_size) for a in present])
+    flat = rows.reshape(-1).astype(dtype, copy=False)
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat), hidden_size)
+    offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in present])]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), vectors, mask=mask)
+
+
+def rows_table(
+    rows: Sequence[Mapping[str, Any]],
+    schema: Any,
+    *,
+    layers: Sequence[int],
+    hidden_size: int,
+    matrix: bool,
+    dtype: np.dtype[Any],
+) -> Any:
+    """``rows`` (``answer_rows``'s: ``id``, ``choice``, the positions, ``layer_K`` arrays) as
+    one Arrow table of ``schema``; a column of the schema that a row lacks is null there."""
+    import pyarrow as pa
+
+    layer_columns = {column_name(k) for k in layers}
+    columns = [
+        _layer_array(
+            [r.get(f.name) for r in rows], hidden_size=hidden_size, matrix=matrix, dtype=dtype
+        )
+        if f.name in layer_columns
+        else pa.array([r.get(f.name) for r in rows], f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
 class DatasetWriter:
     """Rows in, Parquet parts out: a row group each ``row_group_rows`` rows (or
     :data:`ROW_GROUP_BYTES`), a new part each ``rows_per_file`` rows; :meth:`close` writes what
@@ -137,7 +198,7 @@ class DatasetWriter:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Location,
         *,
         layers: Sequence[int],
         hidden_size: int,
@@ -147,9 +208,6 @@ class DatasetWriter:
         row_group_rows: int,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
-        import pyarrow as pa
-
-        self._pa = pa
         self.directory = directory
         self.layers = list(layers)
         self.hidden_size = hidden_size
@@ -170,7 +228,7 @@ class DatasetWriter:
         self._buffered_bytes = 0
         self._writer: Any = None
         self._file: IO[Any] | None = None
-        self._temporary: Path | None = None
+        self._temporary: Location | None = None
         self._part_rows = 0
         self.rows_written = 0
         self.parts_written: list[str] = []
@@ -182,17 +240,6 @@ class DatasetWriter:
         if len(self._rows) >= self.row_group_rows or self._buffered_bytes >= ROW_GROUP_BYTES:
             self._flush()
 
-    def _layer_array(self, arrays: list[np.ndarray]) -> Any:
-        pa = self._pa
-        if not self.matrix:
-            flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(self.dtype, copy=False)
-            return pa.FixedSizeListArray.from_arrays(pa.array(flat), self.hidden_size)
-        rows = np.concatenate([a.reshape(-1, self.hidden_size) for a in arrays])
-        flat = rows.reshape(-1).astype(self.dtype, copy=False)
-        vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat), self.hidden_size)
-        offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])]).astype(np.int32)
-        return pa.ListArray.from_arrays(pa.array(offsets), vectors)
-
     def _flush(self) -> None:
         self._buffered_bytes = 0
         while self._rows:
@@ -200,14 +247,15 @@ class DatasetWriter:
                 self._open()
             room = self.rows_per_file - self._part_rows
             rows, self._rows = self._rows[:room], self._rows[room:]
-            pa = self._pa
-            columns = [
-                pa.array([r[f.name] for r in rows], f.type)
-                for f in self.schema
-                if not f.name.startswith("layer_")
-            ]
-            columns += [self._layer_array([r[column_name(k)] for r in rows]) for k in self.layers]
-            self._writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
+            table = rows_table(
+                rows,
+                self.schema,
+                layers=self.layers,
+                hidden_size=self.hidden_size,
+                matrix=self.matrix,
+                dtype=self.dtype,
+            )
+            self._writer.write_table(table)
             self._part_rows += len(rows)
             self.rows_written += len(rows)
             if self._part_rows >= self.rows_per_file:
@@ -229,7 +277,7 @@ class DatasetWriter:
         self._writer.close()
         self._file.close()
         final = self.directory / self._temporary.name[1:].removesuffix(".tmp")
-        os.replace(self._temporary, final)
+        replace(self._temporary, final)
         self.parts_written.append(final.name)
         self._writer = self._temporary = self._file = None
 

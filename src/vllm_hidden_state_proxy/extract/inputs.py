@@ -21,8 +21,9 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
+
+from vllm_hidden_state_proxy.extract.storage import Location, StorePath, parquet_source
 
 #: Parquet rows read at once.
 _PARQUET_BATCH_ROWS = 1024
@@ -57,26 +58,27 @@ class InputProblem:
     reason: str
 
 
-def input_format(path: Path, given: str | None) -> str:
+def input_format(path: Location, given: str | None) -> str:
     if given is not None:
         return given
     return "parquet" if path.suffix.lower() in (".parquet", ".pq") else "jsonl"
 
 
-def check_corpus(path: Path, fmt: str) -> None:
+def check_corpus(path: Location, fmt: str) -> None:
     """:class:`CorpusError` if ``path`` is not a readable file of its format (JSONL is not read
     here: it may be a pipe, ``<(zcat corpus.jsonl.gz)``, read once)."""
     if not path.exists():
         raise CorpusError(f"{path} does not exist")
     if path.is_dir():
         raise CorpusError(f"{path} is a directory, not a file of inputs")
-    if not os.access(path, os.R_OK):
+    if not isinstance(path, StorePath) and not os.access(path, os.R_OK):
         raise CorpusError(f"{path} cannot be read (permission denied)")
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         try:
-            pq.ParquetFile(path)  # reads the footer: its schema and row groups
+            with parquet_source(path) as source:
+                pq.ParquetFile(source)  # reads the footer: its schema and row groups
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise CorpusError(f"{path} cannot be read as Parquet: {exc}") from None
 
@@ -155,20 +157,21 @@ def _not_json(value: Any, where: str) -> str | None:
     return f"`{where}` is a {type(value).__name__} ({value!r:.40}), not a JSON value"
 
 
-def _records(path: Path, fmt: str, max_line_bytes: int) -> Iterator[tuple[int, Any]]:
+def _records(path: Location, fmt: str, max_line_bytes: int) -> Iterator[tuple[int, Any]]:
     """(line, object or a problem string) for each line or row."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        parquet = pq.ParquetFile(path)
-        wanted = [
-            c for c in ("id", "messages", "prompt", "spans") if c in parquet.schema_arrow.names
-        ]
-        line = 0
-        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=wanted):
-            for row in batch.to_pylist():
-                line += 1
-                yield line, {k: v for k, v in row.items() if v is not None}
+        with parquet_source(path) as source:
+            parquet = pq.ParquetFile(source)
+            wanted = [
+                c for c in ("id", "messages", "prompt", "spans") if c in parquet.schema_arrow.names
+            ]
+            line = 0
+            for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=wanted):
+                for row in batch.to_pylist():
+                    line += 1
+                    yield line, {k: v for k, v in row.items() if v is not None}
         return
     with path.open("rb") as source:
         for line, raw in _lines(source, max_line_bytes):
@@ -221,8 +224,14 @@ def _checked(line: int, record: Any, spans: bool, parquet: bool) -> Input | Inpu
     return Input(line, id_, messages, prompt, span_list)
 
 
+def check_record(line: int, record: Mapping[str, Any], *, spans: bool) -> Input | InputProblem:
+    """One record of plain values (a Parquet row's, a mapper's batch's) checked as extract
+    checks each input (its values JSON a request can carry included)."""
+    return _checked(line, record, spans, True)
+
+
 def read_inputs(
-    path: Path,
+    path: Location,
     fmt: str | None = None,
     *,
     spans: bool = False,

@@ -78,7 +78,12 @@ class ExtractOptions:
         shown_default="required",
     )
     output: str = option(
-        "", "--output", "the dataset's directory (created)", metavar="DIR", shown_default="required"
+        "",
+        "--output",
+        "the dataset's directory (created), or an object store's URI such as s3://bucket/prefix "
+        "(the object-store extra)",
+        metavar="DIR",
+        shown_default="required",
     )
     input_format: str | None = option(
         None,
@@ -212,7 +217,11 @@ class ExtractOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", metavar="INPUT", help="a JSONL or Parquet file of inputs")
+    parser.add_argument(
+        "input",
+        metavar="INPUT",
+        help="a JSONL or Parquet file of inputs, or an object store's URI (s3://bucket/in.jsonl)",
+    )
     option_table.add_arguments(parser, ExtractOptions, required=("output",))
 
 

@@ -19,7 +19,6 @@ Whatever does not fit is an :class:`OutputRefused`: a sentence, exit 2, nothing 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import IO, Any
 
 from vllm_hidden_state_proxy.extract.dataset import (
@@ -31,6 +30,7 @@ from vllm_hidden_state_proxy.extract.dataset import (
     create_file,
 )
 from vllm_hidden_state_proxy.extract.resume import OPTIONAL_KEYS, RESUME_KEYS
+from vllm_hidden_state_proxy.extract.storage import Location
 
 
 class OutputRefused(Exception):
@@ -47,7 +47,7 @@ def _extracts(name: str) -> bool:
     )
 
 
-def check_output_path(directory: Path) -> None:
+def check_output_path(directory: Location) -> None:
     """``--output`` is a directory, or nothing yet (not a file, not a link to nothing)."""
     if directory.is_symlink() and not directory.exists():
         raise OutputRefused(f"--output {directory} is a symbolic link to nothing")
@@ -55,7 +55,7 @@ def check_output_path(directory: Path) -> None:
         raise OutputRefused(f"--output {directory} is not a directory")
 
 
-def _manifest(path: Path) -> dict[str, Any]:
+def _manifest(path: Location) -> dict[str, Any]:
     """The manifest, checked to be one extract wrote."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
@@ -74,7 +74,7 @@ def _manifest(path: Path) -> dict[str, Any]:
     return document
 
 
-def prepare_output(directory: Path, *, resume: bool) -> dict[str, Any] | None:
+def prepare_output(directory: Location, *, resume: bool) -> dict[str, Any] | None:
     """Check ``directory`` for this run (see the module docstring) and create it if need be;
     its manifest when it is a dataset."""
     check_output_path(directory)
@@ -113,7 +113,7 @@ def prepare_output(directory: Path, *, resume: bool) -> dict[str, Any] | None:
     return manifest
 
 
-def remove_unfinished(directory: Path) -> list[Path]:
+def remove_unfinished(directory: Location) -> list[Location]:
     """In a dataset, the files an earlier run left unfinished (never renamed: not part of it),
     removed; their names."""
     left = sorted(
@@ -126,13 +126,13 @@ def remove_unfinished(directory: Path) -> list[Path]:
     return left
 
 
-def open_errors(directory: Path, *, replace: bool) -> IO[str]:
+def open_errors(directory: Location, *, replace: bool) -> IO[str]:
     """A new errors file (the dataset's last one removed first, when ``replace``)."""
     path = directory / ERRORS
     if replace:
         path.unlink(missing_ok=True)
     try:
-        return create_file(path)  # type: ignore[return-value]
+        return create_file(path)
     except FileExistsError:
         raise OutputRefused(
             f"{path} appeared while the run started: is another one running?"

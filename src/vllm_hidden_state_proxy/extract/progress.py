@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
+
+from vllm_hidden_state_proxy.extract.storage import Location, parquet_source
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Counts:
         return f"{self.retries} retries" + (f" ({causes})" if causes else "")
 
 
-def count_inputs(path: Path, fmt: str) -> int | None:
+def count_inputs(path: Location, fmt: str) -> int | None:
     """How many inputs there are, for the ETA: Parquet's metadata, or JSONL's lines (not of a
     pipe, which is read once)."""
     if not path.is_file():
@@ -42,13 +43,14 @@ def count_inputs(path: Path, fmt: str) -> int | None:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            return int(pq.ParquetFile(path).metadata.num_rows)
+            with parquet_source(path) as source:
+                return int(pq.ParquetFile(source).metadata.num_rows)
         return _count_lines(path)
     except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError: not Parquet
         return None
 
 
-def _count_lines(path: Path) -> int:
+def _count_lines(path: Location) -> int:
     """JSONL's lines that are not blank, read in pieces (a line may be longer than memory)."""
     count = 0
     blank = True  # the line so far holds only whitespace

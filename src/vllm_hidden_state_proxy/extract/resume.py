@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from vllm_hidden_state_proxy.extract.dataset import SETTINGS_KEY, part_files
+from vllm_hidden_state_proxy.extract.storage import Location, parquet_source
 
 #: What the dataset must share with a run that resumes it: what decides its vectors (the
 #: request body's other fields, ``--extra-body``, included: a chat template's arguments, a
@@ -58,7 +58,9 @@ def _extra_body_of_command_line(manifest: Mapping[str, Any]) -> Any:
     return None
 
 
-def check_manifest(directory: Path, manifest: Mapping[str, Any], plan: Mapping[str, Any]) -> None:
+def check_manifest(
+    directory: Location, manifest: Mapping[str, Any], plan: Mapping[str, Any]
+) -> None:
     if "extra_body" not in manifest:
         manifest = {**manifest, "extra_body": _extra_body_of_command_line(manifest)}
     differing = _differing(manifest, plan)
@@ -66,7 +68,7 @@ def check_manifest(directory: Path, manifest: Mapping[str, Any], plan: Mapping[s
         raise ResumeRefused(f"--resume: {directory}'s dataset was made with other {differing}")
 
 
-def check_parts(directory: Path, schema: Any, plan: Mapping[str, Any]) -> None:
+def check_parts(directory: Location, schema: Any, plan: Mapping[str, Any]) -> None:
     """Each part's settings (when it carries them: parts of earlier releases do not) and its
     columns, which must be this run's ``schema``'s."""
     import pyarrow.parquet as pq
@@ -74,7 +76,8 @@ def check_parts(directory: Path, schema: Any, plan: Mapping[str, Any]) -> None:
     expected = schema.remove_metadata()
     for part in part_files(directory):
         try:
-            found = pq.read_schema(part)
+            with parquet_source(part) as source:
+                found = pq.read_schema(source)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise ResumeRefused(
                 f"--resume: {part} cannot be read ({exc}): not a part extract finished; move "

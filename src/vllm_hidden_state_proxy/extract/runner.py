@@ -76,6 +76,7 @@ from vllm_hidden_state_proxy.extract.resume import (
     settings_of,
 )
 from vllm_hidden_state_proxy.extract.sender import Sender
+from vllm_hidden_state_proxy.extract.storage import Location, StorageError, location
 from vllm_hidden_state_proxy.extract.write_behind import WriteBehind
 from vllm_hidden_state_proxy.protocol import MATRIX_POOLINGS
 
@@ -95,7 +96,7 @@ class Extraction:
 
     def __init__(
         self,
-        input_path: Path,
+        input_path: Location,
         options: ExtractOptions,
         *,
         command_line: Sequence[str],
@@ -107,7 +108,7 @@ class Extraction:
         self.command_line = list(command_line)
         self.transport = transport
         self.stderr = stderr or sys.stderr
-        self.directory = Path(options.output)
+        self.directory = location(options.output)  # a path, or an object store's URI
         self.counts = Counts()
         self.interrupted = False
         self._workers: list[asyncio.Future[None]] = []
@@ -530,13 +531,17 @@ def run_extract(
     """Run ``extract`` (the exit status: 0 when every input was written, 1 when some failed,
     2 when nothing could start, 3 when an error no input explains stopped it, 130 when
     interrupted)."""
-    extraction = Extraction(
-        Path(input_path),
-        options,
-        command_line=sys.argv if command_line is None else command_line,
-        transport=transport,
-        stderr=stderr,
-    )
+    try:
+        extraction = Extraction(
+            location(input_path),
+            options,
+            command_line=sys.argv if command_line is None else command_line,
+            transport=transport,
+            stderr=stderr,
+        )
+    except StorageError as problem:
+        (stderr or sys.stderr).write(f"extract: {problem}\n")
+        return EXIT_SETUP
     try:
         return asyncio.run(extraction.run())
     except ExtractSetupError as problem:

@@ -1,0 +1,79 @@
+"""An S3 for the tests: moto's server mode on a free port of 127.0.0.1, in a thread of the test
+process, reached over HTTP as any S3 (by s3fs here, by Ray's workers in the e2e test), its
+endpoint and made-up keys in the environment as a user's would be (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``...): nothing on the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class S3:
+    """The server's endpoint and the environment that points a client at it."""
+
+    endpoint: str
+    env: dict[str, str]
+
+    def bucket(self) -> str:
+        """A new bucket's name (made)."""
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        self.fs().mkdir(name)
+        return name
+
+    def fs(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(
+            endpoint_url=self.endpoint,
+            key=self.env["AWS_ACCESS_KEY_ID"],
+            secret=self.env["AWS_SECRET_ACCESS_KEY"],
+            skip_instance_cache=True,
+        )
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[S3]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    server = ThreadedMotoServer("127.0.0.1", 0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        yield S3(endpoint, env)
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def s3_environment(s3: S3) -> Iterator[None]:
+    """The environment pointed at ``s3`` (and back), fsspec's instances forgotten on both
+    sides: s3fs keeps one per set of arguments, which the environment is not part of."""
+    import fsspec
+
+    before = {name: os.environ.get(name) for name in s3.env}
+    os.environ.update(s3.env)
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
