@@ -276,7 +276,7 @@ def _index_below(text: str, bound: int) -> int | None:
 
 def prompt_index(req_id: str, listed: PromptList, randomized: bool = True) -> int | None:
     """The prompt index of engine request ``req_id`` of the list ``listed``: exactly
-    ``["{c}_"] + "cmpl-{base}-{index}" + ["-" + 8 hex]`` as vLLM 0.32 forms it (the
+    ``["{c}_"] + "cmpl-{base}-{index}" + ["-" + 8 hex]`` as vLLM 0.32 and 0.34 form it (the
     choice prefix when ``n > 1``, the suffix unless vLLM keeps ids; a chat batch's
     conversation: ``"chatcmpl-{base}_{index}"``); ``None`` for anything else."""
     if not isinstance(req_id, str):
