@@ -22,7 +22,9 @@ from __future__ import annotations
 import anyio
 import httpx
 
-from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport, ClosesAtOnce
+from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport
+from vllm_hidden_state_proxy.transport.closing import ClosesAtOnce
+from vllm_hidden_state_proxy.transport.http1 import Http1Transport
 
 #: Seconds an idle pooled connection to vLLM is kept: vLLM (uvicorn) closes idle connections
 #: after 5 s, so ours are retired first and a request never goes out on a connection the
@@ -30,11 +32,11 @@ from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport, C
 KEEPALIVE_EXPIRY = 2.0
 
 #: The engines under httpx's interface (``--upstream-client``).
-ENGINES = ("aiohttp", "httpx")
+ENGINES = ("http1", "aiohttp", "httpx")
 
 
 def create_pool(
-    max_connections: int | None, uds: str | None = None, engine: str = "aiohttp"
+    max_connections: int | None, uds: str | None = None, engine: str = "http1"
 ) -> httpx.AsyncBaseTransport:
     """A pool of at most ``max_connections`` connections (``None``: no bound) to vLLM, over the
     Unix socket ``uds`` if given (``vllm serve --uds``; the URL's host is then ignored), by
@@ -47,7 +49,9 @@ def create_pool(
     )
     if engine == "httpx":
         return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, uds=uds)
-    return AiohttpTransport(limits=limits, uds=uds)
+    if engine == "aiohttp":
+        return AiohttpTransport(limits=limits, uds=uds)
+    return Http1Transport(limits=limits, uds=uds)
 
 
 async def close_quietly(response: httpx.Response) -> None:
