@@ -178,6 +178,10 @@ def _measure(options: BenchOptions, results: Results, progress: Progress) -> Non
             from vllm_hidden_state_proxy.bench import extract_compare
 
             results.tables.update(extract_compare.run(model_dir, options, progress))
+        if "offline" in options.phases:
+            from vllm_hidden_state_proxy.bench import offline
+
+            results.tables["offline"] = offline.run(model_dir, options, progress, results)
 
 
 def run(options: BenchOptions, progress: Progress) -> Results:

@@ -22,8 +22,10 @@ PHASES = {
     "embeddings": "the proxy's /v1/embeddings at each --embedding-batches",
     "extract": "extract through serve against vLLM's pooling server, vectors compared; "
     "three vLLM servers one after the other, not in the default",
+    "offline": "the offline API's hidden states against vLLM's offline pooling LLM (and the "
+    "extract phase's rate, if it ran); three LLMs, not in the default",
 }
-DEFAULT_PHASES = tuple(name for name in PHASES if name != "extract")
+DEFAULT_PHASES = tuple(name for name in PHASES if name not in ("extract", "offline"))
 DEFAULT_REQUESTS, SMOKE_REQUESTS, SMOKE_STREAMS, ROUNDS = 200, 3, 2, 6
 #: Embedding inputs per arm and batch size, over all rounds, per latency-arm request.
 EMBEDDING_INPUTS_PER_REQUEST = 4
@@ -180,8 +182,8 @@ def from_args(args: argparse.Namespace) -> BenchOptions:
     )
     if (given.proxy_url is None) != (given.vllm_url is None):
         raise OptionsError("--proxy-url and --vllm-url go together (the direct arms need vLLM)")
-    if "extract" in given.phases and given.proxy_url is not None:
-        raise OptionsError("the extract phase starts its own servers: leave --proxy-url out")
+    if {"extract", "offline"} & set(given.phases) and given.proxy_url is not None:
+        raise OptionsError("extract and offline start their own servers: leave --proxy-url out")
     smoke = given.smoke
     return dataclasses.replace(
         given,
