@@ -84,7 +84,7 @@ async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
         if line.lower() == b"transfer-encoding: chunked":
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
                 chunk = await reader.readexactly(size + 2)

@@ -22,6 +22,7 @@ from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport
 
 pytestmark = pytest.mark.anyio
 
+
 async def test_exactly_the_clients_headers_go_out_and_the_body_comes_back() -> None:
     transport = AiohttpTransport(limits=LIMITS)
     async with serving(reply_ok) as (url, server):

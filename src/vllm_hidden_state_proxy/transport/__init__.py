@@ -6,13 +6,14 @@ same code then talks to a real server, an in-process fake (``httpx.MockTransport
 app. The proxy calls its ``handle_async_request`` directly, not through an
 ``httpx.AsyncClient``, whose layers (auth, redirects, cookie jar, event hooks, default headers)
 are work a proxy must not do; ``extract`` wraps it in a client. The pool under it is built here
-(:func:`create_pool`), by one of two engines:
+(:func:`create_pool`), by one of three engines (the proxy's ``--upstream-client``):
 
-- ``aiohttp`` (the default, :mod:`.aiohttp_client`): aiohttp's client under httpx's interface,
-  a fraction of httpx's CPU per request;
-- ``httpx``: httpx's own (httpcore), the proxy's ``--upstream-client httpx``.
+- ``http1`` (the default, :mod:`.http1`): the proxy's own HTTP/1.1 pool on asyncio protocols
+  and httptools, the least CPU per request (issue #46);
+- ``aiohttp`` (:mod:`.aiohttp_client`): aiohttp's client under httpx's interface;
+- ``httpx``: httpx's own (httpcore).
 
-- :mod:`.aiohttp_client`: the aiohttp engine;
+- :mod:`.http1`, :mod:`.aiohttp_client`: the two engines of this package;
 - :mod:`.ops`: one client for vLLM's ops routes (``/health``, ``/metrics``, ``/v1/models``),
   on a small pool of the same engine, and those routes' paths (``check`` reads them too).
 """

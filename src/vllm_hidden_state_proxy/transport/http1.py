@@ -9,16 +9,26 @@ front of vLLM needs:
 
 - a request goes out with exactly the headers given (``httpx.Request`` adds ``Host`` and
   ``Content-Length``; nothing else is added), its body as bytes (``Content-Length``) or, when
-  it is a stream, chunked; no redirects, cookies or decompression;
+  it is a stream, chunked; no redirects, cookies or decompression; a CR or LF in a header or the
+  target is refused (``LocalProtocolError``) before anything goes out;
+- 1xx responses (``100 Continue``, ``103 Early Hints``) are skipped for the final one; a 101
+  (a switch of protocols nobody asked for) is an error; HEAD, 204 and 304 have no body;
 - the response returns once its status line and headers are in, with the body bytes that came
   with them; the rest streams as it arrives (at most :data:`_HIGH_WATER` bytes buffered: then
   the socket is paused), ``Content-Length``, chunked or until the connection closes;
-- a response stream closed before its end (a client disconnect) aborts the connection, so vLLM
-  sees the disconnect and aborts the request; a complete one returns it to the pool;
+- a response stream closed before its end (a client disconnect), or a request cancelled at any
+  point before that, aborts the connection, so vLLM sees the disconnect and aborts the request;
+  a complete one (its body read or not) returns it to the pool unless the response said
+  ``Connection: close`` (or HTTP/1.0); bytes beyond the response, or on an idle connection,
+  mean the connection is out of step: it is closed, never reused;
 - a reused connection that the server closed before answering a single byte (its keep-alive
   timeout racing the request) is retried once on a fresh connection; nothing else is retried;
 - httpx's per-request ``timeout`` extension applies (``connect``, and ``read``: the longest wait
-  for the head or for the next body bytes); ``pool`` waits forever;
+  for the head or for the next body bytes); ``pool`` waits forever (the proxy's settings ask for
+  that), ``write`` is not applied (a body in bytes is handed to the socket's buffer at once; a
+  server that never reads it never answers: the ``read`` timeout ends the wait); at most
+  ``limits.max_connections`` connections (``None``: no bound), idle ones kept for
+  ``limits.keepalive_expiry`` seconds (``None``: until the server closes them);
 - a head larger than :data:`MAX_HEAD_BYTES`, a malformed message, a body cut short or a reset
   connection arrive as httpx's errors (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
   ``ReadError``, ``RemoteProtocolError``), which the proxy maps to 502/504;
@@ -51,23 +61,28 @@ class _Exchange:
     """One request's response as it arrives on a connection."""
 
     __slots__ = (
+        "buffered",
         "chunks",
         "complete",
         "error",
-        "keep_alive",
         "framed",
         "head",
         "headers",
-        "buffered",
+        "informational",
+        "keep_alive",
         "reason",
         "received",
+        "status",
         "waiter",
     )
 
     def __init__(self) -> None:
         self.head: asyncio.Future[None] | None = None
+        self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.reason = b""
+        #: A 1xx response is being read: its head is dropped, the final response follows.
+        self.informational = False
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.complete = False
@@ -110,6 +125,9 @@ class _Connection(asyncio.Protocol):
             self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # 101: the proxy asked for no other protocol
+            self._fail(httpx.RemoteProtocolError("the server switched protocols"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed response from the server: {exc}"))
             return
@@ -147,13 +165,21 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools' callbacks ------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        exchange = self.exchange
+        if exchange is not None and exchange.complete:
+            # A second response to one request: the connection is out of step; the first
+            # response stands, the rest is ignored and the connection is never reused.
+            self._drop()
+
     def on_status(self, status: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.reason += status
+        exchange = self.exchange
+        if exchange is not None and not exchange.complete:
+            exchange.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
         exchange = self.exchange
-        if exchange is not None:
+        if exchange is not None and not exchange.complete:
             exchange.headers.append((name, value))
             lowered = name.lower()
             if lowered == b"content-length" or (
@@ -162,16 +188,26 @@ class _Connection(asyncio.Protocol):
                 exchange.framed = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         exchange = self.exchange
-        if exchange is not None and exchange.head is not None and not exchange.head.done():
-            if self.parser.get_status_code() in (204, 304):
-                exchange.framed = True  # no body, whatever the headers say
-            exchange.head.set_result(None)
+        if exchange is None or exchange.head is None or exchange.head.done():
+            return
+        status = self.parser.get_status_code()
+        if status < 200:  # 100 Continue, 103 Early Hints: the final response follows
+            exchange.informational = True
+            exchange.headers = []
+            exchange.reason = b""
+            exchange.framed = False
+            self._head_bytes = 0
+            return
+        self._in_head = False
+        exchange.status = status
+        if status in (204, 304):
+            exchange.framed = True  # no body, whatever the headers say
+        exchange.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         exchange = self.exchange
-        if exchange is None:
+        if exchange is None or exchange.complete:
             return
         exchange.chunks.append(body)
         exchange.buffered += len(body)
@@ -182,7 +218,12 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         exchange = self.exchange
-        if exchange is not None:
+        if exchange is None or exchange.complete:
+            return
+        if exchange.informational:
+            exchange.informational = False
+            return
+        if exchange.head is not None and exchange.head.done():
             exchange.complete = True
             exchange.keep_alive = self.parser.should_keep_alive()
             self._wake(exchange)
@@ -309,7 +350,8 @@ class _ResponseStream(ClosesAtOnce):
         if connection is None:
             return
         exchange = self._exchange
-        if exchange.complete and not exchange.chunks:
+        if exchange.complete:  # all of it arrived (read or not): the connection is in step
+            exchange.chunks.clear()
             self._pool.release(connection)
         else:  # abandoned mid-body: vLLM must see the client go
             connection.abort()
@@ -330,7 +372,13 @@ def _request_head(request: httpx.Request, chunked: bool) -> bytes:
     if chunked:
         lines.append(b"transfer-encoding: chunked\r\n")
     lines.append(b"\r\n")
-    return b"".join(lines)
+    head = b"".join(lines)
+    # A CR or LF inside a name, value or the target would smuggle a header or a request.
+    if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+        raise httpx.LocalProtocolError(
+            "a request header or target holds a line break", request=request
+        )
+    return head
 
 
 class Http1Transport(httpx.AsyncBaseTransport):
@@ -356,7 +404,9 @@ class Http1Transport(httpx.AsyncBaseTransport):
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if not connection.lost and now - connection.idle_since < (self._expiry or 0.0):
+            if not connection.lost and (
+                self._expiry is None or now - connection.idle_since < self._expiry
+            ):
                 connection.reused = True
                 return connection
             connection.abort()
@@ -372,6 +422,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 if waiter.done() and not waiter.cancelled():
                     self._wake_next()  # pass on the turn this task was given
                 raise
+            if self._closed:
+                raise httpx.ConnectError("the transport is closed")
             idle = self._idle.get(origin)
             if idle:
                 return await self._acquire(origin, connect_timeout)
@@ -497,12 +549,11 @@ class Http1Transport(httpx.AsyncBaseTransport):
         if request.method == "HEAD":  # no body follows, whatever Content-Length says
             exchange.complete = True
             connection.lost = True  # and the parser expects one: not reused
-        parser = connection.parser
         extensions: dict[str, object] = {"http_version": b"HTTP/1.1"}
         if exchange.reason:
             extensions["reason_phrase"] = exchange.reason
         return httpx.Response(
-            parser.get_status_code(),
+            exchange.status,
             headers=exchange.headers,
             stream=_ResponseStream(self, connection, exchange, request, read_timeout),
             request=request,
@@ -516,9 +567,15 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 connection.abort()
         self._idle.clear()
         self._origins.clear()
+        while self._waiters:  # requests waiting for a connection fail now
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
 
-async def _send_stream(connection: _Connection, stream: AsyncIterable[bytes], chunked: bool) -> None:
+async def _send_stream(
+    connection: _Connection, stream: AsyncIterable[bytes], chunked: bool
+) -> None:
     """Write a streamed request body (chunked unless its length was declared)."""
     transport = connection.transport
     if transport is None:
