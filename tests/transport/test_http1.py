@@ -501,7 +501,7 @@ async def test_the_pool_keeps_its_bound() -> None:
     assert sorted(results) == [b"first", b"second"] and server.connections == 1
 
 
-async def test_closing_the_transport_fails_the_requests_waiting_for_a_connection() -> None:
+async def test_closing_the_transport_fails_the_requests_under_way_and_waiting() -> None:
     async def silent(reader: Reader, writer: Writer, _: bytes) -> None:
         await reader.read()
 
@@ -516,9 +516,23 @@ async def test_closing_the_transport_fails_the_requests_waiting_for_a_connection
         await transport.aclose()
         with pytest.raises(httpx.ConnectError):
             await asyncio.wait_for(waiting, 30)
-        holding.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await holding
+        with pytest.raises(httpx.ReadError):  # the request that held the connection fails too
+            await asyncio.wait_for(holding, 30)
+
+
+async def test_closing_the_transport_fails_a_response_being_read() -> None:
+    async def endless(reader: Reader, writer: Writer, _: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n")
+        await writer.drain()
+        await reader.read()
+
+    transport = Http1Transport(limits=LIMITS)
+    async with serving(endless) as (url, server):
+        response = await transport.handle_async_request(request(url))
+        await transport.aclose()
+        with anyio.fail_after(30), pytest.raises(httpx.ReadError):
+            await body_of(response)
+        await asyncio.wait_for(server.closed.wait(), 30)
 
 
 async def test_no_head_within_the_read_timeout_is_a_read_timeout() -> None:

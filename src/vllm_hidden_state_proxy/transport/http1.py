@@ -107,6 +107,9 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.reused = False
+        #: Set once the socket is closed (asyncio's connection_lost ran); made on demand.
+        self.closed: asyncio.Future[None] | None = None
+        self._gone = False
         self._head_bytes = 0
         self._in_head = True
 
@@ -139,6 +142,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._gone = True
+        if self.closed is not None and not self.closed.done():
+            self.closed.set_result(None)
         exchange = self.exchange
         if exchange is None or exchange.complete:
             return
@@ -277,6 +283,17 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         self.exchange = None
         self._drop()
+
+    def shut(self, error: httpx.TransportError) -> None:
+        """Close the connection; an exchange still under way fails with ``error``."""
+        self._fail(error)
+
+    async def wait_closed(self) -> None:
+        """Until the socket is closed (after :meth:`abort`)."""
+        if not self._gone and self.transport is not None:
+            if self.closed is None:
+                self.closed = asyncio.get_running_loop().create_future()
+            await self.closed
 
 
 async def _wait(future: asyncio.Future[None], timeout: float | None) -> None:
@@ -561,16 +578,20 @@ class Http1Transport(httpx.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
+        """Close every connection, idle or in use (a response still open fails), and return
+        once their sockets are closed."""
         self._closed = True
-        for connections in self._idle.values():
-            for connection in connections:
-                connection.abort()
+        connections = list(self._origins)
+        for connection in connections:  # a response still being read fails
+            connection.shut(httpx.ReadError("the connection pool was closed"))
         self._idle.clear()
         self._origins.clear()
         while self._waiters:  # requests waiting for a connection fail now
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+        for connection in connections:
+            await connection.wait_closed()
 
 
 async def _send_stream(
