@@ -5,7 +5,7 @@ error event (:mod:`.events` frames it)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable
 
 import httpx
 from starlette.types import Message, Scope, Send
@@ -16,7 +16,7 @@ from vllm_hidden_state_proxy.proxy.headers import downstream_response_headers
 from vllm_hidden_state_proxy.proxy.state import ProxyState
 from vllm_hidden_state_proxy.proxy.streams.events import complete_events, error_event
 from vllm_hidden_state_proxy.proxy.upstream import broken_off, open_upstream
-from vllm_hidden_state_proxy.transport import close_quietly
+from vllm_hidden_state_proxy.transport import body_chunks, close_quietly
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,15 @@ async def relay_response(state: ProxyState, send: Send, response: httpx.Response
     }
     if "content-length" not in response.headers:  # a stream: its head at once
         await send(start)
-        await relay_body(state, send, response.aiter_raw())
+        await relay_body(state, send, body_chunks(response))
         return
-    await relay_body(state, send, response.aiter_raw(), start=start)
+    await relay_body(state, send, body_chunks(response), start=start)
 
 
 async def relay_body(
     state: ProxyState,
     send: Send,
-    chunks: AsyncIterator[bytes],
+    chunks: AsyncIterable[bytes],
     error_event: bool = False,
     pending: bytes = b"",
     start: Message | None = None,
