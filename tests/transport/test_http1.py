@@ -1,5 +1,6 @@
-"""The proxy's own HTTP/1.1 engine (transport/http1.py) against real sockets: the raw server of
-``raw_server.py`` records what arrives and replies as each test tells it, well or badly.
+"""The proxy's own HTTP/1.1 engine (transport/http1.py, transport/http1_connection.py) against
+real sockets: the raw server of ``raw_server.py`` records what arrives and replies as each test
+tells it, well or badly.
 
 What the proxy relies on: exactly the client's headers go out; body chunks come back as they
 arrive; a complete response returns its connection to the pool and anything else (a stream
@@ -23,7 +24,8 @@ import pytest
 
 from tests.transport.raw_server import LIMITS, Reply, reply_ok, request, serving
 from vllm_hidden_state_proxy.processes import free_port
-from vllm_hidden_state_proxy.transport.http1 import MAX_HEAD_BYTES, Http1Transport
+from vllm_hidden_state_proxy.transport.http1 import Http1Transport
+from vllm_hidden_state_proxy.transport.http1_connection import MAX_HEAD_BYTES
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,8 @@ are work a proxy must not do; ``extract`` wraps it in a client. The pool under i
 - ``aiohttp`` (:mod:`.aiohttp_client`): aiohttp's client under httpx's interface;
 - ``httpx``: httpx's own (httpcore).
 
-- :mod:`.http1`, :mod:`.aiohttp_client`: the two engines of this package;
+- :mod:`.http1` (one connection: :mod:`.http1_connection`), :mod:`.aiohttp_client`: the two
+  engines of this package;
 - :mod:`.ops`: one client for vLLM's ops routes (``/health``, ``/metrics``, ``/v1/models``),
   on a small pool of the same engine, and those routes' paths (``check`` reads them too).
 """

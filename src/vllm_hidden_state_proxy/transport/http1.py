@@ -14,8 +14,8 @@ front of vLLM needs:
 - 1xx responses (``100 Continue``, ``103 Early Hints``) are skipped for the final one; a 101
   (a switch of protocols nobody asked for) is an error; HEAD, 204 and 304 have no body;
 - the response returns once its status line and headers are in, with the body bytes that came
-  with them; the rest streams as it arrives (at most :data:`_HIGH_WATER` bytes buffered: then
-  the socket is paused), ``Content-Length``, chunked or until the connection closes;
+  with them; the rest streams as it arrives (at most ``HIGH_WATER`` bytes buffered: then the
+  socket is paused), ``Content-Length``, chunked or until the connection closes;
 - a response stream closed before its end (a client disconnect), or a request cancelled at any
   point before that, aborts the connection, so vLLM sees the disconnect and aborts the request;
   a complete one (its body read or not) returns it to the pool unless the response said
@@ -29,13 +29,15 @@ front of vLLM needs:
   server that never reads it never answers: the ``read`` timeout ends the wait); at most
   ``limits.max_connections`` connections (``None``: no bound), idle ones kept for
   ``limits.keepalive_expiry`` seconds (``None``: until the server closes them);
-- a head larger than :data:`MAX_HEAD_BYTES`, a malformed message, a body cut short or a reset
+- a head larger than ``MAX_HEAD_BYTES``, a malformed message, a body cut short or a reset
   connection arrive as httpx's errors (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
   ``ReadError``, ``RemoteProtocolError``), which the proxy maps to 502/504;
 - ``uds`` connects over a Unix domain socket (``vllm serve --uds``); ``https`` URLs get TLS with
   the default context.
 
-HTTP/1.1 only: vLLM's OpenAI server (uvicorn) speaks nothing else.
+HTTP/1.1 only: vLLM's OpenAI server (uvicorn) speaks nothing else. One connection (its
+protocol, the response as it arrives, ``MAX_HEAD_BYTES``, ``HIGH_WATER``) is
+:mod:`.http1_connection`; the pool, the request's bytes and httpx's interface are here.
 """
 
 from __future__ import annotations
@@ -46,272 +48,14 @@ import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 
-import httptools
 import httpx
 
 from vllm_hidden_state_proxy.transport.closing import ClosesAtOnce
-
-#: The most bytes a response's status line and headers may take.
-MAX_HEAD_BYTES = 256 * 1024
-#: Body bytes buffered beyond what the reader took before the socket is paused.
-_HIGH_WATER = 256 * 1024
-
-
-class _Exchange:
-    """One request's response as it arrives on a connection."""
-
-    __slots__ = (
-        "buffered",
-        "chunks",
-        "complete",
-        "error",
-        "framed",
-        "head",
-        "headers",
-        "informational",
-        "keep_alive",
-        "reason",
-        "received",
-        "status",
-        "waiter",
-    )
-
-    def __init__(self) -> None:
-        self.head: asyncio.Future[None] | None = None
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.reason = b""
-        #: A 1xx response is being read: its head is dropped, the final response follows.
-        self.informational = False
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        self.complete = False
-        #: The response lets the connection serve another request (read as it completes).
-        self.keep_alive = False
-        #: The body's end is marked by Content-Length or chunked encoding (else: by the close).
-        self.framed = False
-        self.error: httpx.TransportError | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        #: Bytes of the response received so far (0: the server said nothing).
-        self.received = 0
-
-
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection: one exchange at a time."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.exchange: _Exchange | None = None
-        self.lost = False
-        self.paused = False
-        self.idle_since = 0.0
-        self.reused = False
-        #: Set once the socket is closed (asyncio's connection_lost ran); made on demand.
-        self.closed: asyncio.Future[None] | None = None
-        self._gone = False
-        self._head_bytes = 0
-        self._in_head = True
-
-    # -- asyncio's callbacks -------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        exchange = self.exchange
-        if exchange is None:  # bytes nobody asked for: the connection cannot be trusted
-            self._drop()
-            return
-        exchange.received += len(data)
-        if self._in_head:
-            self._head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:  # 101: the proxy asked for no other protocol
-            self._fail(httpx.RemoteProtocolError("the server switched protocols"))
-            return
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response from the server: {exc}"))
-            return
-        if self._in_head and self._head_bytes > MAX_HEAD_BYTES:
-            self._fail(httpx.RemoteProtocolError("response head too large"))
-
-    def eof_received(self) -> bool | None:
-        return None  # close the transport: connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self._gone = True
-        if self.closed is not None and not self.closed.done():
-            self.closed.set_result(None)
-        exchange = self.exchange
-        if exchange is None or exchange.complete:
-            return
-        if exchange.head is not None and exchange.head.done() and not exchange.framed:
-            exchange.complete = True  # a body delimited by the connection's close
-            self._wake(exchange)
-            return
-        error: httpx.TransportError
-        if exc is not None:
-            error = httpx.ReadError(str(exc) or type(exc).__name__)
-        elif exchange.head is not None and exchange.head.done():
-            error = httpx.RemoteProtocolError(
-                "the server closed the connection before the end of the body"
-            )
-        else:
-            error = httpx.RemoteProtocolError("the server closed the connection without a response")
-        self._fail(error)
-
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # -- httptools' callbacks ------------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        exchange = self.exchange
-        if exchange is not None and exchange.complete:
-            # A second response to one request: the connection is out of step; the first
-            # response stands, the rest is ignored and the connection is never reused.
-            self._drop()
-
-    def on_status(self, status: bytes) -> None:
-        exchange = self.exchange
-        if exchange is not None and not exchange.complete:
-            exchange.reason += status
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        exchange = self.exchange
-        if exchange is not None and not exchange.complete:
-            exchange.headers.append((name, value))
-            lowered = name.lower()
-            if lowered == b"content-length" or (
-                lowered == b"transfer-encoding" and b"chunked" in value.lower()
-            ):
-                exchange.framed = True
-
-    def on_headers_complete(self) -> None:
-        exchange = self.exchange
-        if exchange is None or exchange.head is None or exchange.head.done():
-            return
-        status = self.parser.get_status_code()
-        if status < 200:  # 100 Continue, 103 Early Hints: the final response follows
-            exchange.informational = True
-            exchange.headers = []
-            exchange.reason = b""
-            exchange.framed = False
-            self._head_bytes = 0
-            return
-        self._in_head = False
-        exchange.status = status
-        if status in (204, 304):
-            exchange.framed = True  # no body, whatever the headers say
-        exchange.head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        exchange = self.exchange
-        if exchange is None or exchange.complete:
-            return
-        exchange.chunks.append(body)
-        exchange.buffered += len(body)
-        if exchange.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake(exchange)
-
-    def on_message_complete(self) -> None:
-        exchange = self.exchange
-        if exchange is None or exchange.complete:
-            return
-        if exchange.informational:
-            exchange.informational = False
-            return
-        if exchange.head is not None and exchange.head.done():
-            exchange.complete = True
-            exchange.keep_alive = self.parser.should_keep_alive()
-            self._wake(exchange)
-
-    # -- the exchange --------------------------------------------------------------------------
-
-    @staticmethod
-    def _wake(exchange: _Exchange) -> None:
-        waiter = exchange.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, error: httpx.TransportError) -> None:
-        exchange = self.exchange
-        if exchange is not None and exchange.error is None and not exchange.complete:
-            exchange.error = error
-            if exchange.head is not None and not exchange.head.done():
-                exchange.head.set_exception(error)
-            self._wake(exchange)
-        self._drop()
-
-    def _drop(self) -> None:
-        self.lost = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    def start(self, head: bytes, body: bytes | None) -> _Exchange:
-        """Send a request (its head, and its body if in bytes); the exchange to await."""
-        exchange = _Exchange()
-        exchange.head = asyncio.get_running_loop().create_future()
-        self.exchange = exchange
-        self._in_head = True
-        self._head_bytes = 0
-        transport = self.transport
-        if transport is None:
-            raise httpx.WriteError("not connected")
-        # One write, one system call (uvloop's writelines is not one).
-        transport.write(head + body if body else head)
-        return exchange
-
-    def taken(self, exchange: _Exchange) -> None:
-        """The reader took ``exchange``'s buffered chunks: resume reading if paused."""
-        exchange.buffered = 0
-        if self.paused and self.transport is not None and not self.lost:
-            self.paused = False
-            self.transport.resume_reading()
-
-    def reusable(self, exchange: _Exchange) -> bool:
-        return not self.lost and exchange.keep_alive
-
-    def abort(self) -> None:
-        self.exchange = None
-        self._drop()
-
-    def shut(self, error: httpx.TransportError) -> None:
-        """Close the connection; an exchange still under way fails with ``error``."""
-        self._fail(error)
-
-    async def wait_closed(self) -> None:
-        """Until the socket is closed (after :meth:`abort`)."""
-        if not self._gone and self.transport is not None:
-            if self.closed is None:
-                self.closed = asyncio.get_running_loop().create_future()
-            await self.closed
-
-
-async def _wait(future: asyncio.Future[None], timeout: float | None) -> None:
-    """Wait for ``future``; ``httpx.ReadTimeout`` after ``timeout`` seconds."""
-    if timeout is None:
-        await future
-        return
-    loop = asyncio.get_running_loop()
-    timer = loop.call_later(timeout, _expire, future)
-    try:
-        await future
-    finally:
-        timer.cancel()
-
-
-def _expire(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_exception(httpx.ReadTimeout("timed out waiting for the server"))
+from vllm_hidden_state_proxy.transport.http1_connection import (
+    Connection,
+    Exchange,
+    wait_for_reply,
+)
 
 
 class _ResponseStream(ClosesAtOnce):
@@ -320,13 +64,13 @@ class _ResponseStream(ClosesAtOnce):
     def __init__(
         self,
         pool: Http1Transport,
-        connection: _Connection,
-        exchange: _Exchange,
+        connection: Connection,
+        exchange: Exchange,
         request: httpx.Request,
         read_timeout: float | None,
     ) -> None:
         self._pool = pool
-        self._connection: _Connection | None = connection
+        self._connection: Connection | None = connection
         self._exchange = exchange
         self._request = request
         self._read_timeout = read_timeout
@@ -351,7 +95,7 @@ class _ResponseStream(ClosesAtOnce):
                 raise _with_request(exchange.error, self._request)
             exchange.waiter = loop.create_future()
             try:
-                await _wait(exchange.waiter, self._read_timeout)
+                await wait_for_reply(exchange.waiter, self._read_timeout)
             except httpx.TransportError as exc:
                 raise _with_request(exc, self._request) from None
             finally:
@@ -406,8 +150,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._max = limits.max_connections
         self._expiry = limits.keepalive_expiry
         self._uds = uds
-        self._idle: dict[tuple[bytes, bytes, int], list[_Connection]] = {}
-        self._origins: dict[_Connection, tuple[bytes, bytes, int]] = {}
+        self._idle: dict[tuple[bytes, bytes, int], list[Connection]] = {}
+        self._origins: dict[Connection, tuple[bytes, bytes, int]] = {}
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
@@ -416,7 +160,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     async def _acquire(
         self, origin: tuple[bytes, bytes, int], connect_timeout: float | None
-    ) -> _Connection:
+    ) -> Connection:
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -458,10 +202,10 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     async def _connect(
         self, origin: tuple[bytes, bytes, int], connect_timeout: float | None
-    ) -> _Connection:
+    ) -> Connection:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
-        connection = _Connection()
+        connection = Connection()
         self._origins[connection] = origin  # counted while connecting
         try:
             if self._uds is not None:
@@ -487,7 +231,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             raise
         return connection
 
-    def release(self, connection: _Connection) -> None:
+    def release(self, connection: Connection) -> None:
         """A connection whose exchange is complete: kept for the next request, or closed."""
         exchange, connection.exchange = connection.exchange, None
         origin = self._origins.get(connection)
@@ -499,7 +243,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._idle.setdefault(origin, []).append(connection)
         self._wake_next()
 
-    def _discard(self, connection: _Connection) -> None:
+    def _discard(self, connection: Connection) -> None:
         """A connection whose exchange failed or was cancelled: aborted, out of the pool."""
         exchange = connection.exchange
         head = None if exchange is None else exchange.head
@@ -508,7 +252,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
         connection.abort()
         self.forget(connection)
 
-    def forget(self, connection: _Connection) -> None:
+    def forget(self, connection: Connection) -> None:
         if self._origins.pop(connection, None) is not None:
             self._wake_next()
 
@@ -546,7 +290,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 if stream is not None:
                     await _send_stream(connection, stream, chunked)
                 if exchange.head is not None:
-                    await _wait(exchange.head, read_timeout)
+                    await wait_for_reply(exchange.head, read_timeout)
             except httpx.TransportError as exc:
                 answered = connection.exchange is not None and connection.exchange.received > 0
                 self._discard(connection)
@@ -594,9 +338,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             await connection.wait_closed()
 
 
-async def _send_stream(
-    connection: _Connection, stream: AsyncIterable[bytes], chunked: bool
-) -> None:
+async def _send_stream(connection: Connection, stream: AsyncIterable[bytes], chunked: bool) -> None:
     """Write a streamed request body (chunked unless its length was declared)."""
     transport = connection.transport
     if transport is None:
