@@ -3,8 +3,8 @@ ratio to what a bare uvicorn app (that upstream) spends per request, measured in
 That isolates the hop from vLLM and from the machine's speed.
 
 Several proxies stand side by side in front of the one upstream (``servers.INSTANT_PROXIES``:
-the default engine, httpx's own client, two workers), so that a choice between them is made on
-numbers from one run.
+the default engine, aiohttp's client, the default over a Unix socket, two workers), so that a
+choice between them is made on numbers from one run.
 
 - **CPU** (table ``instant``): one-token chats one at a time, to the bare app directly or
   through a proxy, unflagged or flagged, as JSON or as a stream (the stream arms go through the

@@ -54,10 +54,11 @@ class InstantProxy(NamedTuple):
 
 
 #: The proxies the hop check compares, side by side in front of one instant upstream: the
-#: default, the default over a Unix domain socket ({uds} is replaced), and with two worker
-#: processes.
+#: default (its own HTTP/1.1 engine), on aiohttp's client, the default over a Unix domain socket
+#: ({uds} is replaced), and with two worker processes.
 INSTANT_PROXIES: tuple[InstantProxy, ...] = (
-    InstantProxy("aiohttp"),
+    InstantProxy("http1"),
+    InstantProxy("aiohttp", ("--upstream-client", "aiohttp")),
     InstantProxy("uds", ("--upstream-uds", "{uds}")),
     InstantProxy("2 workers", ("--workers", "2")),
 )

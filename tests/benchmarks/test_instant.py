@@ -22,7 +22,7 @@ from vllm_hidden_state_proxy.bench.report import Table
 REQUESTS = 300
 #: The default and the default over a Unix socket side by side, and with two workers.
 PROXIES = (
-    ("aiohttp", ()),
+    ("http1", ()),
     ("uds", ("--upstream-uds", "{uds}")),
     ("2 workers", ("--workers", "2")),
 )
@@ -79,7 +79,7 @@ def test_throughput_through_one_and_two_workers(targets: tuple[Server, list[Serv
         8,
     )
     rates = {row["target"]: row["req/s (median of rounds)"] for row in table.rows}
-    assert set(rates) == {"bare app", "proxy (aiohttp)", "proxy (2 workers)"}
+    assert set(rates) == {"bare app", "proxy (http1)", "proxy (2 workers)"}
     assert all(isinstance(rate, float) and rate > 0 for rate in rates.values())
 
 

@@ -1,12 +1,12 @@
 """``extract`` with its defaults against the real proxy at its defaults' proportions (uvicorn's
-connection bound, ``--max-client-connections``, equal to the ring's slots), over real sockets
-and extract's own aiohttp transport: its default in flight stays below what the proxy's front
-server accepts, so no request is refused at the front door (issue #50: the default in flight
-once equalled both, and 6,000 inputs took 589 retries on the front server's 503s). The proxy's
-vLLM is the fake of ``tests/proxy/raw_http.py``, which publishes into a real ring; each of its
-requests takes 10 ms, as a step of vLLM's would (without it, the proxy's finished tasks, which
-uvicorn counts until they end, are about as many as its requests in flight: the margin is
-theirs, ``extract/proxies.py``)."""
+connection bound, ``--max-client-connections``, equal to the ring's slots), over real sockets and
+extract's own transport (the default engine): its default in flight stays below what the proxy's
+front server accepts, so no request is refused at the front door (issue #50: the default in flight
+once equalled both, and 6,000 inputs took 589 retries on the front server's 503s). The proxy's vLLM
+is the fake of ``tests/proxy/raw_http.py``, which publishes into a real ring; each of its requests
+takes 10 ms, as a step of vLLM's would (without it, the proxy's finished tasks, which uvicorn counts
+until they end, are about as many as its requests in flight: the margin is theirs,
+``extract/proxies.py``)."""
 
 from __future__ import annotations
 

@@ -134,3 +134,22 @@ async def test_nothing_listening_is_502() -> None:
         response = await proxy.client.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 502
     assert error_of(response)["message"] == "Could not reach vLLM (the proxy's log says why)."
+
+
+@pytest.mark.parametrize(
+    ("method", "upstream", "expected"),
+    [
+        ("POST", "http://vllm:8000", [(b"Host", b"vllm:8000"), (b"content-length", b"0")]),
+        ("GET", "http://vllm:80", [(b"Host", b"vllm")]),
+    ],
+)
+def test_a_request_without_a_body_has_the_headers_httpx_would_give_it(
+    method: str, upstream: str, expected: list[tuple[bytes, bytes]]
+) -> None:
+    """Built with its body as a stream (cheaper), the request still says what httpx's
+    ``content=`` would: Host, and a length for a POST; its content is readable."""
+    request = build_request(ProxySettings(upstream_url=upstream), scope(method=method), b"")
+    assert request.headers.raw == expected and request.content == b""
+    assert httpx.Request(method, upstream + "/v1/models", content=b"").headers.raw == [
+        (name.capitalize() if name == b"host" else name.title(), value) for name, value in expected
+    ]

@@ -1,5 +1,5 @@
 """Every way vLLM's connection can fail gets its status (issue #36, item 8): the real proxy
-(uvicorn, the aiohttp engine, a real ring) in front of a vLLM stand-in in a process of its own
+(uvicorn, the default engine, a real ring) in front of a vLLM stand-in in a process of its own
 that dies or falls silent (``dying_vllm.py``): refused, crashed before answering, reset,
 crashed mid-body, silent past the read timeout (before the answer or mid-body); and a flagged
 stream already started ends with an error event (502 broken, 504 silent), never cut or looking
@@ -54,7 +54,7 @@ def dying_vllm(mode: str, ring_dir: str) -> Iterator[tuple[int, subprocess.Popen
 
 @contextmanager
 def proxy_to(port: int, ring_dir: str) -> Iterator[int]:
-    """The real proxy (its own aiohttp engine) with vLLM at ``port``; its port."""
+    """The real proxy (its default engine, http1) with vLLM at ``port``; its port."""
     settings = settings_for(
         ring_dir,
         upstream_url=f"http://127.0.0.1:{port}",

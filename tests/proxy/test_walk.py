@@ -1,6 +1,6 @@
 """The map of a flagged request's path in ``proxy/__init__.py`` is true of the code: a flagged
 chat request (JSON, and streamed) and an ordinary one are traced through the app, with the real
-aiohttp transport, to a fake vLLM on a real socket that publishes like the hook into a real
+http1 transport, to a fake vLLM on a real socket that publishes like the hook into a real
 ring; every module the map names for that path runs, its stops in the map's order, and the
 rooms of the package the request enters are the ones the map names.
 
@@ -58,7 +58,7 @@ class Stop:
 
 def _module(path: str) -> str:
     """The module a path of the map names: under ``proxy/`` if it is there, else at the
-    package's top (``ring/``, ``transport/aiohttp_client.py``, ``protocol.py``)."""
+    package's top (``ring/``, ``transport/http1.py``, ``protocol.py``)."""
     dotted = path.removesuffix(".py").removesuffix("/").replace("/", ".").removesuffix(".__init__")
     for candidate in (f"{PACKAGE}.proxy.{dotted}", f"{PACKAGE}.{dotted}"):
         with contextlib.suppress(ModuleNotFoundError):

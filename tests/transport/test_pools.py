@@ -12,15 +12,19 @@ import pytest
 
 from vllm_hidden_state_proxy.transport import KEEPALIVE_EXPIRY, create_pool
 from vllm_hidden_state_proxy.transport.aiohttp_client import AiohttpTransport
+from vllm_hidden_state_proxy.transport.http1 import Http1Transport
 from vllm_hidden_state_proxy.transport.ops import OpsClient
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_the_engine_is_aiohttp_unless_httpx_is_asked_for() -> None:
+async def test_the_engine_is_the_proxys_own_unless_another_is_asked_for() -> None:
     pooled = create_pool(8)
-    assert isinstance(pooled, AiohttpTransport)  # the default engine
+    assert isinstance(pooled, Http1Transport)  # the default engine
     await pooled.aclose()
+    aiohttp = create_pool(8, engine="aiohttp")
+    assert isinstance(aiohttp, AiohttpTransport)
+    await aiohttp.aclose()
     own = create_pool(8, engine="httpx")
     assert isinstance(own, httpx.AsyncHTTPTransport)
     await own.aclose()

@@ -237,7 +237,9 @@ def pooling_server(
 
 
 def _client(_: str) -> httpx.AsyncClient:
-    """A client on ``extract``'s engine (aiohttp's): every arm's client costs the same."""
+    """A client on the engine ``extract`` uses (the default of ``create_pool``, under httpx's
+    API), so that every arm's client costs the same per request and the arms differ by their
+    servers."""
     from vllm_hidden_state_proxy.extract.runner import client_transport
 
     return httpx.AsyncClient(transport=client_transport(), timeout=600, trust_env=False)

@@ -506,7 +506,8 @@ class Extraction:
 
 
 def client_transport() -> httpx.AsyncBaseTransport:
-    """httpx's API on aiohttp's client, as the proxy sends to vLLM: httpx's own pool costs CPU
+    """httpx's API on the proxy's own HTTP/1.1 engine, as the proxy sends to vLLM (the default
+    of :func:`~vllm_hidden_state_proxy.transport.create_pool`): httpx's own pool costs CPU
     per request that grows with the connections open (measured with 16 to 256 in flight:
     ~2 to ~9 ms per request, docs/benchmark.md), where a CPU host has none to spare. Idle
     connections are retired before the proxy (uvicorn) closes them."""

@@ -18,7 +18,7 @@ vectors/plan.py      the layers wanted (wanted_vectors.py), in the live rings (r
   │                  refused here if they cannot serve them
 keyed_exchange.py    a keyed request (keyed_request.py: a fresh request key, protocol.py, in
   │                  vllm_xargs), sent by upstream.py (headers.py) over the transport beside
-  │                  proxy/ (transport/aiohttp_client.py: aiohttp's client under httpx's API)
+  │                  proxy/ (transport/http1.py: its own HTTP/1.1 pool under httpx's API)
   ├─ JSON ─────────▶ vectors/lookup.py: the record from the rings, once vLLM has replied ──▶
   │                  vectors/fields.py (vectors/encoding.py) joined in, sent by replies.py
   └─ stream ───────▶ streams/prompt_vectors.py: held (streams/rewriting.py) up to the first

@@ -49,7 +49,7 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
 from vllm_hidden_state_proxy.proxy.vectors.fields import single_prompt_fields
 from vllm_hidden_state_proxy.proxy.vectors.lookup import EarlyCapture, wait_for_record
 from vllm_hidden_state_proxy.ring import Record
-from vllm_hidden_state_proxy.transport import close_quietly
+from vllm_hidden_state_proxy.transport import body_chunks, close_quietly
 from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
 #: No Accept-Encoding upstream: the proxy reads (and for streams rewrites) the body.
@@ -82,7 +82,7 @@ async def _read_body(response: httpx.Response, budget: ReplyBudget) -> bytes:
     ``ProxyError`` past the budget). Raw: vLLM was asked for no content encoding, and the
     decoding layers cost CPU per chunk."""
     chunks = []
-    async for chunk in response.aiter_raw():
+    async for chunk in body_chunks(response):
         budget.take(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)

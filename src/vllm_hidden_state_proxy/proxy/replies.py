@@ -241,8 +241,8 @@ async def send_counted_events(send: Send, events: bytes, more: bool = True) -> b
     the client was too slow and is cut (the stream is over)."""
 
     async def sends(deadline: SendDeadline) -> None:
-        await _within(send, _body(events, True), deadline)
-        await _within(send, _body(b"", more), deadline)  # waits for the drain (see above)
+        await _within(send, deadline, _body(events, True))
+        await _within(send, deadline, _body(b"", more))  # waits for the drain (see above)
 
     return await _sent_in_time(SendDeadline(len(events)), sends)
 
@@ -304,29 +304,32 @@ async def _send_pieces(
     pieces: list[bytes | Callable[[], bytes]],
     deadline: SendDeadline,
 ) -> None:
-    await _within(
-        send, {"type": "http.response.start", "status": status, "headers": headers}, deadline
-    )
+    start = {"type": "http.response.start", "status": status, "headers": headers}
     if len(pieces) == 1 and isinstance(pieces[0], bytes) and len(pieces[0]) <= SMALL_BODY:
-        await _within(send, _body(pieces[0], False), deadline)
+        # Head and body under one bound: a cancel scope costs ~8 µs (issue #46).
+        await _within(send, deadline, start, _body(pieces[0], False))
         return
+    await _within(send, deadline, start)
     for piece in pieces:
         if callable(piece):
             piece = await anyio.to_thread.run_sync(piece, limiter=off_loop_limiter())
         if piece:
-            await _within(send, _body(piece, True), deadline)
+            await _within(send, deadline, _body(piece, True))
     # Waits for the socket's buffer to drain below its high-water mark (see above).
-    await _within(send, _body(b"", False), deadline)
+    await _within(send, deadline, _body(b"", False))
 
 
-async def _within(send: Send, message: dict[str, Any], deadline: SendDeadline) -> None:
+async def _within(send: Send, deadline: SendDeadline, *messages: dict[str, Any]) -> None:
+    """Send ``messages``, all of them within the deadline's next bound."""
     timeout = deadline.left()
     if timeout is None:
-        await send(message)
+        for message in messages:
+            await send(message)
         return
     try:
         with anyio.fail_after(timeout):  # a cancel scope: no task per send, as wait_for makes
-            await send(message)
+            for message in messages:
+                await send(message)
     except TimeoutError:
         raise ClientTooSlow from None
 

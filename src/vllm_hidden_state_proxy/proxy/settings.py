@@ -91,10 +91,10 @@ class ProxySettings:
         shown_default="none (TCP)",
     )
     upstream_client: str = option(
-        "aiohttp",
+        "http1",
         "--upstream-client",
-        "the HTTP client under the proxy's httpx interface to vLLM: aiohttp's (cheaper per "
-        "request) or httpx's own",
+        "the HTTP client under the proxy's httpx interface to vLLM: the proxy's own HTTP/1.1 "
+        "pool (the cheapest per request), aiohttp's or httpx's own",
         choices=ENGINES,
     )
     # None (the default) becomes ALL_INTERFACES with an API key, LOOPBACK without one

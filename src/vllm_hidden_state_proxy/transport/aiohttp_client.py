@@ -30,6 +30,8 @@ import aiohttp
 import httpx
 from multidict import CIMultiDict
 
+from vllm_hidden_state_proxy.transport.closing import ClosesAtOnce
+
 #: Headers aiohttp would add on its own: the proxy sends what the client sent, nothing more.
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -51,10 +53,6 @@ def _httpx_errors(request: httpx.Request) -> Iterator[None]:
         raise httpx.RemoteProtocolError(str(exc), request=request) from exc
     except aiohttp.ClientError as exc:
         raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-
-
-class ClosesAtOnce(httpx.AsyncByteStream):
-    """A response stream whose ``aclose`` never suspends (so nothing can interrupt it)."""
 
 
 class _ResponseStream(ClosesAtOnce):

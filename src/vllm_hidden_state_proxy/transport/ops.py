@@ -48,7 +48,7 @@ class OpsClient:
         transport: httpx.AsyncBaseTransport | None = None,
         *,
         uds: str | None = None,
-        engine: str = "aiohttp",
+        engine: str = "http1",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.transport = transport or create_pool(OPS_CONNECTIONS, uds, engine)

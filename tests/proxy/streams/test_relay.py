@@ -134,3 +134,42 @@ async def test_vllm_failing_before_its_headers(
     message = error_of(response)["message"]
     assert fragment in message and "vllm.test" not in message
     assert ring.lookups == 0
+
+
+class _HeldBody(httpx.AsyncByteStream):
+    """A body whose bytes come only once the test lets them."""
+
+    def __init__(self) -> None:
+        self.go = anyio.Event()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        await self.go.wait()
+        yield b'{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    ("headers", "head_at_once"),
+    [([("content-length", "8")], False), ([("content-type", "text/event-stream")], True)],
+    ids=["json", "stream"],
+)
+async def test_a_reply_of_known_length_sends_its_head_with_its_first_bytes(
+    headers: list[tuple[str, str]], head_at_once: bool
+) -> None:
+    """So that the front door writes both in one system call (issue #46); a stream's head goes
+    out at once, whenever its first event comes."""
+    from vllm_hidden_state_proxy.proxy.streams.relay import relay_response
+
+    body = _HeldBody()
+    response = httpx.Response(200, headers=headers, stream=body)
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(relay_response, None, send, response)  # type: ignore[arg-type]
+        await anyio.wait_all_tasks_blocked()
+        assert [m["type"] for m in sent] == (["http.response.start"] if head_at_once else [])
+        body.go.set()
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 2
+    assert sent[1]["body"] == b'{"a": 1}' and sent[0]["status"] == 200
