@@ -144,7 +144,7 @@ def _train_tokenizer(vocab_size: int) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
+    trainer = trainers.BpeTrainer(  # type: ignore[no-untyped-call]  # untyped in tokenizers 0.23.2
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
