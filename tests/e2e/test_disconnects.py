@@ -272,7 +272,7 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
     assert idle_connections_closed() is not None, "idle connections to vLLM were never closed"
     rss_before = rss(proxy)
 
-    rounds = 4
+    rounds = 5
     peaks: list[int] = []
     settled: list[float | None] = []
     rss_by_round: list[int] = []
@@ -327,9 +327,11 @@ def test_client_disconnects_abort_upstream_and_leak_nothing(
         )
     assert None not in settled, f"connections outlive keep-alive: {settled}"
     assert max(peaks) <= FAN_OUT_LIMIT + 2, peaks
-    # The first round is the warm-up (a 2048-input fan-out raises the allocator's high water).
-    growth = rss_by_round[-1] - rss_by_round[0]
-    assert growth < MAX_RSS_GROWTH, f"RSS grew {growth / MIB:.1f} MiB over {rounds - 1} rounds"
+    # The first two rounds are the warm-up: a 2048-input fan-out, and a stream or generation
+    # that got further before its hang-up than any before it (how far varies, see hang_up),
+    # raise the allocator's high water once. A leak grows round after round.
+    growth = rss_by_round[-1] - rss_by_round[1]
+    assert growth < MAX_RSS_GROWTH, f"RSS grew {growth / MIB:.1f} MiB over {rounds - 2} rounds"
 
 
 # --- upstream timeout -----------------------------------------------------------------------

@@ -63,6 +63,22 @@ def wait_for_parts(output: Path, process: subprocess.Popen[bytes], count: int) -
         time.sleep(0.02)
 
 
+def interrupted_run(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], bytes]:
+    """``extract`` interrupted (SIGINT) once it has written two parts, and its error output.
+
+    It runs one input at a time and stands still (SIGSTOP) while the interrupt is sent, so it
+    cannot finish the corpus between the test seeing the parts and the interrupt: it goes on
+    (SIGCONT) only to find the interrupt waiting.
+    """
+    first = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+    wait_for_parts(Path(argv[argv.index("--output") + 1]), first, 2)
+    first.send_signal(signal.SIGSTOP)
+    first.send_signal(signal.SIGINT)
+    first.send_signal(signal.SIGCONT)
+    _, stderr = first.communicate(timeout=60)
+    return first, stderr
+
+
 def test_extract_a_corpus_interrupted_and_resumed_equals_transformers(
     stack: RunningStack, reference: Reference, tmp_path: Path
 ) -> None:
@@ -72,12 +88,7 @@ def test_extract_a_corpus_interrupted_and_resumed_equals_transformers(
     output = tmp_path / "dataset"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
-    first = subprocess.Popen(
-        command(stack, inputs, output, "--concurrency", "8"), env=env, stderr=subprocess.PIPE
-    )
-    wait_for_parts(output, first, 2)
-    first.send_signal(signal.SIGINT)
-    _, stderr = first.communicate(timeout=60)
+    first, stderr = interrupted_run(command(stack, inputs, output, "--concurrency", "1"), env)
     assert first.returncode == 130, stderr.decode()
     assert b"interrupted: run again with --resume" in stderr
     held = set(pq.read_table(output, columns=["id"]).column("id").to_pylist())
