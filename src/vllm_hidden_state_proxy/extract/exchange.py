@@ -2,12 +2,11 @@
 no longer than it takes), sent, and its answer read whole within ``--timeout`` (connecting,
 waiting, reading: the whole request, not each read) and ``--max-answer-size`` (counted decoded:
 a gzip body of a few hundred KiB can decode to a GiB). What the input or its answer cannot get
-past is a :class:`Refused`, that input's failure; a timeout is ``asyncio.TimeoutError`` (the run
+past is a :class:`Refused`, that input's failure; a timeout is ``TimeoutError`` (the run
 retries it, as a connection error)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import zlib
@@ -15,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 
 from vllm_hidden_state_proxy.client.answers import error_message
@@ -153,5 +153,11 @@ async def exchange(
 ) -> Answer:
     """POST ``content`` to ``url``; the answer, read whole within ``timeout`` seconds and
     ``max_bytes`` decoded. Raises ``httpx.TransportError`` (a connection that failed),
-    ``asyncio.TimeoutError`` and :class:`Refused`."""
-    return await asyncio.wait_for(_exchange(client, url, content, max_bytes), timeout)
+    ``TimeoutError`` and :class:`Refused`.
+
+    The deadline is anyio's cancel scope, not ``asyncio.wait_for``: on Python 3.10 and 3.11 a
+    ``wait_for`` cancelled in the loop turn its inner task finished returns the result and
+    swallows the cancellation, so a Ctrl-C that came as an answer arrived let the worker send
+    its next request (and hang there on a stuck server)."""
+    with anyio.fail_after(timeout):
+        return await _exchange(client, url, content, max_bytes)

@@ -402,7 +402,9 @@ class Extraction:
         batcher = Batcher(inputs, size, self.options.n, skip)
 
         async def work() -> None:
-            while (batch := await batcher.next()) is not None:  # each input once
+            # Each input once; none after an interrupt (its cancellation is the way out, this
+            # the net under it should a cancellation ever be lost).
+            while not self.interrupted and (batch := await batcher.next()) is not None:
                 for item, result in await sender.send(batch):
                     if isinstance(result, Refused):
                         line, id_ = item.input.line, item.input.id

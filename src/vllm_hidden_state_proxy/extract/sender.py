@@ -147,7 +147,7 @@ class Sender:
                     max_bytes=self.answer_limit(len(items)),
                     timeout=timeout,
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 status, cause = None, "timeout"
                 reason = f"{proxy.url}: no whole answer within --timeout {timeout:g} s"
             except httpx.TimeoutException as exc:

@@ -48,6 +48,7 @@ import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 
+import anyio
 import httpx
 
 from vllm_hidden_state_proxy.transport.closing import ClosesAtOnce
@@ -219,8 +220,11 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 opening = loop.create_connection(
                     lambda: connection, host.decode("ascii"), port, ssl=tls
                 )
-            await asyncio.wait_for(opening, connect_timeout)
-        except asyncio.TimeoutError as exc:
+            # anyio's deadline: asyncio.wait_for (3.10, 3.11) can swallow a cancellation that
+            # comes as the connection opens.
+            with anyio.fail_after(connect_timeout):
+                await opening
+        except TimeoutError as exc:
             self.forget(connection)
             raise httpx.ConnectTimeout("timed out connecting to the server") from exc
         except OSError as exc:
