@@ -46,9 +46,7 @@ from vllm_hidden_state_proxy.extract.batches import Batcher
 from vllm_hidden_state_proxy.extract.dataset import dataset_schema, rows_table
 from vllm_hidden_state_proxy.extract.exchange import Refused
 from vllm_hidden_state_proxy.extract.inputs import Input, InputProblem, check_record
-from vllm_hidden_state_proxy.extract.limits import body_limit
 from vllm_hidden_state_proxy.extract.options import ExtractOptions
-from vllm_hidden_state_proxy.extract.proxies import most_in_flight
 from vllm_hidden_state_proxy.extract.runner import Extraction, client_transport
 from vllm_hidden_state_proxy.extract.sender import GaveUp, Sender
 from vllm_hidden_state_proxy.protocol import API_KEY_ENV
@@ -156,22 +154,18 @@ class HiddenStateMapper:
             extraction = Extraction(
                 Path(), options, command_line=[], transport=self.transport, stderr=io.StringIO()
             )
-            proxies = await extraction._read_proxies(client)
-            plan = extraction._plan(proxies)
+            connected = await extraction.connect(client)
         except BaseException:
             await client.aclose()
             raise
         # The bounds of a request and its answer, in flight and a batch, as extract's run's.
-        extraction._body_limit = body_limit([proxy.capture for proxy in proxies])
-        most = most_in_flight(proxies)
-        concurrency = min(options.concurrency or most_in_flight(proxies, default=True), most)
         return _Session(
             client,
-            extraction._sender(client, proxies, plan),
-            plan,
-            output_schema(plan),
-            concurrency,
-            extraction._batch_size(proxies, concurrency),
+            connected.sender,
+            connected.plan,
+            output_schema(connected.plan),
+            connected.concurrency,
+            connected.batch_size,
         )
 
     def close(self) -> None:

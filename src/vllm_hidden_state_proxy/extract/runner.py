@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -91,6 +92,19 @@ class ExtractSetupError(Exception):
     """Nothing was sent: the options, INPUT, the servers or the output directory do not fit."""
 
 
+@dataclass(frozen=True)
+class Connected:
+    """What :meth:`Extraction.connect` found and made."""
+
+    proxies: list[Proxy]
+    plan: dict[str, Any]
+    sender: Sender
+    #: Inputs in flight, within what every proxy allows.
+    concurrency: int
+    #: Inputs a request.
+    batch_size: int
+
+
 class Extraction:
     """One run of ``extract`` (see the module docstring)."""
 
@@ -116,6 +130,26 @@ class Extraction:
         self._body_limit = 0
 
     # -- setup ---------------------------------------------------------------------------------
+
+    async def connect(self, client: httpx.AsyncClient) -> Connected:
+        """The proxies read, the plan made, and a sender bounded as a run's (its bodies, answers,
+        inputs in flight and batch size): where a run and :class:`~.mapper.HiddenStateMapper`
+        start."""
+        proxies = await self._read_proxies(client)
+        plan = self._plan(proxies)
+        self._body_limit = body_limit([proxy.capture for proxy in proxies])
+        most = most_in_flight(proxies)
+        concurrency = self.options.concurrency or most_in_flight(proxies, default=True)
+        if concurrency > most:
+            self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
+            concurrency = most
+        return Connected(
+            proxies,
+            plan,
+            self._sender(client, proxies, plan),
+            concurrency,
+            self._batch_size(proxies, concurrency),
+        )
 
     async def _read_proxies(self, client: httpx.AsyncClient) -> list[Proxy]:
         options = self.options
@@ -244,15 +278,9 @@ class Extraction:
             headers=headers,
             trust_env=False,
         ) as client:
-            proxies = await self._read_proxies(client)
-            plan = self._plan(proxies)
+            connected = await self.connect(client)
+            proxies, plan, concurrency = connected.proxies, connected.plan, connected.concurrency
             done, manifest = self._prepare_directory(plan)
-            self._body_limit = body_limit([proxy.capture for proxy in proxies])
-            most = most_in_flight(proxies)
-            concurrency = options.concurrency or most_in_flight(proxies, default=True)
-            if concurrency > most:
-                self._say(f"--concurrency {concurrency} is more than the proxies allow: {most}")
-                concurrency = most
             try:
                 errors = open_errors(self.directory, replace=manifest is not None)
             except OutputRefused as refused:
@@ -274,7 +302,7 @@ class Extraction:
                 # leaves a manifest whose settings --resume checks, its run still "running".
                 self._write_manifest(plan, proxies, runs, ids=len(done))
                 try:
-                    sender = self._sender(client, proxies, plan)
+                    sender = connected.sender
                     stopped_by = await self._drive(
                         sender, inputs, done, behind, errors, progress, concurrency
                     )
