@@ -22,8 +22,11 @@ from starlette.applications import Starlette
 from tests.ring.helpers import make_writer
 from vllm_hidden_state_proxy.protocol import (
     LAYERS_ENTRY,
+    LIST_SIZE_ENTRY,
+    LIST_TOKENS_ENTRY,
     POOLING_ENTRY,
     REQUEST_KEY_ENTRY,
+    prompt_key,
     request_key_from_wire,
 )
 from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
@@ -221,10 +224,22 @@ def publish(hook: Hook, found: Found) -> None:
 
 
 def publish_for(hook: Hook, request: httpx.Request) -> bytes:
-    """Publish what the worker hook would for a flagged ``request``; its key."""
+    """Publish what the worker hook would for a flagged ``request``; its key. A prompt list sent
+    as one request (its marker in ``vllm_xargs``) gets a record per prompt, under the prompt's
+    key, with a token-id prompt's length."""
     key = forwarded_key(request)
     layers, pooling = wanted_of(request)
-    publish(hook, record_for(key, layers, pooling))
+    xargs = sent_document(request).get("vllm_xargs") or {}
+    size = xargs.get(LIST_SIZE_ENTRY)
+    if not isinstance(size, int):
+        publish(hook, record_for(key, layers, pooling))
+        return key
+    counts = xargs.get(LIST_TOKENS_ENTRY) or [5] * size
+    for index, count in enumerate(counts):
+        record = record_for(
+            prompt_key(key, index), layers, pooling, position=count - 1, num_prompt_tokens=count
+        )
+        publish(hook, record)
     return key
 
 

@@ -47,6 +47,10 @@ from vllm_hidden_state_proxy.protocol import (
     INFO,
     KV,
     LAYERS,
+    LIST_BASE_ENTRY,
+    LIST_CHECKSUMS_ENTRY,
+    LIST_SIZE_ENTRY,
+    LIST_TOKENS_ENTRY,
     OWN_FIELDS,
     POOLING,
     REQUEST_KEY_ENTRY,
@@ -289,6 +293,18 @@ def vllm_view(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError):
         return None
+
+
+#: The reserved ``vllm_xargs`` entries a forwarded request may carry besides its key: what to
+#: capture, and a prompt list's marker when it is sent as one request.
+CAPTURE_ENTRIES = (
+    XARGS_PREFIX + "layers",
+    XARGS_PREFIX + "pooling",
+    LIST_BASE_ENTRY,
+    LIST_SIZE_ENTRY,
+    LIST_TOKENS_ENTRY,
+    LIST_CHECKSUMS_ENTRY,
+)
 
 
 def is_reserved(name: object) -> bool:
@@ -840,6 +856,9 @@ def orjson_view(body: bytes) -> Any:
         near_valid_embedding_documents.map(orjson.dumps),
     )
 )
+# Flagged prompt lists, sent as one request (found by the fuzz once the proxy did so).
+@example(body=b'{"kv_transfer_params":{"return_last_hidden_state":true},"prompt":[""]}')
+@example(body=b'{"kv_transfer_params":{"return_last_hidden_state":true},"prompt":[[1,2,3],[4]]}')
 async def test_any_body_gets_a_decision_through_the_app(body: bytes) -> None:
     """Through the app: a 4xx in the OpenAI shape, or forwarded (the fake vLLM answers 200 JSON,
     publishing the vector); never a 5xx, never an exception."""
@@ -848,7 +867,13 @@ async def test_any_body_gets_a_decision_through_the_app(body: bytes) -> None:
     async def handle(request: httpx.Request) -> httpx.Response:
         if injected_key(request) is not None:
             publish_for(ring, request)
-        return httpx.Response(200, json=completion())
+        answer = completion()
+        sent = vllm_view(request.content)
+        xargs = sent.get(XARGS) if isinstance(sent, dict) else None
+        listed = xargs.get(LIST_SIZE_ENTRY) if isinstance(xargs, dict) else None
+        if isinstance(listed, int):  # a prompt list sent as one request: a choice a prompt
+            answer["choices"] = [{**answer["choices"][0], "index": i} for i in range(listed)]
+        return httpx.Response(200, json=answer)
 
     vllm = FakeVLLM(handle)
     with anyio.fail_after(10):
@@ -866,6 +891,6 @@ async def test_any_body_gets_a_decision_through_the_app(body: bytes) -> None:
             wire = xargs.pop(REQUEST_KEY_ENTRY)
             assert request_key_from_wire(wire) is not None and wire.encode() not in body
             for name in [name for name in xargs if is_reserved(name)]:  # what to capture
-                assert name in (XARGS_PREFIX + "layers", XARGS_PREFIX + "pooling")
+                assert name in CAPTURE_ENTRIES, name
                 del xargs[name]
         assert_no_proxy_keys(sent)
