@@ -20,6 +20,14 @@ def positive(row: dict[str, Any], *columns: str) -> None:
         assert isinstance(row[column], (int, float)) and row[column] > 0, (column, row)
 
 
+def clock_read(row: dict[str, Any], *columns: str) -> None:
+    """CPU columns: read from the kernel's per-process clock, which ticks every 10 ms, so a
+    smoke run's four 1 MiB pulls can cost the proxy less than one tick (a fresh clone's run
+    read 0.0): present and not negative."""
+    for column in columns:
+        assert isinstance(row[column], (int, float)) and row[column] >= 0, (column, row)
+
+
 def test_the_ring_and_the_matrix_checks_write_their_report(tmp_path: Path) -> None:
     assert main(["--smoke", "--checks", "ring,matrices", "--output-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "micro.json").read_text())
@@ -34,7 +42,8 @@ def test_the_ring_and_the_matrix_checks_write_their_report(tmp_path: Path) -> No
     sizes = report["tables"]["matrix_sizes"]["rows"]
     assert [row["matrix MiB"] for row in sizes] == [1, 4]  # --smoke's
     for row in sizes:
-        positive(row, "pull p50 ms", "MB/s of rows", "proxy CPU ms/matrix")
+        positive(row, "pull p50 ms", "MB/s of rows")
+        clock_read(row, "proxy CPU ms/matrix")
     measured = [t for t in report["targets"] if t["table"] in ("ring", "matrices")]
     assert len(measured) == 3 and all(t["value"] is not None for t in measured)
     assert [link["file"] for link in report["figures"]["matrix_sizes"]] == ["bench-matrix-cost.png"]

@@ -20,7 +20,9 @@ def test_each_size_gets_its_row(tmp_path: Path) -> None:
     assert [row["matrix MiB"] for row in table.rows] == [1, 2]
     for row in table.rows:
         assert row["pulls"] == 8
-        for column in ("pull p50 ms", "MB/s of rows", "proxy CPU ms/matrix"):
+        for column in ("pull p50 ms", "MB/s of rows"):
             value = row[column]
             assert isinstance(value, float) and value > 0, (column, row)
+        # The process clock ticks every 10 ms: a few small pulls can cost less than a tick.
+        assert isinstance(row["proxy CPU ms/matrix"], float) and row["proxy CPU ms/matrix"] >= 0
     assert (tmp_path / "instant-proxy-0.log").exists()  # the servers' logs go there

@@ -75,12 +75,6 @@ def stopped(pids: list[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
-def vllm_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
-    """vLLM stops (every process of it) until the block ends: a hung vLLM that holds its
-    connections open and answers nothing."""
-    return stopped([process.pid for process in vllm_processes(stack)])
-
-
 def vllm_engine_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
     """vLLM's engine (every process below its API server) stops until the block ends, while
     the API server keeps answering: it sees a client hang up and sends the engine its abort,
