@@ -163,6 +163,10 @@ def proxy_gauge_in(text: str, name: str) -> float:
     return float(match[1])
 
 
+#: vLLM's HTTP request counter's label for its completions route.
+COMPLETIONS_HANDLER = 'handler="/v1/completions"'
+
+
 def vllm_metrics(stack: RunningStack) -> str:
     """vLLM's own /metrics (asked directly, not through the proxy). Its API server answers
     late while it pushes megabytes of streams on a loaded machine: a generous timeout."""

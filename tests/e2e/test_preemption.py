@@ -32,7 +32,7 @@ from tests.e2e.server import (
     require_runner,
     run_serve,
 )
-from tests.e2e.stack_probe import metric, vllm_metrics
+from tests.e2e.stack_probe import COMPLETIONS_HANDLER, metric, vllm_metrics
 from tests.e2e.test_matrices import check_answer
 
 pytestmark = pytest.mark.own_server
@@ -166,8 +166,6 @@ def test_preempted_and_resumed_requests_keep_their_vectors(
 #: than the cache holds at once, so vLLM queues and preempts prompts of the same request.
 LIST_SIZE = 64
 LIST_ANSWER_TOKENS = 16
-#: vLLM's HTTP request counter's label for its completions route.
-COMPLETIONS_HANDLER = 'handler="/v1/completions"'
 
 
 def list_prompts(reference: Reference, round_: int) -> list[list[int]]:

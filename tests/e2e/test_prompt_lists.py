@@ -6,8 +6,10 @@ attribution hard to get right by luck: several lists at once, of many distinct t
 of different lengths, some repeated and several sharing a long prefix (prefix-cache hits), each
 vector checked against Transformers on its own prompt, and closer to its own prompt's reference
 than to any other prompt's of its list; the client's hostile ``X-Request-Id`` beside them;
-``n = 2`` with ``"last_answer"``; a ``/v1/chat/completions/batch`` of conversations; and (own
-server) vLLM keeping ids unsuffixed (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
+``n = 2`` with ``"last_answer"``; a ``"mean"`` list, one request but for the prompts that hit
+another prompt's cached blocks, sent again alone; a ``/v1/chat/completions/batch`` of
+conversations; and (own server) vLLM keeping ids unsuffixed
+(``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import SHARED_HOOK_ENV, SHARED_LAYERS, RunningStack, require_runner, run_serve
+from tests.e2e.stack_probe import COMPLETIONS_HANDLER, metric, vllm_metrics
 
 FLAG = {"return_last_hidden_state": True}
 LAYERS = [int(layer) for layer in SHARED_LAYERS]
@@ -143,6 +146,61 @@ def test_a_list_with_two_choices_gets_each_answers_state(
         for label, vector in by_layer.items():
             expected = reference.layer_vector(ids, int(label), "last")
             assert_matches(vector, expected, f"layer {label}, last_answer")
+
+
+#: vLLM's KV cache block on the CPU (its default there): a prefix-cache hit is whole blocks.
+CPU_BLOCK = 128
+
+
+@pytest.mark.both_runners
+def test_a_mean_list_is_one_request_and_a_prompt_served_from_the_cache_goes_alone(
+    stack: RunningStack, client: Any, model_name: str, reference: Reference
+) -> None:
+    """A ``"mean"`` list goes as one request under one ``cache_salt``; its prompts that share
+    more than a block with an earlier one (a repeat, a long shared preamble) are served those
+    blocks from the cache, and the hook cannot average them: the proxy sends each again alone.
+    Every prompt's mean, on two layers, is Transformers' for its own tokens."""
+    tokenize = reference.tokenizer
+    preamble = list(tokenize(PREAMBLE * 3)["input_ids"])
+    assert len(preamble) > 2 * CPU_BLOCK
+    own = [list(tokenize(f"Mean prompt {i}: " + "word " * (i * 5))["input_ids"]) for i in range(4)]
+    tails = [list(tokenize(f" and the mean ends {i}")["input_ids"]) for i in range(2)]
+    prompts = [own[0], preamble + tails[0], own[1], preamble + tails[1], own[2], preamble]
+    prompts += [own[3], own[1], preamble + tails[0]]
+    # What one request adds to vLLM's HTTP counter.
+    counted = metric(vllm_metrics(stack), "http_requests_total", COMPLETIONS_HANDLER)
+    client.completions.create(model=model_name, prompt=own[0], max_tokens=1)
+    sent_before = metric(vllm_metrics(stack), "http_requests_total", COMPLETIONS_HANDLER)
+    one_request = sent_before - counted
+    response = client.completions.create(
+        model=model_name,
+        prompt=prompts,
+        max_tokens=2,
+        temperature=0,
+        extra_body={
+            "kv_transfer_params": {
+                **FLAG,
+                "last_hidden_state_pooling": "mean",
+                "last_hidden_state_layers": [0, -1],
+                "last_hidden_state_info": True,
+            }
+        },
+    )
+    sent = metric(vllm_metrics(stack), "http_requests_total", COMPLETIONS_HANDLER) - sent_before
+    kv = response.model_extra["kv_transfer_params"]
+    assert len(kv["last_hidden_states_by_layer"]) == len(prompts) == len(response.choices)
+    for index, (prompt, by_layer, info) in enumerate(
+        zip(prompts, kv["last_hidden_states_by_layer"], kv["last_hidden_state_infos"], strict=True)
+    ):
+        assert info["num_prompt_tokens"] == len(prompt) and info["pooling"] == "mean"
+        for label, vector in by_layer.items():
+            expected = reference.layer_vector(prompt, int(label), "mean")
+            assert_matches(vector, expected, f"prompt {index}, layer {label}, mean")
+    alone = round(sent / one_request) - 1
+    print(f"\nmean list of {len(prompts)} prompts: 1 request, {alone} prompt(s) sent again alone")
+    # The preamble's three later copies (more than two blocks each) hit the first's blocks; a
+    # repeat of a short prompt fills no block, so hits nothing.
+    assert one_request > 0 and 1 <= alone <= 3, (sent, one_request)
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ def expected_records(asks: Sequence[Ask], model: MatmulModel) -> dict[bytes, Wan
             wanted[ask.key] = Expected("last", ask.layers, prompt - 1, prompt, 1, values)
         elif ask.pooling == "mean":
             if ask.prefix_hit:
-                wanted[ask.key] = ExpectedError(502, "served from the prefix cache")
+                wanted[ask.key] = ExpectedError(409, "served from the prefix cache")
                 continue
             values = np.vstack([prompt_rows[layer].mean(axis=0) for layer in ask.layers])
             tolerance = _mean_tolerance(np.vstack(list(prompt_rows.values())), prompt)

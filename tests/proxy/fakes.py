@@ -31,6 +31,7 @@ from vllm_hidden_state_proxy.protocol import (
 )
 from vllm_hidden_state_proxy.proxy import ProxySettings, create_app
 from vllm_hidden_state_proxy.proxy.metrics import ProxyMetrics
+from vllm_hidden_state_proxy.request_fields import is_token_ids
 from vllm_hidden_state_proxy.ring import (
     EngineFailure,
     ErrorRecord,
@@ -232,7 +233,13 @@ def publish_for(hook: Hook, request: httpx.Request) -> bytes:
     xargs = sent_document(request).get("vllm_xargs") or {}
     size = xargs.get(LIST_SIZE_ENTRY)
     if not isinstance(size, int):
-        publish(hook, record_for(key, layers, pooling))
+        prompt = sent_document(request).get("prompt")
+        if isinstance(prompt, list) and is_token_ids(prompt):  # its record has its length
+            count = len(prompt)
+            record = record_for(key, layers, pooling, position=count - 1, num_prompt_tokens=count)
+        else:
+            record = record_for(key, layers, pooling)
+        publish(hook, record)
         return key
     counts = xargs.get(LIST_TOKENS_ENTRY) or [5] * size
     for index, count in enumerate(counts):

@@ -552,9 +552,10 @@ def test_mean_with_positions_served_from_the_prefix_cache_is_an_error_record(
     flag = xargs(key(1), pooling="mean")
     for number, (nc, ns) in enumerate(steps):
         step(capture, runner, [("m", 12, nc, ns)], new={"m": flag} if number == 0 else None)
-    message = error_of(reader.lookup(key(1))).message
-    assert gap in message
-    assert "this pooling needs all 12 prompt positions" in message
+    error = error_of(reader.lookup(key(1)))
+    assert gap in error.message
+    assert "this pooling needs all 12 prompt positions" in error.message
+    assert error.status == 409  # the proxy sends a prompt of a list that hit another's alone
     assert writer.publish_count() == 1
     assert capture.selected.pending == {}
     assert len(capture.means) == 0

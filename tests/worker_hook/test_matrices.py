@@ -107,7 +107,7 @@ def test_all_prompt_with_positions_from_the_prefix_cache_is_an_error(
     args = xargs(K, pooling="all_prompt")
     step(capture, runner, [("a", 10, 4, 6)], new={"a": args})  # 0..3 from the cache
     error = error_of(reader.lookup(K))
-    assert "prefix cache" in error.message and error.status == 502
+    assert "prefix cache" in error.message and error.status == 409
     assert len(capture.matrices) == len(capture.budget) == 0
 
 

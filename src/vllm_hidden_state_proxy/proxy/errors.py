@@ -404,6 +404,17 @@ def list_record_mismatch(index: int, published: int, sent: int) -> ProxyError:
     )
 
 
+def alone_failed(index: int, status: int, content: bytes) -> ProxyError:
+    """vLLM refused prompt ``index`` of a list sent again alone for its mean (it had taken the
+    same prompt in the list)."""
+    text = content[:300].decode("utf-8", "replace")
+    return ProxyError(
+        502,
+        f"Prompt {index} of the list was served part of its positions from the prefix cache and "
+        f"sent again alone for its mean; vLLM answered that request {status}: {text}",
+    )
+
+
 def fan_out_incomplete() -> ProxyError:
     return ProxyError(502, "a fanned-out request did not complete")
 

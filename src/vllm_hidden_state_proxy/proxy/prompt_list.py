@@ -15,10 +15,14 @@ the list's key and the index, or an error record (an id that does not parse: und
 key, which the proxy watches for every prompt). The proxy looks each prompt's record up by its
 key and checks its token count where it knows it: a prompt never gets another's vector.
 
-The poolings that need every prompt position (``"mean"``, spans, ``"all_prompt"``) still fan
-out (:mod:`.fan_out`): they are sent with a fresh ``cache_salt``, which is one per request, so
-prompts of one list sharing a prefix would hit each other's cached blocks, and the hook would
-answer the later ones with an error (:class:`~..worker_hook.selection.MeanGap`). So does an
+``"mean"`` needs every prompt position computed: the list is sent with one fresh ``cache_salt``
+(one a request), so no other request's cached blocks serve it, but a prompt that shares a
+block-long prefix with another prompt of the list may be served those blocks, and the hook then
+answers it with an error record of status ``PREFIX_GAP_STATUS``
+(:class:`~..worker_hook.selection.MeanGap`) instead of a mean. Each such prompt is sent again
+alone (:func:`records_alone`: its own request, key and salt, one token, one choice, nothing
+else asked) for its vector; its choices stay the list's. Spans and ``"all_prompt"`` still fan
+out (:mod:`.fan_out`; a matrix each, reserved in the arena per request). So does an
 answer's pooling with ``echo`` (vLLM leaves the echoed prompt out of the text once the proxy
 asks for the token ids it counts the answers by), and a list whose records would take more than
 a quarter of the smallest ring's slots (:data:`RING_SHARE`): they are all published before
@@ -26,8 +30,9 @@ vLLM's reply ends, and read after it (a fan-out reads each prompt's after its ow
 
 ``POST /v1/chat/completions/batch`` (vLLM's conversations of one request, ``n`` 1) is served the
 same way: conversation ``i`` runs as ``"chatcmpl-{base}_{i}"`` and the suffix
-(``vllm/entrypoints/openai/chat_completion/batch_serving.py``); the poolings that fan out for a
-completions list are refused there (send each conversation to ``/v1/chat/completions``).
+(``vllm/entrypoints/openai/chat_completion/batch_serving.py``), a conversation sent again
+alone goes to ``/v1/chat/completions``; the poolings that fan out for a completions list are
+refused there (send each conversation to ``/v1/chat/completions``).
 """
 
 from __future__ import annotations
@@ -56,11 +61,13 @@ from vllm_hidden_state_proxy.protocol import (
 from vllm_hidden_state_proxy.proxy.asgi import send_error
 from vllm_hidden_state_proxy.proxy.errors import (
     ProxyError,
+    alone_failed,
     completions_not_mergeable,
     list_record_mismatch,
     not_a_json_object,
     record_mismatch,
 )
+from vllm_hidden_state_proxy.proxy.fan_out import Failed, Job, at_path, fetch_all
 from vllm_hidden_state_proxy.proxy.keyed_request import ReplyBudget, keyed_body
 from vllm_hidden_state_proxy.proxy.replies import send_joined
 from vllm_hidden_state_proxy.proxy.state import ProxyState
@@ -78,7 +85,7 @@ from vllm_hidden_state_proxy.proxy.vectors.answers import (
 from vllm_hidden_state_proxy.proxy.vectors.fields import prompt_list_fields
 from vllm_hidden_state_proxy.proxy.vectors.lookup import EarlyRecords, wait_for_record
 from vllm_hidden_state_proxy.request_fields import is_int, is_token_ids
-from vllm_hidden_state_proxy.ring import Found, PublishMarks, Record
+from vllm_hidden_state_proxy.ring import PREFIX_GAP_STATUS, Found, PublishMarks, Record
 from vllm_hidden_state_proxy.transport import close_quietly
 from vllm_hidden_state_proxy.wanted_vectors import WantedVectors
 
@@ -98,10 +105,10 @@ def why_not_one_request(
     """Why a flagged list of ``count`` prompts cannot be sent as one request (it fans out, or
     a chat batch is refused, saying so); ``None`` if it can be."""
     pooling = wanted.request.pooling
-    if wanted.request.record_pooling in EVERY_PROMPT_POSITION:
+    if wanted.request.record_pooling in EVERY_PROMPT_POSITION and pooling != "mean":
         return (
-            f"pooling {pooling!r} needs every prompt position computed, with a cache_salt per "
-            "request"
+            f"pooling {pooling!r} needs every prompt position computed, with a cache_salt and "
+            "a matrix reserved per request"
         )
     if pooling in ANSWER_POOLINGS and (
         document.get("echo") is True or document.get("include_reasoning") is False
@@ -212,7 +219,10 @@ async def prompt_list_exchange(
                 ValueError(f"{len(prompts)} prompts x n = {choices} choices expected")
             )
         if asks is None:
-            records = await _prompt_records(state, key, marks, wanted, prompts, early.found)
+            found = await _prompt_records(state, key, marks, wanted, prompts, early.found)
+            gaps = {index: prompts[index] for index, record in enumerate(found) if record is None}
+            alone = await records_alone(state, scope, document, wanted, gaps, form) if gaps else {}
+            records = [alone[i] if record is None else record for i, record in enumerate(found)]
         else:
             records = await _answer_records(state, key, wanted, completion, choices)
             completion = without_asked_token_ids(completion, asks)
@@ -249,28 +259,106 @@ async def _prompt_records(
     wanted: WantedVectors,
     prompts: list[Any],
     early: dict[bytes, Found],
-) -> list[Record]:
+) -> list[Record | None]:
     """Each prompt's record, in prompt order (``early``: those picked up during the reply):
-    under its own key, or an error record under its own or the list's key."""
-    layers, pooling = wanted.distinct_layers, wanted.request.record_pooling
-    records = []
+    under its own key, or an error record under its own or the list's key; ``None`` for a
+    prompt whose positions were partly served from the prefix cache (its mean is fetched
+    alone)."""
+    records: list[Record | None] = []
     for index, prompt in enumerate(prompts):
         own = prompt_key(key, index)
-        record = await wait_for_record(
-            state.rings,
-            own,
-            marks,
-            state.settings.vector_timeout,
-            state.metrics,
-            early.get(own),
-            error_key=key,
-        )
-        if record.pooling != pooling or not set(layers) <= set(record.layers):
-            raise record_mismatch(record.layers, record.pooling, layers, pooling)
-        if is_token_ids(prompt) and record.num_prompt_tokens != len(prompt):
-            raise list_record_mismatch(index, record.num_prompt_tokens, len(prompt))
-        records.append(record)
+        try:
+            record = await wait_for_record(
+                state.rings,
+                own,
+                marks,
+                state.settings.vector_timeout,
+                state.metrics,
+                early.get(own),
+                error_key=key,
+            )
+        except ProxyError as error:
+            if error.status != PREFIX_GAP_STATUS:
+                raise
+            records.append(None)
+            continue
+        records.append(_checked(record, wanted, index, prompt))
     return records
+
+
+def _checked(record: Record, wanted: WantedVectors, index: int, prompt: Any) -> Record:
+    """``record`` if it is what prompt ``index`` asked for, else a ``ProxyError``."""
+    layers, pooling = wanted.distinct_layers, wanted.request.record_pooling
+    if record.pooling != pooling or not set(layers) <= set(record.layers):
+        raise record_mismatch(record.layers, record.pooling, layers, pooling)
+    if is_token_ids(prompt) and record.num_prompt_tokens != len(prompt):
+        raise list_record_mismatch(index, record.num_prompt_tokens, len(prompt))
+    return record
+
+
+#: What a request asks for besides its prompt's vector (what is generated and returned, and how
+#: it is sent): left out of a prompt sent again alone, which generates one token. The rest (the
+#: model, tokenization, a chat's template, tools and documents, the client's ``vllm_xargs``)
+#: decides the prompt's tokens and goes as the client sent it.
+_ANSWER_FIELDS = frozenset(
+    {
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "echo",
+        "suffix",
+        "stream",
+        "stream_options",
+        "min_tokens",
+        "max_tokens",
+        "max_completion_tokens",
+        "request_id",
+        "return_token_ids",
+        "response_format",
+        "structured_outputs",
+    }
+)
+
+
+def alone_job(scope: Scope, document: dict[str, Any], prompt: Any, form: str) -> Job:
+    """Prompt ``prompt`` of a list (a conversation of a chat batch) as a request of its own,
+    for its vector: one token, one choice, under a fresh request id."""
+    chat = form == "chatcmpl"
+    path, field, limit = (
+        ("/v1/chat/completions", "messages", "max_completion_tokens")
+        if chat
+        else ("/v1/completions", "prompt", "max_tokens")
+    )
+    body = {name: value for name, value in document.items() if name not in _ANSWER_FIELDS}
+    body[field], body[limit] = prompt, 1
+    return at_path(with_request_id(scope, secrets.token_hex(16)), path), body
+
+
+async def records_alone(
+    state: ProxyState,
+    scope: Scope,
+    document: dict[str, Any],
+    wanted: WantedVectors,
+    prompts: dict[int, Any],
+    form: str,
+) -> dict[int, Record]:
+    """The records of a list's ``prompts`` (by index) sent again alone (at most
+    ``--fan-out-limit`` at a time), each checked as the list's; ``ProxyError`` for any that
+    fails."""
+    indices = list(prompts)
+    jobs = [alone_job(scope, document, prompts[index], form) for index in indices]
+    replies = await fetch_all(state, jobs, wanted)
+    if isinstance(replies, Failed):
+        failure, index = replies.failure, indices[replies.index]
+        if isinstance(failure, ProxyError):
+            raise failure
+        raise alone_failed(index, failure.status, failure.content)
+    return {
+        index: _checked(reply.record, wanted, index, prompts[index])
+        for index, reply in zip(indices, replies, strict=True)
+    }
 
 
 async def _answer_records(

@@ -32,6 +32,7 @@ from vllm_hidden_state_proxy.ring.layout import (
 from vllm_hidden_state_proxy.ring.notes import EngineFailure, FailureNote, live_notes
 from vllm_hidden_state_proxy.ring.reader import PendingRows, RingReader
 from vllm_hidden_state_proxy.ring.records import (
+    PREFIX_GAP_STATUS,
     ErrorRecord,
     Found,
     Record,
@@ -41,6 +42,7 @@ from vllm_hidden_state_proxy.ring.writer import RingInUseError, RingWriter
 __all__ = [
     "LAYOUT_VERSION",
     "MAX_LAYERS",
+    "PREFIX_GAP_STATUS",
     "EngineFailure",
     "ErrorRecord",
     "FailureNote",

@@ -94,7 +94,9 @@ class ErrorRecord:
     key: bytes
     message: str
     #: What it means to the client: 502 the hook failed, 400 the request asked for what its
-    #: prompt does not have, 413 a limit of one request, 503 one of the engine (busy: retry).
+    #: prompt does not have, 409 prompt positions were served from the prefix cache (a prompt
+    #: of a list that hit another's blocks: the proxy sends it again alone), 413 a limit of one
+    #: request, 503 one of the engine (busy: retry).
     status: int = HOOK_FAILED_STATUS
 
 
@@ -110,8 +112,11 @@ class ArenaBlock:
 
 Found = Record | ErrorRecord
 
+#: The status of an error record for a pooling that needs every prompt position when some were
+#: served from the prefix cache (``worker_hook.selection.MeanGap``).
+PREFIX_GAP_STATUS = 409
 #: The statuses an error record may carry.
-ERROR_STATUSES = (HOOK_FAILED_STATUS, 400, 413, 503)
+ERROR_STATUSES = (HOOK_FAILED_STATUS, 400, PREFIX_GAP_STATUS, 413, 503)
 
 
 def pack_record(record: Record, block: ArenaBlock | None = None) -> bytes:

@@ -70,7 +70,7 @@ from vllm_hidden_state_proxy.protocol import (
     MATRIX_POOLINGS,
     SPANS_POOLING,
 )
-from vllm_hidden_state_proxy.ring.records import matrix_bytes
+from vllm_hidden_state_proxy.ring.records import PREFIX_GAP_STATUS, matrix_bytes
 from vllm_hidden_state_proxy.worker_hook.answer_rows import AnswerRows, FinishedAnswer
 from vllm_hidden_state_proxy.worker_hook.device_copy import RowCopier, copier_for
 from vllm_hidden_state_proxy.worker_hook.engine import engine_identity, is_publishing_rank
@@ -480,7 +480,7 @@ class StepCapture:
             if self.selected.has_sibling(request.req_id, selection.key):
                 self.selected.drop([request.req_id])  # another child of n > 1 can still do it
             else:
-                self._fail([request.req_id], str(gap))
+                self._fail([request.req_id], str(gap), PREFIX_GAP_STATUS)
             return None
 
     def _prompt_matrix(

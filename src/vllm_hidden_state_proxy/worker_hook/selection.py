@@ -118,8 +118,9 @@ def mean_rows(request: ScheduledRequest, covered: int) -> MeanRows | None:
     if nc > covered:
         raise MeanGap(
             f"this pooling needs all {prompt} prompt positions, but positions {covered}..{nc - 1}"
-            " were served from the prefix cache (the proxy sends a fresh cache_salt with such "
-            "requests; was this one sent around it?)"
+            " were served from the prefix cache (the proxy sends such a request with a fresh "
+            "cache_salt, and a prompt of a list that hit another's blocks again alone; was this "
+            "one sent around it?)"
         )
     start, end = max(nc, covered), min(nc + ns, prompt)
     if end <= start:

@@ -149,7 +149,7 @@ async def test_an_ordinary_batch_passes_through_unchanged() -> None:
         (
             {
                 "messages": CONVERSATIONS,
-                "kv_transfer_params": {**FLAG, "last_hidden_state_pooling": "mean"},
+                "kv_transfer_params": {**FLAG, "last_hidden_state_pooling": "all_prompt"},
             },
             "kv_transfer_params.last_hidden_state_pooling",
             "/v1/chat/completions",

@@ -1,6 +1,7 @@
 """``POST /v1/completions`` (proxy/endpoints/completions.py, proxy/prompt_list.py): one prompt
-gets one vector; a flagged list of prompts is one request (with "mean": fans out, one request key
-each) and gets one entry per prompt, in prompt order."""
+gets one vector; a flagged list of prompts is one request (with spans or "all_prompt": fans out,
+one request key each; with "mean", a prompt served part of its prompt from the prefix cache is sent
+again alone) and gets one entry per prompt, in prompt order."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from vllm_hidden_state_proxy.proxy.endpoints.completions import merge_completion
 from vllm_hidden_state_proxy.proxy.errors import ProxyError
 from vllm_hidden_state_proxy.proxy.prompt_list import as_the_clients
 from vllm_hidden_state_proxy.request_fields import is_token_ids
-from vllm_hidden_state_proxy.ring import ErrorRecord, RingWriter
+from vllm_hidden_state_proxy.ring import PREFIX_GAP_STATUS, ErrorRecord, RingWriter
 from vllm_hidden_state_proxy.worker_hook.selection import SelectedRequests
 
 pytestmark = pytest.mark.anyio
@@ -83,7 +84,9 @@ class CompletionsVLLM:
     answers 400 for ``fail_prompt`` and publishes nothing for ``lost_prompt``. A list sent as
     one request is run as vLLM runs it: one engine request per prompt (and choice), named by
     ``name`` (vLLM's way by default), given ``tokens`` of its prompt, each selected by the
-    hook's own code (``SelectedRequests``), which publishes under the key it derives."""
+    hook's own code (``SelectedRequests``), which publishes under the key it derives; the
+    prompts in ``gaps``, in a list, hit another prompt's cached blocks (the hook's error record
+    of status 409), and alone do not."""
 
     def __init__(
         self,
@@ -92,10 +95,12 @@ class CompletionsVLLM:
         lost_prompt: str | None = None,
         name: Callable[[str, int, int | None], str] = engine_id,
         tokens: Callable[[Any], list[int] | None] = lambda p: p if is_token_ids(p) else None,
+        gaps: tuple[Any, ...] = (),
     ) -> None:
         self.hook = hook
         self.fail_prompt = fail_prompt
         self.lost_prompt = lost_prompt
+        self.gaps = gaps
         self.name = name
         self.tokens = tokens
         self.keys: dict[str, bytes] = {}  # prompt (as JSON) -> the key it was published under
@@ -154,6 +159,10 @@ class CompletionsVLLM:
                 publish(self.hook, ErrorRecord(selection.key, selection.problem))
                 selected.mark_published(rid, selection.key)
                 continue
+            if prompt in self.gaps:
+                gap = "positions 0..15 were served from the prefix cache"
+                publish(self.hook, ErrorRecord(selection.key, gap, PREFIX_GAP_STATUS))
+                continue
             count = len(prompt) if is_token_ids(prompt) else 5
             publish(
                 self.hook,
@@ -211,7 +220,9 @@ async def test_single_prompt_forms_get_the_singular_field(
             assert response.status_code == 200, response.text
             kv = response.json()["kv_transfer_params"]
             assert kv["last_hidden_state"] == vector_for(handler.key_of(prompt))
-            assert kv["last_hidden_state_info"]["position"] == 4
+            # The fake's record of a text has 5 tokens; of token ids, their count.
+            position = len(prompt) - 1 if isinstance(prompt, list) else 4
+            assert kv["last_hidden_state_info"]["position"] == position
 
 
 async def test_a_list_with_infos(ring_dir: str, writer: RingWriter) -> None:
@@ -253,8 +264,72 @@ async def test_a_list_with_layers_gets_one_object_per_prompt(
     assert kv["last_hidden_states"] == [vector_for(k, 4, "mean") for k in keys]
     assert [info["layers"] for info in kv["last_hidden_state_infos"]] == [[0, -1]] * 3
     assert [info["pooling"] for info in kv["last_hidden_state_infos"]] == ["mean"] * 3
-    # One cache_salt per request: prompts sharing a prefix would hit each other's cache.
-    assert len(handler.sent) == len(prompts)
+    assert len(handler.sent) == 1  # "mean": one request, under one fresh cache_salt
+    assert "cache_salt" in orjson.loads(handler.sent[0].content)
+
+
+@pytest.mark.parametrize("prompts", [["p", "q", "r", "s"], [[1, 2, 3], [1, 2, 3, 4], [5], [6, 7]]])
+async def test_a_mean_served_from_the_prefix_cache_is_fetched_alone(
+    ring_dir: str, writer: RingWriter, prompts: list[Any]
+) -> None:
+    """A prompt of a mean list that hit another's cached blocks (the hook's 409) is sent again
+    alone, for its vector only: one token, one choice, its own key, id and cache_salt; its
+    choices stay the list's."""
+    gaps = (prompts[1], prompts[3])
+    handler = CompletionsVLLM(writer, gaps=gaps)
+    body = {
+        "prompt": prompts,
+        "n": 2,
+        "max_tokens": 7,
+        "logprobs": 2,
+        "echo": True,
+        "temperature": 0.5,
+        "add_special_tokens": False,
+        "vllm_xargs": {"client": 1},
+        "kv_transfer_params": {**FLAG, "last_hidden_state_pooling": "mean"},
+    }
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(handler)) as proxy:
+        response = await proxy.client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    keys = [handler.key_of(p) for p in prompts]  # the alone requests' keys for the gaps
+    assert answer["kv_transfer_params"]["last_hidden_states"] == [
+        vector_for(k, FINAL, "mean") for k in keys
+    ]
+    assert len(answer["choices"]) == 2 * len(prompts)  # the list's reply
+    listed, *alone = (orjson.loads(request.content) for request in handler.sent)
+    assert [sent["prompt"] for sent in alone] == list(gaps)
+    for sent, request in zip(alone, handler.sent[1:], strict=True):
+        assert sent["max_tokens"] == 1
+        assert not {"n", "logprobs", "echo", "request_id"} & set(sent)
+        assert sent["temperature"] == 0.5 and sent["add_special_tokens"] is False
+        assert sent["vllm_xargs"]["client"] == 1
+        assert request.headers["x-request-id"] != handler.sent[0].headers["x-request-id"]
+    salts = [listed["cache_salt"], *(sent["cache_salt"] for sent in alone)]
+    assert len(set(salts)) == len(salts)
+    assert len(set(keys)) == len(prompts)
+
+
+async def test_a_mean_list_fails_if_a_prompt_sent_alone_fails(
+    ring_dir: str, writer: RingWriter
+) -> None:
+    """vLLM refusing a prompt alone that it took in the list: a 502 naming the prompt."""
+    handler = CompletionsVLLM(writer, gaps=("q",))
+
+    async def refuse_alone(request: httpx.Request) -> httpx.Response:
+        if orjson.loads(request.content)["prompt"] == "q":
+            return httpx.Response(400, json={"error": {"message": "too long", "code": 400}})
+        return await handler(request)
+
+    body = {
+        "prompt": ["p", "q"],
+        "kv_transfer_params": {**FLAG, "last_hidden_state_pooling": "mean"},
+    }
+    async with proxy_client(settings_for(ring_dir), FakeVLLM(refuse_alone)) as proxy:
+        response = await proxy.client.post(COMPLETIONS, json=body)
+    assert response.status_code == 502, response.text
+    message = response.json()["error"]["message"]
+    assert "Prompt 1 of the list" in message and "400" in message and "too long" in message
 
 
 async def test_a_list_with_layers_but_not_the_final_one(
