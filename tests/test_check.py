@@ -271,6 +271,19 @@ def test_the_canary_passes_over_an_engine_the_proxy_already_names() -> None:
     )
 
 
+def test_a_canary_without_an_answer_in_time_is_no_verdict() -> None:
+    """A busy vLLM (traffic that came before the check) is not a broken hook: ``serve`` goes on."""
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return ScriptedProxy()(request)
+
+    client = httpx.Client(transport=httpx.MockTransport(slow), base_url="http://proxy.test")
+    with pytest.raises(check_module.CheckUnanswered, match="did not answer /v1/completions"):
+        canary(client, "tiny")
+
+
 def test_the_command_exits_1_with_the_fix_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

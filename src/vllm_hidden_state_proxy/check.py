@@ -60,6 +60,11 @@ class CheckFailed(Exception):
     """A step failed; the message is the one sentence that names the fix."""
 
 
+class CheckUnanswered(CheckFailed):
+    """A request got no answer within the client's timeout: the proxy or vLLM is busy or hung,
+    which the check cannot tell apart."""
+
+
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """What the check learned."""
@@ -123,6 +128,11 @@ class _Probe:
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         try:
             return self.client.post(path, json=body)
+        except httpx.TimeoutException as error:
+            raise CheckUnanswered(
+                f"The proxy did not answer {path} in time ({error!r}): vLLM may be busy or hung; "
+                "see the proxy's and vLLM's logs."
+            ) from None
         except httpx.HTTPError as error:
             raise CheckFailed(
                 f"The proxy broke off {path} ({error!r}): see the proxy's and vLLM's logs."
@@ -303,7 +313,9 @@ def canary(client: httpx.Client, model: str | None = None) -> str | None:
     """An ordinary and a flagged request (``serve``'s startup check); the problem or ``None``.
 
     A 503 naming an engine without a ring is not a problem here: ``/health`` reports those,
-    and ``serve`` keeps serving the other engines and ordinary traffic.
+    and ``serve`` keeps serving the other engines and ordinary traffic. Raises
+    :class:`CheckUnanswered` when a request got no answer in the client's timeout (traffic sent
+    as soon as the proxy's ``/health`` answered can keep vLLM busy past it): no verdict.
     """
     probe = _Probe(client, lambda line: None)
     try:
@@ -315,6 +327,8 @@ def canary(client: httpx.Client, model: str | None = None) -> str | None:
             model = str(data[0]["id"])
         probe.completion(model, None)
         probe.completion(model, {})
+    except CheckUnanswered:
+        raise
     except CheckFailed as failed:
         if "engine without a ring" in str(failed):
             return None

@@ -482,11 +482,22 @@ def _run(
 
 def startup_canary(proxy_url: str, settings: ProxySettings) -> str | None:
     """An ordinary and a flagged request through the proxy (``check.canary``): a hook that
-    wraps vLLM but never publishes fails the start, not the first user's request."""
-    from vllm_hidden_state_proxy.check import canary, client_for
+    wraps vLLM but never publishes fails the start, not the first user's request. A check that
+    got no answer in time is no verdict: traffic that came as soon as the proxy's ``/health``
+    answered (a load balancer's, a Kubernetes readiness probe's) can hold vLLM past it, and
+    stopping then would stop a healthy server under its first load; serve says so and serves."""
+    from vllm_hidden_state_proxy.check import CheckUnanswered, canary, client_for
 
-    with client_for(proxy_url, settings.api_key, settings.vector_timeout + 60.0) as client:
-        return canary(client)
+    timeout = settings.vector_timeout + 60.0
+    with client_for(proxy_url, settings.api_key, timeout) as client:
+        try:
+            return canary(client)
+        except CheckUnanswered as unanswered:
+            _say(
+                f"the startup check got no answer in {timeout:.0f} s ({unanswered}); serving "
+                "without its verdict: `hidden-state-proxy check` runs it again"
+            )
+            return None
 
 
 def _local_url(host: str, port: int) -> str:
