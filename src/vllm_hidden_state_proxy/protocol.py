@@ -150,6 +150,10 @@ MAX_SPAN_POSITION = 1 << 31
 
 #: ``GET``: what the server captures and the limits of a request (the proxy's capture endpoint).
 CAPTURE_PATH = "/v1/hidden_states"
+#: vLLM's routes the proxy builds requests for itself (an embeddings input, a prompt of a list
+#: sent again alone).
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 # -- the embeddings template -----------------------------------------------------------------
 # The proxy's /v1/embeddings option, and the clients that build its prompts themselves (the

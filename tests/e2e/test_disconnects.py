@@ -136,6 +136,11 @@ class MissedWindow(Exception):
 ATTEMPTS = 5
 
 
+def past_half(now: Progress, before: Progress) -> bool:
+    """vLLM finished a request since ``before``, or generated half of a long one."""
+    return now.finished > before.finished or now.generated - before.generated >= FULL / 2
+
+
 def seen_early(stack: RunningStack, before: Progress) -> bool:
     """vLLM works on the request sent after ``before`` and is less than half-way through it.
 
@@ -144,7 +149,7 @@ def seen_early(stack: RunningStack, before: Progress) -> bool:
     Half of a 7-13 s generation leaves seconds for the hang-up to reach vLLM.
     """
     now = progress(stack)
-    if now.finished > before.finished or now.generated - before.generated >= FULL / 2:
+    if past_half(now, before):
         raise MissedWindow(f"first seen at {now.generated - before.generated:g} of {FULL} tokens")
     return now.in_flight >= 1
 
@@ -183,7 +188,7 @@ def hang_up(stack: RunningStack, sock: socket.socket, kind: str, before: Progres
         if kind == "embeddings_fan_out":
             late = finished >= FAN_OUT_INPUTS / 2
         else:
-            late = finished > 0 or generated >= FULL / 2
+            late = past_half(look, before)
         if late:
             sock.close()
             raise MissedWindow(f"stopped after {finished:g} requests, {generated:g} tokens")
@@ -521,7 +526,7 @@ def test_vllm_that_stops_answering_is_a_prompt_504_and_the_request_is_aborted(
             with vllm_engine_frozen(stack):
                 frozen_at = time.monotonic()
                 look = settled_progress(stack)
-                if look.finished > before.finished or look.generated - before.generated >= FULL / 2:
+                if past_half(look, before):
                     raise MissedWindow(
                         f"frozen at {look.generated - before.generated:g} of {FULL} tokens, "
                         f"{look.finished - before.finished:g} finished"

@@ -40,6 +40,8 @@ from tests.proxy.fakes import (
     vector_for,
 )
 from vllm_hidden_state_proxy.protocol import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
     DEFAULT_TEMPLATE,
     FLAG,
     FORMAT,
@@ -61,8 +63,6 @@ from vllm_hidden_state_proxy.protocol import (
 from vllm_hidden_state_proxy.proxy import create_app
 from vllm_hidden_state_proxy.proxy.endpoints.completions import prompt_list
 from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
     EmbeddingsDefaults,
     plan_embeddings,
 )

@@ -46,7 +46,9 @@ from starlette.types import Scope, Send
 from vllm_hidden_state_proxy.protocol import (
     ANSWER_POOLINGS,
     ANSWER_WINDOW,
+    CHAT_PATH,
     CHOICES_ENTRY,
+    COMPLETIONS_PATH,
     EVERY_PROMPT_POSITION,
     LIST_BASE_ENTRY,
     LIST_CHECKSUMS_ENTRY,
@@ -327,9 +329,9 @@ def alone_job(scope: Scope, document: dict[str, Any], prompt: Any, form: str) ->
     for its vector: one token, one choice, under a fresh request id."""
     chat = form == "chatcmpl"
     path, field, limit = (
-        ("/v1/chat/completions", "messages", "max_completion_tokens")
+        (CHAT_PATH, "messages", "max_completion_tokens")
         if chat
-        else ("/v1/completions", "prompt", "max_tokens")
+        else (COMPLETIONS_PATH, "prompt", "max_tokens")
     )
     body = {name: value for name, value in document.items() if name not in _ANSWER_FIELDS}
     body[field], body[limit] = prompt, 1

@@ -7,10 +7,8 @@ from typing import Any
 
 import pytest
 
-from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
+from vllm_hidden_state_proxy.protocol import CHAT_PATH, COMPLETIONS_PATH, DEFAULT_TEMPLATE
 from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
     FORWARDED_FIELDS,
     EmbeddingsDefaults,
     EmbeddingsPlan,

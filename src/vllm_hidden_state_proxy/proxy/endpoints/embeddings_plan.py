@@ -19,13 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hidden_state_proxy.protocol import FORMATS, PLACEHOLDER, PROMPT_POOLINGS
+from vllm_hidden_state_proxy.protocol import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    FORMATS,
+    PLACEHOLDER,
+    PROMPT_POOLINGS,
+)
 from vllm_hidden_state_proxy.proxy.errors import ProxyError, bad_request
 from vllm_hidden_state_proxy.proxy.inspection import check_choice
 from vllm_hidden_state_proxy.request_fields import VectorRequest, is_int, is_token_ids
-
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 
 _INPUT_TYPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
