@@ -75,6 +75,28 @@ def stopped(pids: list[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def vllm_engine_yielding(stack: RunningStack) -> Iterator[None]:
+    """vLLM's engine (every thread of every process below its API server) runs at the lowest
+    priority until the block ends: on a loaded machine its API server then keeps up with the
+    outputs and answers /metrics while the engine generates, instead of falling seconds behind.
+    Only the odds of a look at the counters arriving early change, never what a test checks."""
+    _, *engine = vllm_processes(stack)
+    threads = [thread.id for process in engine for thread in process.threads()]
+    before: dict[int, int] = {}
+    try:
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError):
+                before[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+        yield
+    finally:
+        for tid, priority in before.items():
+            # Raising a priority again needs CAP_SYS_NICE; without it the engine stays niced.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, tid, priority)
+
+
 def vllm_engine_frozen(stack: RunningStack) -> contextlib.AbstractContextManager[None]:
     """vLLM's engine (every process below its API server) stops until the block ends, while
     the API server keeps answering: it sees a client hang up and sends the engine its abort,
