@@ -12,7 +12,8 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-CHAT_PATH = "/v1/chat/completions"
+from vllm_hidden_state_proxy.protocol import CHAT_PATH
+
 Flag = Literal["float", "base64"] | None
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 REQUEST_TIMEOUT = 300.0

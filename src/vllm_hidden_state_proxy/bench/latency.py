@@ -15,12 +15,13 @@ from collections.abc import Sequence
 
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import CHAT_PATH, ChatStack, Route, chat_body, timed_post
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route, chat_body, timed_post
 from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
 from vllm_hidden_state_proxy.bench.stats import Summary, ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.protocol import CHAT_PATH
 
 
 def routes(stack: ChatStack) -> list[Route]:

@@ -20,7 +20,6 @@ import httpx
 import orjson
 
 from vllm_hidden_state_proxy.bench.client import (
-    CHAT_PATH,
     BenchError,
     ChatStack,
     Route,
@@ -32,6 +31,7 @@ from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.protocol import CHAT_PATH
 
 #: Two token events closer than this came in one burst (one read), not one by one.
 BURST_GAP = 1e-4
