@@ -1,11 +1,9 @@
 """What each kind of state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
 arms interleaved round-robin: ``direct`` (straight to vLLM, unflagged), and through the proxy
-flagged for the prompt's last state (``flagged_last``, published at prefill), the answer's
-(``flagged_last_answer``: the hook keeps each decode step's row and publishes the latest when
-the answer finishes), every prompt position (``flagged_all_prompt``: a matrix through the
-ring's arena, a full prefill), every answer position (``flagged_all_answer``), and the means of
-4 prompt spans (``flagged_spans``, pooled in the worker). The ratio to ``flagged_last`` is what
-each kind adds to a flagged request; ``answer bytes`` what moved to the client.
+flagged for each pooling of :data:`KINDS` (the prompt's last state, published at prefill; the
+answer's, kept step by step; every prompt or answer position, a matrix through the ring's
+arena; the means of spans). The ratio to ``flagged_last`` is what each kind adds to a flagged
+request; ``answer bytes`` what moved to the client.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The extract comparison (issues #38, #46; the phase ``extract``): vectors per second of
-``extract`` (its runner as a library, at its defaults) through ``serve``'s proxy, ``last`` and
-``mean`` of the final layer, against vLLM's pooling server (``--runner pooling --convert
-embed``, LAST or MEAN, no normalisation, one server per pooling) sent the same inputs through
-``/v1/embeddings``, one and 32 a request, as many in flight; one corpus as texts, token ids and
-chats (to the pooling server: its chat template's tokens, as a chat completion renders them).
-
-One vLLM at a time (the caller holds the lock): the generation stack, then the LAST pooling
-server, then the MEAN one. The arms of one server take turns in rounds (:func:`~.turns.
-take_turns`), a turn one whole corpus; a rate is the median over rounds. Every arm's vectors
-are compared by id with the pooling server's, one input a request."""
+``extract`` (its runner as a library, at its defaults) through ``serve``'s proxy against vLLM's
+pooling server (one per pooling, LAST or MEAN, unnormalised) sent the same inputs through
+``/v1/embeddings``, one and 32 a request; one corpus as texts, token ids and chats. One vLLM at
+a time (the caller holds the lock); the arms of one server take turns in rounds, a turn one
+whole corpus. Every arm's vectors are compared by id with the pooling server's, one input a
+request."""
 
 from __future__ import annotations
 

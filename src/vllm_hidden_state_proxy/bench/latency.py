@@ -1,11 +1,7 @@
-"""One-token chats, one at a time, arms interleaved round-robin: the latency arms.
-
-- ``direct``: straight to vLLM, unflagged (the baseline).
-- ``passthrough``: the same request through the proxy, unflagged.
-- ``flagged_float``: through the proxy with ``return_last_hidden_state`` (JSON float list).
-- ``flagged_base64``: the same with ``last_hidden_state_format: "base64"``.
-
-:func:`one_at_a_time` is the loop (the answers phase's too).
+"""One-token chats, one at a time, arms interleaved round-robin: ``direct`` (straight to vLLM,
+unflagged: the baseline), ``passthrough`` (the same through the proxy), ``flagged_float`` and
+``flagged_base64`` (flagged, the vector as a JSON float list or as base64). :func:`one_at_a_time`
+is the loop (the answers phase's too).
 """
 
 from __future__ import annotations

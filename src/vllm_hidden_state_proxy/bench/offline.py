@@ -1,16 +1,10 @@
 """The offline comparison (issue #47; the phase ``offline``): prompts per second of the offline
-API (:func:`vllm_hidden_state_proxy.offline.embed` over a generation ``LLM``) against vLLM's
-offline pooling runner (``LLM(runner="pooling", convert="embed").embed()``), on the extract
-phase's corpus as token-id prompts, ``last`` and ``mean`` of the final layer.
-
-Three ``LLM``s, each in a process of its own (this module run as ``--serve KIND``), alive
-together under the machine-wide vLLM lock the caller holds: the generation one (the worker
-hook on) for ``offline last``/``offline mean`` and plain ``generate`` (one token each, no
-hidden states: what the rest costs on top), and one pooling ``LLM`` per pooling (the hook off).
-Each arm runs the corpus once to warm up, then the arms take turns for the rounds; a rate is
-the median round's. The offline vectors are compared by prompt with the pooling runner's; when
-the extract phase ran in the same run, its rates of token-id prompts are the third column of
-comparison.
+API (:func:`vllm_hidden_state_proxy.offline.embed` over a generation ``LLM``, beside its plain
+one-token ``generate``) against vLLM's offline pooling runner, on the extract phase's corpus as
+token-id prompts, ``last`` and ``mean`` of the final layer. Three ``LLM``s, each in a process of
+its own (this module run as ``--serve KIND``), alive together under the vLLM lock the caller
+holds; after a warm-up the arms take turns for the rounds, a rate is the median round's. The
+offline vectors are compared by prompt with the pooling runner's.
 """
 
 from __future__ import annotations

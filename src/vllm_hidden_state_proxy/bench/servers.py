@@ -1,7 +1,6 @@
 """Servers the bench starts itself, each writing its output to a log in the output directory:
-the chat stack, ``hidden-state-proxy serve`` on the tiny offline model, holding the
-machine-wide vLLM lock for as long as it runs (:func:`chat_stack`); any other server through
-:func:`started`.
+the chat stack (:func:`chat_stack`: ``hidden-state-proxy serve`` on the tiny offline model),
+any other through :func:`started`.
 """
 
 from __future__ import annotations
