@@ -273,8 +273,8 @@ class Measured:
         task.done()
 
 
-def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str, Table]:
-    """The phase: its servers one at a time (the caller holds the vLLM lock), its tables."""
+def run(model_dir: Path, options: BenchOptions, progress: Progress) -> Table:
+    """The phase: its servers one at a time (the caller holds the vLLM lock), its table."""
     from transformers import AutoTokenizer
 
     rounds = 1 if options.smoke else EXTRACT_ROUNDS
@@ -310,10 +310,10 @@ def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str,
                 run_async(measured.take_turns(arms, rounds, progress))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return compare_tables(measured)
+    return compare_table(measured)
 
 
-def compare_tables(measured: Measured) -> dict[str, Table]:
+def compare_table(measured: Measured) -> Table:
     """The comparison's table: each method's rate and its vectors against the reference's."""
     rows: list[Row] = []
     rates = {name: statistics.median(tally.rates) for name, tally in measured.tallies.items()}
@@ -348,4 +348,4 @@ def compare_tables(measured: Measured) -> dict[str, Table]:
         f"pooling server's, one input a request (cosine >= {MIN_COSINE}, relative L2 <= "
         f"{MAX_RELATIVE_L2:g})."
     )
-    return {"extract_compare": Table(TITLE, rows, note)}
+    return Table(TITLE, rows, note)

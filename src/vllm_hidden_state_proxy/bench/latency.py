@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import ChatStack, Route, chat_body, timed_post
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route, timed_post
 from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
@@ -50,13 +50,7 @@ async def one_at_a_time(
         await stack.chat_request(client, route, indices, max_tokens)()
 
     async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
-        body = chat_body(
-            stack.model,
-            next(indices),
-            flag=route.flag,
-            max_tokens=max_tokens,
-            pooling=route.pooling,
-        )
+        body = stack.chat_body(route, next(indices), max_tokens)
         timed = await timed_post(client, CHAT_PATH, body)
         timed.require_ok(route.name, route.flag is not None)
         samples[route.name].append(timed.seconds)

@@ -176,7 +176,7 @@ def _measure(options: BenchOptions, results: Results, progress: Progress) -> Non
         if "extract" in options.phases:
             from vllm_hidden_state_proxy.bench import extract_compare
 
-            results.tables.update(extract_compare.run(model_dir, options, progress))
+            results.tables["extract_compare"] = extract_compare.run(model_dir, options, progress)
         if "offline" in options.phases:
             from vllm_hidden_state_proxy.bench import offline
 

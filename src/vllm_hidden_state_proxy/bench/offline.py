@@ -2,14 +2,13 @@
 API (:func:`vllm_hidden_state_proxy.offline.embed` over a generation ``LLM``, beside its plain
 one-token ``generate``) against vLLM's offline pooling runner, on the extract phase's corpus as
 token-id prompts, ``last`` and ``mean`` of the final layer. Three ``LLM``s, each in a process of
-its own (this module run as ``--serve KIND``), alive together under the vLLM lock the caller
-holds; after a warm-up the arms take turns for the rounds, a rate is the median round's. The
-offline vectors are compared by prompt with the pooling runner's.
+its own (this module run as a script: :func:`serve`), alive together under the vLLM lock the
+caller holds; after a warm-up the arms take turns for the rounds, a rate is the median round's.
+The offline vectors are compared by prompt with the pooling runner's.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -87,7 +86,7 @@ def _child(
 ) -> Iterator[Callable[[str], float]]:
     """The ``LLM`` of ``kind`` in a process of its own; yields ``run(arm) -> seconds``."""
     read_end, write_end = os.pipe()
-    command = [sys.executable, "-m", __name__, "--serve", kind, str(model), str(corpus)]
+    command = [sys.executable, "-m", __name__, kind, str(model), str(corpus)]
     with open(corpus.with_name(f"{kind}.log"), "wb") as log:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -191,9 +190,5 @@ def _table(
 
 
 if __name__ == "__main__":  # vLLM spawns its engine: this must not run again there
-    parser = argparse.ArgumentParser(description="a child of bench's offline phase")
-    parser.add_argument("--serve", required=True)
-    parser.add_argument("model", type=Path)
-    parser.add_argument("corpus", type=Path)
-    arguments = parser.parse_args()
-    serve(arguments.serve, arguments.model, arguments.corpus)
+    _, kind, model, corpus = sys.argv  # as _child starts it
+    serve(kind, Path(model), Path(corpus))
