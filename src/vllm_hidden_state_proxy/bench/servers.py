@@ -102,13 +102,7 @@ def chat_stack(
     vllm_key = secrets.token_urlsafe(24)
     stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key, vllm_api_key=vllm_key)
     environment = {**proxy_environment(api_key), UPSTREAM_API_KEY_ENV: vllm_key}
-    with started(
-        command,
-        environment,
-        log_dir / f"{name}.log",
-        stack.proxy_url + "/health",
-        timeout,
-        f"vLLM and the proxy ({name}: hidden-state-proxy serve {' '.join(serve_args)})",
-        progress,
-    ) as process:
+    log, health = log_dir / f"{name}.log", stack.proxy_url + "/health"
+    title = f"vLLM and the proxy ({name}: hidden-state-proxy serve {' '.join(serve_args)})"
+    with started(command, environment, log, health, timeout, title, progress) as process:
         yield dataclasses.replace(stack, pid=process.pid)
