@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.bench.fakes import HIDDEN, FakeServers
+from vllm_hidden_state_proxy.bench import embeddings
 from vllm_hidden_state_proxy.bench.client import BenchError
 from vllm_hidden_state_proxy.bench.embeddings import (
     FAN_OUT_LIMIT,
@@ -19,8 +20,8 @@ from vllm_hidden_state_proxy.bench.embeddings import (
     embedding_chat_body,
     embedding_inputs_body,
     embedding_text,
-    measure_embeddings,
 )
+from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Table
 from vllm_hidden_state_proxy.protocol import DEFAULT_TEMPLATE
@@ -31,39 +32,33 @@ from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
 from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
 
-def run(fake: FakeServers, batches: tuple[int, ...], per_round: int, limit: int = 64) -> Table:
+def run(fake: FakeServers, batches: tuple[int, ...], limit: int = 64) -> Table:
+    """6 rounds of one request per arm at each batch size (``--requests 1``)."""
     clock = itertools.count(0.0, 1.0)  # the proxy's CPU clock: a second a reading
-
-    async def main() -> Table:
-        return await measure_embeddings(
-            dataclasses.replace(fake.stack("key"), proxy_cpu=lambda: next(clock)),
-            batches,
-            lambda batch: per_round,
-            3,
-            Progress(io.StringIO()),
-            limit,
-        )
-
-    return anyio.run(main)
+    stack = dataclasses.replace(fake.stack("key"), proxy_cpu=lambda: next(clock))
+    options = BenchOptions(requests=1, embedding_batches=batches)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(embeddings, "FAN_OUT_LIMIT", limit)
+        return anyio.run(embeddings.run, stack, options, Progress(io.StringIO()))
 
 
 def test_both_arms_take_turns_at_every_batch_size() -> None:
     fake = FakeServers()
-    table = run(fake, (1, 16, 40), 2, limit=8)
+    table = run(fake, (1, 16, 40), limit=8)
     assert [row["inputs per request"] for row in table.rows] == [1, 16, 40]
     for row in table.rows:
         assert row["requests"] == 6 and row["hidden size"] == HIDDEN
         for column in ("inputs/s", "vLLM alone inputs/s", "proxy / vLLM alone, inputs/s"):
             value = row[column]
             assert isinstance(value, float) and value > 0
-    # A clock reading before and after each of the proxy's 3 turns: 1 s each.
+    # A clock reading before and after each of the proxy's 6 turns: 1 s each.
     assert [row["proxy CPU ms per input"] for row in table.rows] == pytest.approx(
-        [1e3 * 3 / 6, 1e3 * 3 / 96, 1e3 * 3 / 240]
+        [1e3 * 6 / 6, 1e3 * 6 / 96, 1e3 * 6 / 240]
     )
     sizes = [
         len(document["input"]) for host, path, document in fake.seen if path == "/v1/embeddings"
     ]
-    assert sizes == [1] * 7 + [16] * 7 + [40] * 7  # a warm-up, then 3 rounds of 2
+    assert sizes == [1] * 7 + [16] * 7 + [40] * 7  # a warm-up, then 6 rounds of 1
     assert fake.count("vllm") == (1 + 6) * (1 + 16 + 40)
     assert fake.peak <= 8  # the direct arm keeps at most `limit` chats in flight
     texts = [str(d.get("input") or d["messages"]) for _, _, d in fake.seen]
@@ -73,7 +68,7 @@ def test_both_arms_take_turns_at_every_batch_size() -> None:
 
 def test_a_wrong_count_of_vectors_stops_the_run() -> None:
     with pytest.raises(BenchError, match="embeddings: 15 vectors for 16 inputs"):
-        run(FakeServers(short_after=1), (16,), 2)  # the warm-up is whole, then one short
+        run(FakeServers(short_after=1), (16,))  # the warm-up is whole, then one short
 
 
 def test_a_whole_answer_is_checked_item_by_item() -> None:

@@ -211,7 +211,7 @@ def measured(wrong_extract: bool = False) -> ec.Measured:
 
 
 def test_the_table_carries_rates_ratios_and_agreement() -> None:
-    table = ec.compare_tables(measured())["extract_compare"]
+    table = ec.compare_table(measured())
     extract_last = table.rows[0]
     assert extract_last["method"] == ec.EXTRACT and extract_last["pooling"] == "last"
     assert extract_last["vectors/s"] == pytest.approx(100.0)  # 6 inputs, median 0.06 s
@@ -228,13 +228,14 @@ def test_the_table_carries_rates_ratios_and_agreement() -> None:
 
 
 def test_a_disagreeing_method_is_marked_in_the_report() -> None:
-    text = render_markdown(Results(meta={}, tables=ec.compare_tables(measured(wrong_extract=True))))
+    table = ec.compare_table(measured(wrong_extract=True))
+    text = render_markdown(Results(meta={}, tables={"extract_compare": table}))
     assert "**NO**: 1 missing" in text and ec.TITLE in text
 
 
 def test_the_figure_is_a_png_linked_after_the_comparisons_table(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    results = Results(meta={}, tables=ec.compare_tables(measured()))
+    results = Results(meta={}, tables={"extract_compare": ec.compare_table(measured())})
     (path,) = write_figures(results, tmp_path)
     assert path.name == "extract-throughput.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [link.file for link in results.figures["extract_compare"]] == ["extract-throughput.png"]

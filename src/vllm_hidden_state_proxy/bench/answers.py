@@ -1,11 +1,9 @@
 """What each kind of state costs (issue #28): chats of ``ANSWER_TOKENS`` tokens, one at a time,
 arms interleaved round-robin: ``direct`` (straight to vLLM, unflagged), and through the proxy
-flagged for the prompt's last state (``flagged_last``, published at prefill), the answer's
-(``flagged_last_answer``: the hook keeps each decode step's row and publishes the latest when
-the answer finishes), every prompt position (``flagged_all_prompt``: a matrix through the
-ring's arena, a full prefill), every answer position (``flagged_all_answer``), and the means of
-4 prompt spans (``flagged_spans``, pooled in the worker). The ratio to ``flagged_last`` is what
-each kind adds to a flagged request; ``answer bytes`` what moved to the client.
+flagged for each pooling of :data:`KINDS` (the prompt's last state, published at prefill; the
+answer's, kept step by step; every prompt or answer position, a matrix through the ring's
+arena; the means of spans). The ratio to ``flagged_last`` is what each kind adds to a flagged
+request; ``answer bytes`` what moved to the client.
 """
 
 from __future__ import annotations
@@ -22,34 +20,22 @@ ANSWER_TOKENS = 16
 TITLE = f"Answers: {ANSWER_TOKENS}-token chats, one request at a time, arms interleaved"
 
 
+#: The flagged arms' poolings (``"spans"``: the means of the bench's 4 prompt spans), each
+#: with what it asks for.
+KINDS = {
+    "last": "the prompt's last state",
+    "last_answer": "the answer's state (last_answer)",
+    "all_prompt": "every prompt position (all_prompt)",
+    "all_answer": "every answer position (all_answer)",
+    "spans": "the means of 4 prompt spans (mean with spans)",
+}
+
+
 def routes(stack: ChatStack) -> list[Route]:
-    return [
-        stack.direct("direct", f"{ANSWER_TOKENS}-token chat straight to vLLM, unflagged"),
-        stack.via_proxy("flagged_last", "through the proxy: the prompt's last state", "base64"),
-        stack.via_proxy(
-            "flagged_last_answer",
-            "through the proxy: the answer's state (last_answer)",
-            "base64",
-            "last_answer",
-        ),
-        stack.via_proxy(
-            "flagged_all_prompt",
-            "through the proxy: every prompt position (all_prompt)",
-            "base64",
-            "all_prompt",
-        ),
-        stack.via_proxy(
-            "flagged_all_answer",
-            "through the proxy: every answer position (all_answer)",
-            "base64",
-            "all_answer",
-        ),
-        stack.via_proxy(
-            "flagged_spans",
-            "through the proxy: the means of 4 prompt spans (mean with spans)",
-            "base64",
-            "spans",
-        ),
+    direct = stack.direct("direct", f"{ANSWER_TOKENS}-token chat straight to vLLM, unflagged")
+    return [direct] + [
+        stack.via_proxy(f"flagged_{kind}", f"through the proxy: {what}", "base64", kind)
+        for kind, what in KINDS.items()
     ]
 
 

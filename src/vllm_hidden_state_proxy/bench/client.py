@@ -12,7 +12,8 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-CHAT_PATH = "/v1/chat/completions"
+from vllm_hidden_state_proxy.protocol import CHAT_PATH, FLAG, FORMAT, KV, POOLING, SPANS, VECTOR
+
 Flag = Literal["float", "base64"] | None
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 REQUEST_TIMEOUT = 300.0
@@ -21,7 +22,7 @@ REQUEST_TIMEOUT = 300.0
 #: While the other arms take their turn a connection can idle that long: retire it first.
 KEEPALIVE_EXPIRY = 2.0
 #: In every flagged answer; a byte search for it keeps the client's work equal for every arm.
-VECTOR_MARKER = b'"last_hidden_state"'
+VECTOR_MARKER = f'"{VECTOR}"'.encode()
 #: The spans of a bench chat's prompt that a ``"spans"`` route asks for (its prompt is longer).
 BENCH_SPANS = [[0, 8], [8, 16], [16, 24], [0, 24]]
 
@@ -77,14 +78,17 @@ class ChatStack:
     ) -> Route:
         return Route(name, description, self.proxy_url, flag, self.api_key, pooling)
 
+    def chat_body(self, route: Route, index: int, max_tokens: int = 1) -> bytes:
+        """Chat ``index`` of ``route`` (its flag and pooling)."""
+        return chat_body(
+            self.model, index, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling
+        )
+
     def chat_request(
         self, client: httpx.AsyncClient, route: Route, indices: Iterator[int], max_tokens: int = 1
     ) -> Request:
-        """The route's chats (its flag) on ``client``, request ``next(indices)`` each."""
-        bodies = (
-            chat_body(self.model, i, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling)
-            for i in indices
-        )
+        """The route's chats on ``client``, request ``next(indices)`` each."""
+        bodies = (self.chat_body(route, i, max_tokens) for i in indices)
         return chat_request(client, route.name, bodies, route.flag is not None)
 
 
@@ -118,15 +122,15 @@ def chat_body(
         document["stream"] = True
         document["stream_options"] = {"include_usage": True}
         document["return_token_ids"] = True  # to count tokens, also when events merge them
-    if flag is not None:
-        kv: dict[str, Any] = {"return_last_hidden_state": True}
+    if flag is not None:  # only what the arm asks for: the rest is the proxy's default
+        kv: dict[str, Any] = {FLAG: True}
         if flag == "base64":
-            kv["last_hidden_state_format"] = "base64"
+            kv[FORMAT] = "base64"
         if pooling == "spans":  # "mean" over the spans the bench names
-            kv.update(last_hidden_state_pooling="mean", last_hidden_state_spans=BENCH_SPANS)
+            kv.update({POOLING: "mean", SPANS: BENCH_SPANS})
         elif pooling != "last":
-            kv["last_hidden_state_pooling"] = pooling
-        document["kv_transfer_params"] = kv
+            kv[POOLING] = pooling
+        document[KV] = kv
     return orjson.dumps(document)
 
 

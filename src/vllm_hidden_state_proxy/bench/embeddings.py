@@ -1,21 +1,12 @@
-"""Embeddings per second through the proxy's own ``POST /v1/embeddings`` at each batch size
-(inputs per request: 1, 16, 256 by default), against the same work done by vLLM alone.
-
-- ``proxy``: one ``/v1/embeddings`` request at a time, ``batch`` distinct short texts each,
-  float vectors. The proxy fans each request out as ``batch`` flagged one-token chats, at most
-  ``--fan-out-limit`` (default 64) in flight, and answers when all are back.
-- ``direct``: the very chats the proxy sends for those inputs (its default template, thinking
-  off), straight to vLLM, unflagged, at most ``FAN_OUT_LIMIT`` in flight; a "request" is all
-  ``batch`` answered.
-
-At each batch size the two arms take turns in rounds (round-robin, rotating start); their
-ratio is the median over rounds of their rates in the same round.
-"""
+"""Embeddings per second through the proxy's own ``POST /v1/embeddings``, one request of N
+distinct short texts at a time for each N of ``--embedding-batches``, against vLLM alone doing
+the same work: the very chats the proxy sends vLLM for those inputs (planned by its own rules),
+unflagged, at most the proxy's default ``--fan-out-limit`` in flight; a "request" of that arm
+is all N answered. At each N the two arms take turns in rounds."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -39,18 +30,18 @@ from vllm_hidden_state_proxy.proxy.endpoints.embeddings_plan import (
     EmbeddingsDefaults,
     plan_embeddings,
 )
+from vllm_hidden_state_proxy.proxy.settings import ProxySettings
 
-#: The proxy's default ``--fan-out-limit`` (docs/api.md): the direct arm keeps at most as many
-#: chats in flight.
-FAN_OUT_LIMIT = 64
+#: The proxy's default ``--fan-out-limit``: the direct arm keeps at most as many chats in flight.
+FAN_OUT_LIMIT: int = ProxySettings.fan_out_limit
 #: One per item of an embeddings answer (``"object":"embedding"`` has a comma, not a colon).
 EMBEDDING_MARKER = b'"embedding":'
 TITLE = "Embeddings: /v1/embeddings through the proxy, one request of N inputs at a time"
-#: The two arms: through the proxy's ``/v1/embeddings``, or the same chats straight to vLLM.
-ARMS = (True, False)
 EMBEDDINGS_PATH = "/v1/embeddings"
 #: The proxy's defaults for a text input (its planner turns one into one chat, as below).
 PROXY_DEFAULTS = EmbeddingsDefaults(template=DEFAULT_TEMPLATE, max_inputs=1)
+#: An arm: through the proxy's ``/v1/embeddings`` (True) or its chats straight to vLLM, at N.
+Arm = tuple[bool, int]
 
 
 def embedding_text(index: int) -> str:
@@ -83,25 +74,12 @@ def check_embeddings(document: Any, batch: int) -> int:
 
 
 async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Table:
-    return await measure_embeddings(
-        stack, options.embedding_batches, options.embedding_requests, options.rounds, progress
-    )
-
-
-async def measure_embeddings(
-    stack: ChatStack,
-    batches: tuple[int, ...],
-    requests_per_round: Callable[[int], int],
-    rounds: int,
-    progress: Progress,
-    limit: int = FAN_OUT_LIMIT,
-) -> Table:
     """At each batch size a warm-up request per arm (the proxy's answer parsed and checked
-    whole), then ``rounds`` rounds of ``requests_per_round(batch)`` requests per arm. An arm
-    is (through the proxy or not, batch size); a request of the direct arm is all ``batch``
-    chats answered."""
+    whole), then ``options.rounds`` rounds of ``options.embedding_requests(batch)`` requests
+    per arm, the proxy's answers checked by counting their vectors (little client work)."""
+    batches, rounds, limit = options.embedding_batches, options.rounds, FAN_OUT_LIMIT
     indices = itertools.count(4_000_000)
-    tallies = {(via_proxy, batch): Tally() for batch in batches for via_proxy in ARMS}
+    tallies = {(via_proxy, batch): Tally() for batch in batches for via_proxy in (True, False)}
     hidden_sizes: dict[int, int] = {}
 
     def inputs(batch: int) -> list[int]:
@@ -111,10 +89,10 @@ async def measure_embeddings(
         body = embedding_inputs_body(stack.model, inputs(batch))
         return (await timed_post(client, EMBEDDINGS_PATH, body)).require_ok("embeddings request")
 
-    def request(client: httpx.AsyncClient, arm: tuple[bool, int]) -> Request:
+    def request(client: httpx.AsyncClient, arm: Arm) -> Request:
         via_proxy, batch = arm
 
-        async def embeddings() -> float:  # the vectors counted, not parsed: little client work
+        async def embeddings() -> float:
             timed = await ask_proxy(client, batch)
             if (found := timed.body.count(EMBEDDING_MARKER)) != batch:
                 raise BenchError(f"embeddings: {found} vectors for {batch} inputs")
@@ -127,32 +105,32 @@ async def measure_embeddings(
 
         return embeddings if via_proxy else chats
 
-    async def warm_up(client: httpx.AsyncClient, arm: tuple[bool, int]) -> None:
+    async def warm_up(client: httpx.AsyncClient, arm: Arm) -> None:
         via_proxy, batch = arm
-        if via_proxy:  # the proxy's answer parsed and checked whole
+        if via_proxy:
             answer = orjson.loads((await ask_proxy(client, batch)).body)
             hidden_sizes[batch] = check_embeddings(answer, batch)
         else:
             await request(client, arm)()
 
-    async def turn(client: httpx.AsyncClient, arm: tuple[bool, int], _: int) -> int:
+    async def turn(client: httpx.AsyncClient, arm: Arm, _: int) -> int:
         via_proxy, batch = arm
         clock = stack.proxy_cpu if via_proxy else None
-        count = requests_per_round(batch)
+        count = options.embedding_requests(batch)
         what = "embeddings" if via_proxy else "embeddings direct"
         return batch * await burst_turn(tallies[arm], request(client, arm), what, count, 1, clock)
 
-    def client(arm: tuple[bool, int]) -> httpx.AsyncClient:
+    def client(arm: Arm) -> httpx.AsyncClient:
         via_proxy, batch = arm
         if via_proxy:
             return stack.client(stack.via_proxy("embeddings", "/v1/embeddings"))
         return stack.client(stack.direct("embeddings direct", "chats"), min(batch, limit))
 
-    total = sum(requests_per_round(b) * b * rounds * 2 for b in batches)
+    total = sum(options.embedding_requests(b) * b * rounds * 2 for b in batches)
     task = progress.task(f"embeddings (batch sizes {', '.join(map(str, batches))})", total)
     rows: list[Row] = []
     for batch in batches:
-        arms = [(via_proxy, batch) for via_proxy in ARMS]
+        arms = [(True, batch), (False, batch)]
         await take_turns(arms, client, turn, rounds, task, warm_up=warm_up)
         proxy, vllm = (tallies[arm] for arm in arms)
         proxy_s, vllm_s = summarize(proxy.latencies, 1e3), summarize(vllm.latencies, 1e3)

@@ -1,14 +1,10 @@
 """The extract comparison (issues #38, #46; the phase ``extract``): vectors per second of
-``extract`` (its runner as a library, at its defaults) through ``serve``'s proxy, ``last`` and
-``mean`` of the final layer, against vLLM's pooling server (``--runner pooling --convert
-embed``, LAST or MEAN, no normalisation, one server per pooling) sent the same inputs through
-``/v1/embeddings``, one and 32 a request, as many in flight; one corpus as texts, token ids and
-chats (to the pooling server: its chat template's tokens, as a chat completion renders them).
-
-One vLLM at a time (the caller holds the lock): the generation stack, then the LAST pooling
-server, then the MEAN one. The arms of one server take turns in rounds (:func:`~.turns.
-take_turns`), a turn one whole corpus; a rate is the median over rounds. Every arm's vectors
-are compared by id with the pooling server's, one input a request."""
+``extract`` (its runner as a library, at its defaults) through ``serve``'s proxy against vLLM's
+pooling server (one per pooling, LAST or MEAN, unnormalised) sent the same inputs through
+``/v1/embeddings``, one and 32 a request; one corpus as texts, token ids and chats. One vLLM at
+a time (the caller holds the lock); the arms of one server take turns in rounds, a turn one
+whole corpus. Every arm's vectors are compared by id with the pooling server's, one input a
+request."""
 
 from __future__ import annotations
 
@@ -277,8 +273,8 @@ class Measured:
         task.done()
 
 
-def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str, Table]:
-    """The phase: its servers one at a time (the caller holds the vLLM lock), its tables."""
+def run(model_dir: Path, options: BenchOptions, progress: Progress) -> Table:
+    """The phase: its servers one at a time (the caller holds the vLLM lock), its table."""
     from transformers import AutoTokenizer
 
     rounds = 1 if options.smoke else EXTRACT_ROUNDS
@@ -314,10 +310,10 @@ def run(model_dir: Path, options: BenchOptions, progress: Progress) -> dict[str,
                 run_async(measured.take_turns(arms, rounds, progress))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return compare_tables(measured)
+    return compare_table(measured)
 
 
-def compare_tables(measured: Measured) -> dict[str, Table]:
+def compare_table(measured: Measured) -> Table:
     """The comparison's table: each method's rate and its vectors against the reference's."""
     rows: list[Row] = []
     rates = {name: statistics.median(tally.rates) for name, tally in measured.tallies.items()}
@@ -352,4 +348,4 @@ def compare_tables(measured: Measured) -> dict[str, Table]:
         f"pooling server's, one input a request (cosine >= {MIN_COSINE}, relative L2 <= "
         f"{MAX_RELATIVE_L2:g})."
     )
-    return {"extract_compare": Table(TITLE, rows, note)}
+    return Table(TITLE, rows, note)

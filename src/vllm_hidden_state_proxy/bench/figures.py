@@ -1,13 +1,8 @@
 """PNG figures of a run, written next to ``bench.md`` and linked after the last table they
-illustrate (issue #39): ``bench-latency.png`` (latency by arm one request at a time, from
-``latency``; p50 by arm against the requests in flight, from ``throughput``) and
-``extract-throughput.png`` (the extract phase's vectors/s). A figure whose tables
-the run left out is not drawn, and nothing links to it.
-
+illustrate (issue #39; :data:`FIGURES`); a figure whose tables the run left out is not drawn.
 The drawing is a small API of plain data (:class:`Bars`, :class:`Lines`, :func:`save_figure`)
 that the developer checks (``benchmarks/``) draw theirs with too. matplotlib (the ``bench``
-extra) is imported only to save a figure, with the Agg canvas and no pyplot: nothing else of
-the project imports it.
+extra) is imported only to save a figure, with the Agg canvas and no pyplot.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""One-token chats, one at a time, arms interleaved round-robin: the latency arms.
-
-- ``direct``: straight to vLLM, unflagged (the baseline).
-- ``passthrough``: the same request through the proxy, unflagged.
-- ``flagged_float``: through the proxy with ``return_last_hidden_state`` (JSON float list).
-- ``flagged_base64``: the same with ``last_hidden_state_format: "base64"``.
-
-:func:`one_at_a_time` is the loop (the answers phase's too).
+"""One-token chats, one at a time, arms interleaved round-robin: ``direct`` (straight to vLLM,
+unflagged: the baseline), ``passthrough`` (the same through the proxy), ``flagged_float`` and
+``flagged_base64`` (flagged, the vector as a JSON float list or as base64). :func:`one_at_a_time`
+is the loop (the answers phase's too).
 """
 
 from __future__ import annotations
@@ -15,12 +11,13 @@ from collections.abc import Sequence
 
 import httpx
 
-from vllm_hidden_state_proxy.bench.client import CHAT_PATH, ChatStack, Route, chat_body, timed_post
+from vllm_hidden_state_proxy.bench.client import ChatStack, Route, timed_post
 from vllm_hidden_state_proxy.bench.options import BenchOptions
 from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table, summary_cells
 from vllm_hidden_state_proxy.bench.stats import Summary, ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.protocol import CHAT_PATH
 
 
 def routes(stack: ChatStack) -> list[Route]:
@@ -53,13 +50,7 @@ async def one_at_a_time(
         await stack.chat_request(client, route, indices, max_tokens)()
 
     async def turn(client: httpx.AsyncClient, route: Route, _: int) -> int:
-        body = chat_body(
-            stack.model,
-            next(indices),
-            flag=route.flag,
-            max_tokens=max_tokens,
-            pooling=route.pooling,
-        )
+        body = stack.chat_body(route, next(indices), max_tokens)
         timed = await timed_post(client, CHAT_PATH, body)
         timed.require_ok(route.name, route.flag is not None)
         samples[route.name].append(timed.seconds)

@@ -1,7 +1,6 @@
 """The order of a run: the chat stack (started here, or ``--proxy-url``'s) measured by each
-chat phase of ``--phases`` in turn (:data:`CHAT_PHASES`: one module each, a ``run()``), the
-proxy's memory around them, then the extract phase on servers of its own; then the reports
-and figures."""
+chat phase of ``--phases`` in turn (:data:`CHAT_PHASES`), the proxy's memory around them, then
+the extract and offline phases on servers of their own; then the reports and figures."""
 
 from __future__ import annotations
 
@@ -177,7 +176,7 @@ def _measure(options: BenchOptions, results: Results, progress: Progress) -> Non
         if "extract" in options.phases:
             from vllm_hidden_state_proxy.bench import extract_compare
 
-            results.tables.update(extract_compare.run(model_dir, options, progress))
+            results.tables["extract_compare"] = extract_compare.run(model_dir, options, progress)
         if "offline" in options.phases:
             from vllm_hidden_state_proxy.bench import offline
 

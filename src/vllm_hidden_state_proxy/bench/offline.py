@@ -1,21 +1,14 @@
 """The offline comparison (issue #47; the phase ``offline``): prompts per second of the offline
-API (:func:`vllm_hidden_state_proxy.offline.embed` over a generation ``LLM``) against vLLM's
-offline pooling runner (``LLM(runner="pooling", convert="embed").embed()``), on the extract
-phase's corpus as token-id prompts, ``last`` and ``mean`` of the final layer.
-
-Three ``LLM``s, each in a process of its own (this module run as ``--serve KIND``), alive
-together under the machine-wide vLLM lock the caller holds: the generation one (the worker
-hook on) for ``offline last``/``offline mean`` and plain ``generate`` (one token each, no
-hidden states: what the rest costs on top), and one pooling ``LLM`` per pooling (the hook off).
-Each arm runs the corpus once to warm up, then the arms take turns for the rounds; a rate is
-the median round's. The offline vectors are compared by prompt with the pooling runner's; when
-the extract phase ran in the same run, its rates of token-id prompts are the third column of
-comparison.
+API (:func:`vllm_hidden_state_proxy.offline.embed` over a generation ``LLM``, beside its plain
+one-token ``generate``) against vLLM's offline pooling runner, on the extract phase's corpus as
+token-id prompts, ``last`` and ``mean`` of the final layer. Three ``LLM``s, each in a process of
+its own (this module run as a script: :func:`serve`), alive together under the vLLM lock the
+caller holds; after a warm-up the arms take turns for the rounds, a rate is the median round's.
+The offline vectors are compared by prompt with the pooling runner's.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -93,7 +86,7 @@ def _child(
 ) -> Iterator[Callable[[str], float]]:
     """The ``LLM`` of ``kind`` in a process of its own; yields ``run(arm) -> seconds``."""
     read_end, write_end = os.pipe()
-    command = [sys.executable, "-m", __name__, "--serve", kind, str(model), str(corpus)]
+    command = [sys.executable, "-m", __name__, kind, str(model), str(corpus)]
     with open(corpus.with_name(f"{kind}.log"), "wb") as log:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -197,9 +190,5 @@ def _table(
 
 
 if __name__ == "__main__":  # vLLM spawns its engine: this must not run again there
-    parser = argparse.ArgumentParser(description="a child of bench's offline phase")
-    parser.add_argument("--serve", required=True)
-    parser.add_argument("model", type=Path)
-    parser.add_argument("corpus", type=Path)
-    arguments = parser.parse_args()
-    serve(arguments.serve, arguments.model, arguments.corpus)
+    _, kind, model, corpus = sys.argv  # as _child starts it
+    serve(kind, Path(model), Path(corpus))

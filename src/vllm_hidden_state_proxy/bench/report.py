@@ -17,7 +17,7 @@ Cell = float | int | str | None
 Row = dict[str, Cell]
 
 #: The order of the report's sections (tables not named here follow in the order measured).
-ORDER = ("latency", "streaming", "answers", "beside", "throughput", "embeddings", "cpu", "memory")
+ORDER = ("latency", "streaming", "answers", "throughput", "embeddings", "cpu", "memory")
 #: The memory table's row of the proxy's peak RSS during the throughput and embeddings phases.
 PEAK = "proxy, peak under load"
 

@@ -1,7 +1,6 @@
 """Servers the bench starts itself, each writing its output to a log in the output directory:
-the chat stack, ``hidden-state-proxy serve`` on the tiny offline model, holding the
-machine-wide vLLM lock for as long as it runs (:func:`chat_stack`); any other server through
-:func:`started`.
+the chat stack (:func:`chat_stack`: ``hidden-state-proxy serve`` on the tiny offline model),
+any other through :func:`started`.
 """
 
 from __future__ import annotations
@@ -103,13 +102,7 @@ def chat_stack(
     vllm_key = secrets.token_urlsafe(24)
     stack = ChatStack(proxy_url, vllm_url, SERVED_MODEL_NAME, api_key, vllm_api_key=vllm_key)
     environment = {**proxy_environment(api_key), UPSTREAM_API_KEY_ENV: vllm_key}
-    with started(
-        command,
-        environment,
-        log_dir / f"{name}.log",
-        stack.proxy_url + "/health",
-        timeout,
-        f"vLLM and the proxy ({name}: hidden-state-proxy serve {' '.join(serve_args)})",
-        progress,
-    ) as process:
+    log, health = log_dir / f"{name}.log", stack.proxy_url + "/health"
+    title = f"vLLM and the proxy ({name}: hidden-state-proxy serve {' '.join(serve_args)})"
+    with started(command, environment, log, health, timeout, title, progress) as process:
         yield dataclasses.replace(stack, pid=process.pid)

@@ -1,12 +1,8 @@
 """Streaming arms: ``stream_direct`` (vLLM) and ``stream_proxy`` (through the proxy), unflagged,
-``--stream-tokens`` tokens each (``ignore_eos``), interleaved round-robin: time to first token,
-inter-token latency (every gap between token events, pooled per arm, and their mean) and time
-to the last token.
-
-On a busy 2-core machine vLLM's API server sometimes gets the tiny model's tokens faster than
-it is scheduled to send them, and sends them in one burst at the end: those gaps are ~0. The
-mean inter-token latency and the time to the last token hold up; the number of burst streams
-per arm is reported so the reader can judge.
+``--stream-tokens`` tokens each, interleaved round-robin: time to first token, inter-token
+latency (every gap between token events, pooled per arm) and time to the last token. On a busy
+machine vLLM's API server sometimes sends a stream's tokens in one burst (gaps of ~0): the
+table counts such streams per arm, so the reader can judge.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import httpx
 import orjson
 
 from vllm_hidden_state_proxy.bench.client import (
-    CHAT_PATH,
     BenchError,
     ChatStack,
     Route,
@@ -32,6 +27,7 @@ from vllm_hidden_state_proxy.bench.progress import Progress
 from vllm_hidden_state_proxy.bench.report import Row, Table
 from vllm_hidden_state_proxy.bench.stats import ratio, summarize
 from vllm_hidden_state_proxy.bench.turns import take_turns
+from vllm_hidden_state_proxy.protocol import CHAT_PATH
 
 #: Two token events closer than this came in one burst (one read), not one by one.
 BURST_GAP = 1e-4

@@ -1,10 +1,7 @@
-"""Throughput arms: requests per second with N one-token requests in flight, for each N of the
-sweep: ``direct`` (vLLM), ``passthrough`` and ``flagged`` (through the proxy). At each level the
-arms take turns in rounds (round-robin, rotating start), each round a burst of requests per
-arm; a ratio of two arms is the median over rounds of their rates in the same round.
-
-The load client is Python on the same 2 cores as vLLM and the proxy: at high concurrency it
-competes with them for CPU alike for every arm.
+"""Requests per second with N one-token chats in flight, for each N of ``--concurrency``:
+``direct`` (vLLM), ``passthrough`` and ``flagged`` (through the proxy), taking turns burst by
+burst in rounds. The load client runs on the same cores as vLLM and the proxy: at high
+concurrency it competes with them for CPU alike for every arm.
 """
 
 from __future__ import annotations

@@ -34,19 +34,11 @@ def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coroutine)
 
 
-def rotated(items: Sequence[T], offset: int) -> list[T]:
-    """``items`` rotated left by ``offset`` (modulo its length)."""
-    if not items:
-        return []
-    shift = offset % len(items)
-    return [*items[shift:], *items[:shift]]
-
-
 def round_robin(arms: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
     """``(round, arm)`` for ``rounds`` rounds; round ``r`` starts with arm ``r % len(arms)``."""
     for number in range(rounds):
-        for arm in rotated(arms, number):
-            yield number, arm
+        for offset in range(len(arms)):
+            yield number, arms[(number + offset) % len(arms)]
 
 
 async def take_turns(

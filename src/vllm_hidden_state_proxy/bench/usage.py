@@ -54,12 +54,6 @@ def rss_mib(pid: int) -> float | None:
         return None
 
 
-def tree_rss_mib(pid: int) -> float | None:
-    """RSS summed over ``pid`` and its descendants (cheap: no PSS), or None if it is gone."""
-    found = _tree_sum(pid, "memory_info", "rss")
-    return None if found is None else found[0] / MIB
-
-
 def tree_memory_mib(pid: int) -> tuple[float, float] | None:
     """(RSS, PSS) summed over ``pid`` and its descendants, or None if ``pid`` is gone."""
     found = _tree_sum(pid, "memory_full_info", "rss", "pss")
@@ -82,13 +76,11 @@ def listening_pid(port: int) -> int | None:
 
 
 class PeakRss:
-    """Samples one process's RSS (with ``tree``: summed over it and its descendants) from a
-    thread while the block runs; ``peak_mib`` is the most seen (None if it could not be
-    read)."""
+    """Samples one process's RSS from a thread while the block runs; ``peak_mib`` is the most
+    seen (None if it could not be read)."""
 
-    def __init__(self, pid: int | None, interval: float = 0.1, *, tree: bool = False) -> None:
+    def __init__(self, pid: int | None, interval: float = 0.1) -> None:
         self.pid = pid
-        self._read = tree_rss_mib if tree else rss_mib
         self.interval = interval
         self.peak_mib: float | None = None
         self._stop = threading.Event()
@@ -96,7 +88,7 @@ class PeakRss:
 
     def _run(self) -> None:
         while self.pid is not None and not self._stop.is_set():
-            rss = self._read(self.pid)
+            rss = rss_mib(self.pid)
             if rss is not None:
                 self.peak_mib = max(rss, self.peak_mib or 0.0)
             self._stop.wait(self.interval)
