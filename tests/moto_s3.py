@@ -1,13 +1,12 @@
 """An S3 for the tests: moto's server mode on a free port of 127.0.0.1, in a thread of the test
 process, reached over HTTP as any S3 (by s3fs here, by Ray's workers in the e2e test), its
 endpoint and made-up keys in the environment as a user's would be (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``...): nothing on the command line."""
+``AWS_ACCESS_KEY_ID``...; tests/object_stores.py sets them): nothing on the command line."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ class S3:
 
     endpoint: str
     env: dict[str, str]
+    protocol: str = "s3"
 
     def bucket(self) -> str:
         """A new bucket's name (made)."""
@@ -57,23 +57,3 @@ def moto_s3() -> Iterator[S3]:
         yield S3(endpoint, env)
     finally:
         server.stop()
-
-
-@contextlib.contextmanager
-def s3_environment(s3: S3) -> Iterator[None]:
-    """The environment pointed at ``s3`` (and back), fsspec's instances forgotten on both
-    sides: s3fs keeps one per set of arguments, which the environment is not part of."""
-    import fsspec
-
-    before = {name: os.environ.get(name) for name in s3.env}
-    os.environ.update(s3.env)
-    fsspec.get_filesystem_class("s3").clear_instance_cache()
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        fsspec.get_filesystem_class("s3").clear_instance_cache()

@@ -4,7 +4,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.moto_s3 import S3, moto_s3, s3_environment
+from tests.moto_s3 import S3, moto_s3
+from tests.object_stores import store_environment
 from vllm_hidden_state_proxy.extract import sender
 
 
@@ -24,5 +25,5 @@ def s3_server() -> Iterator[S3]:
 @pytest.fixture
 def s3(s3_server: S3) -> Iterator[S3]:
     """The S3 server, the environment pointed at it for this test."""
-    with s3_environment(s3_server):
+    with store_environment(s3_server):
         yield s3_server
