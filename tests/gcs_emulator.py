@@ -13,28 +13,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
+
+from tests.object_stores import Store
 
 #: gcsfs reads it once, when imported: the class it names GCSFileSystem depends on it.
 _PLAIN_GCSFS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
 
-@dataclass(frozen=True)
-class GCS:
-    """The emulator's endpoint and the environment that points a client at it."""
+class GCS(Store):
+    """The emulator: its endpoint and the environment that points a client at it."""
 
-    endpoint: str
-    env: dict[str, str]
-    protocol: str = "gs"
-
-    def bucket(self) -> str:
-        """A new bucket's name (made)."""
-        name = f"test-{uuid.uuid4().hex[:12]}"
-        self.fs().mkdir(name)
-        return name
+    protocol = "gs"
 
     def fs(self) -> Any:
         from gcsfs.core import GCSFileSystem  # the plain class, whatever the import chose

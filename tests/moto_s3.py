@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from tests.object_stores import Store
 
-@dataclass(frozen=True)
-class S3:
-    """The server's endpoint and the environment that points a client at it."""
 
-    endpoint: str
-    env: dict[str, str]
-    protocol: str = "s3"
+class S3(Store):
+    """moto's S3 server: its endpoint and the environment that points a client at it."""
 
-    def bucket(self) -> str:
-        """A new bucket's name (made)."""
-        name = f"test-{uuid.uuid4().hex[:12]}"
-        self.fs().mkdir(name)
-        return name
+    protocol = "s3"
 
     def fs(self) -> Any:
         import s3fs

@@ -7,32 +7,32 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import uuid
 from collections.abc import Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 
-class Store(Protocol):
-    """A store's server on 127.0.0.1: its endpoint, its environment, buckets and a client."""
+@dataclass(frozen=True)
+class Store:
+    """A store's server on 127.0.0.1: its endpoint and the environment that points a client at
+    it (a subclass per store says its protocol and makes its client)."""
 
-    @property
-    def endpoint(self) -> str: ...
-
-    @property
-    def env(self) -> dict[str, str]: ...
-
-    @property
-    def protocol(self) -> str:
-        """fsspec's protocol, the scheme of the store's URIs (``s3``, ``gs``)."""
-        ...
+    endpoint: str
+    env: dict[str, str]
+    #: fsspec's protocol, the scheme of the store's URIs (``s3``, ``gs``).
+    protocol: ClassVar[str]
 
     def bucket(self) -> str:
         """A new bucket's name (made)."""
-        ...
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        self.fs().mkdir(name)
+        return name
 
     def fs(self) -> Any:
         """A client of the store's own, outside extract (made from the endpoint, not the
         environment)."""
-        ...
+        raise NotImplementedError
 
 
 @contextlib.contextmanager
