@@ -1,31 +1,22 @@
 """An S3 for the tests: moto's server mode on a free port of 127.0.0.1, in a thread of the test
 process, reached over HTTP as any S3 (by s3fs here, by Ray's workers in the e2e test), its
 endpoint and made-up keys in the environment as a user's would be (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``...): nothing on the command line."""
+``AWS_ACCESS_KEY_ID``...; tests/object_stores.py sets them): nothing on the command line."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from tests.object_stores import Store
 
-@dataclass(frozen=True)
-class S3:
-    """The server's endpoint and the environment that points a client at it."""
 
-    endpoint: str
-    env: dict[str, str]
+class S3(Store):
+    """moto's S3 server: its endpoint and the environment that points a client at it."""
 
-    def bucket(self) -> str:
-        """A new bucket's name (made)."""
-        name = f"test-{uuid.uuid4().hex[:12]}"
-        self.fs().mkdir(name)
-        return name
+    protocol = "s3"
 
     def fs(self) -> Any:
         import s3fs
@@ -57,23 +48,3 @@ def moto_s3() -> Iterator[S3]:
         yield S3(endpoint, env)
     finally:
         server.stop()
-
-
-@contextlib.contextmanager
-def s3_environment(s3: S3) -> Iterator[None]:
-    """The environment pointed at ``s3`` (and back), fsspec's instances forgotten on both
-    sides: s3fs keeps one per set of arguments, which the environment is not part of."""
-    import fsspec
-
-    before = {name: os.environ.get(name) for name in s3.env}
-    os.environ.update(s3.env)
-    fsspec.get_filesystem_class("s3").clear_instance_cache()
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        fsspec.get_filesystem_class("s3").clear_instance_cache()

@@ -23,12 +23,13 @@ from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import RunningStack
 from tests.e2e.test_docs_examples import run_block
 from tests.e2e.test_extract import INPUTS, TOO_LONG, command, corpus, token_ids
-from tests.moto_s3 import S3, moto_s3, s3_environment
+from tests.moto_s3 import S3, moto_s3
+from tests.object_stores import store_environment
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3]:
-    with moto_s3() as server, s3_environment(server):
+    with moto_s3() as server, store_environment(server):
         yield server
 
 

@@ -26,7 +26,8 @@ from tests.doc_blocks import EXTRACT, marked
 from tests.e2e.reference import Reference, assert_matches
 from tests.e2e.server import MAX_MODEL_LEN, RunningStack
 from tests.e2e.test_docs_examples import run_block
-from tests.moto_s3 import S3, moto_s3, s3_environment
+from tests.moto_s3 import S3, moto_s3
+from tests.object_stores import store_environment
 from vllm_hidden_state_proxy.client import CAPTURE_PATH
 
 TEXTS = 40
@@ -34,7 +35,7 @@ TEXTS = 40
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3]:
-    with moto_s3() as server, s3_environment(server):
+    with moto_s3() as server, store_environment(server):
         yield server
 
 

@@ -4,7 +4,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.moto_s3 import S3, moto_s3, s3_environment
+from tests.gcs_emulator import GCS, gcs_emulator
+from tests.moto_s3 import S3, moto_s3
+from tests.object_stores import Store, store_environment
 from vllm_hidden_state_proxy.extract import sender
 
 
@@ -21,8 +23,17 @@ def s3_server() -> Iterator[S3]:
         yield s3
 
 
-@pytest.fixture
-def s3(s3_server: S3) -> Iterator[S3]:
-    """The S3 server, the environment pointed at it for this test."""
-    with s3_environment(s3_server):
-        yield s3_server
+@pytest.fixture(scope="session")
+def gs_server() -> Iterator[GCS]:
+    """gcp-storage-emulator's GCS on a free port, for the session (tests/gcs_emulator.py)."""
+    with gcs_emulator() as gcs:
+        yield gcs
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each object store's server in turn (named by its URIs' scheme), the environment pointed
+    at it for this test."""
+    server: Store = request.getfixturevalue(f"{request.param}_server")
+    with store_environment(server):
+        yield server

@@ -18,9 +18,12 @@ writes the dataset on both. Where an object store differs:
 
 Credentials and endpoints are the store library's own: for S3 (s3fs on botocore) the
 ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for an S3-compatible store), ``~/.aws/config`` and
-``credentials``, an instance's or a pod's role; fsspec's configuration (``FSSPEC_S3_*``
-variables, ``~/.config/fsspec/``) too. Never on the command line, where ``ps`` and the
-manifest's ``command_line`` would show them.
+``credentials``, an instance's or a pod's role; for GCS (gcsfs) Application Default Credentials
+(``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's, a VM's or a pod's service account) and
+``STORAGE_EMULATOR_HOST`` for an emulator; fsspec's configuration (``FSSPEC_S3_*``,
+``FSSPEC_GS_*`` variables, ``~/.config/fsspec/``) too. Never on the command line, where ``ps``
+and the manifest's ``command_line`` would show them. Both are tested (moto's S3,
+gcp-storage-emulator's GCS), with the same calls: nothing here depends on the protocol.
 
 fsspec is imported only for a URI (the proxy and the client module never import it).
 """
