@@ -275,7 +275,7 @@ class ProxyMetrics:
                 "requests_total",
                 "counter",
                 "Client requests, by kind (embeddings: the proxy's own /v1/embeddings).",
-                *((f'{{kind="{kind}"}}', totals[_REQUESTS + i]) for i, kind in enumerate(KINDS)),
+                *_labelled("kind", KINDS, totals, _REQUESTS),
             ),
             *_family(
                 "flagged_requests_total",
@@ -290,10 +290,7 @@ class ProxyMetrics:
                 "Flagged requests answered without their hidden state, by reason (overwritten: "
                 "the ring reused the slot; not_published; engine_without_ring: an engine of this "
                 "vLLM has no ring).",
-                *(
-                    (f'{{reason="{reason}"}}', totals[_MISSES + i])
-                    for i, reason in enumerate(MISS_REASONS)
-                ),
+                *_labelled("reason", MISS_REASONS, totals, _MISSES),
             ),
             *_family(
                 "upstream_errors_total",
@@ -347,10 +344,7 @@ class ProxyMetrics:
                 "counter",
                 "Requests refused memory for their vectors, by reason (request: over "
                 "--max-vectors-size, 413; budget: over --vectors-budget, 503).",
-                *(
-                    (f'{{reason="{reason}"}}', totals[_VECTOR_REFUSALS + i])
-                    for i, reason in enumerate(REFUSAL_REASONS)
-                ),
+                *_labelled("reason", REFUSAL_REASONS, totals, _VECTOR_REFUSALS),
             ),
             *_family(
                 "send_cuts_total",
@@ -384,3 +378,10 @@ def _family(name: str, kind: str, help: str, *samples: tuple[str, object]) -> li
         f"# TYPE {full} {kind}",
         *(f"{full}{tail} {value}" for tail, value in samples),
     ]
+
+
+def _labelled(
+    label: str, names: tuple[str, ...], totals: Sequence[int], first: int
+) -> Iterator[tuple[str, object]]:
+    """A counter's samples by ``label``: one per name, its count in ``totals[first + i]``."""
+    return ((f'{{{label}="{name}"}}', totals[first + i]) for i, name in enumerate(names))
