@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from vllm_hidden_state_proxy.option_table import Option, markdown_table
 from vllm_hidden_state_proxy.protocol import (
@@ -33,6 +33,8 @@ from vllm_hidden_state_proxy.protocol import (
     VLLM_PLUGINS_ENV,
 )
 from vllm_hidden_state_proxy.ring.files import PRIVATE_MODES, ring_modes
+
+T = TypeVar("T")
 
 HOOK_MODES = ("off", "auto", "on")
 _OFF = ("0", "false", "no", "off")
@@ -180,55 +182,46 @@ VLLM_PLUGINS: Option[str | None] = Option(
 )
 
 
+class _Variable(Generic[T]):
+    """An attribute of :class:`HookSettings`: its variable, read and parsed from the settings'
+    ``environ`` each time it is asked for (``ValueError`` naming the variable if malformed)."""
+
+    def __init__(self, option: Option[T]) -> None:
+        self.option = option
+
+    @overload
+    def __get__(self, settings: None, owner: type[HookSettings]) -> _Variable[T]: ...
+
+    @overload
+    def __get__(self, settings: HookSettings, owner: type[HookSettings]) -> T: ...
+
+    def __get__(self, settings: HookSettings | None, owner: type[HookSettings]) -> _Variable[T] | T:
+        if settings is None:
+            return self
+        return self.option.read(settings.environ)
+
+
 @dataclass(frozen=True)
 class HookSettings:
     """The hook's settings in ``environ`` (by default this process's environment, as it is when
-    a value is asked for); each property parses its variable then (see the module docstring)."""
+    a value is asked for); each attribute parses its variable then (see the module docstring)."""
 
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
 
-    @property
-    def ring_dir(self) -> str:
-        return RING_DIR.read(self.environ)
-
-    @property
-    def layers(self) -> str | None:
-        """The layer list as given; ``None``: the final layer only."""
-        return LAYERS.read(self.environ)
-
-    @property
-    def ring_slots(self) -> int:
-        return RING_SLOTS.read(self.environ)
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return ARENA.read(self.environ)
-
-    @property
-    def max_record_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return MAX_RECORD.read(self.environ)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return DEVICE.read(self.environ)
-
-    @property
-    def ring_modes(self) -> tuple[int, int]:
-        """(directory, file) modes; ``ValueError`` naming the variable if it is malformed."""
-        return RING_DIR_MODE.read(self.environ)
-
-    @property
-    def ring_lock_timeout(self) -> float:
-        """Seconds; ``ValueError`` naming the variable if it is malformed."""
-        return RING_LOCK_TIMEOUT.read(self.environ)
-
-    @property
-    def hook_mode(self) -> str:
-        """``"off"``, ``"auto"`` or ``"on"`` (required)."""
-        return HOOK.read(self.environ)
+    ring_dir = _Variable(RING_DIR)
+    #: The layer list as given; ``None``: the final layer only.
+    layers = _Variable(LAYERS)
+    ring_slots = _Variable(RING_SLOTS)
+    #: Bytes (as are the next two).
+    arena_bytes = _Variable(ARENA)
+    max_record_bytes = _Variable(MAX_RECORD)
+    device_bytes = _Variable(DEVICE)
+    #: (directory, file) modes.
+    ring_modes = _Variable(RING_DIR_MODE)
+    #: Seconds.
+    ring_lock_timeout = _Variable(RING_LOCK_TIMEOUT)
+    #: ``"off"``, ``"auto"`` or ``"on"`` (required).
+    hook_mode = _Variable(HOOK)
 
 
 def environment_table() -> str:
