@@ -101,35 +101,37 @@ def mebibytes(variable: str) -> Callable[[str], int]:
     return parse
 
 
-ARENA: Option[int] = Option(
-    256 << 20,
+def _mebibytes_option(default_mib: int, variable: str, help: str) -> Option[int]:
+    """A size in MiB given by ``variable`` (:func:`mebibytes`), in bytes; its default shown in
+    MiB."""
+    return Option(
+        default_mib << 20, help, mebibytes(variable), env=variable, shown_default=f"`{default_mib}`"
+    )
+
+
+ARENA: Option[int] = _mebibytes_option(
+    256,
+    ARENA_MIB_ENV,
     "MiB of each engine's arena, the part of its ring file that matrices travel through "
     "(poolings `all_prompt`, `all_answer`); reserved in the ring directory's file system at "
     "startup; also what the matrices being gathered in the worker may take together, each "
     "block's header and the tail left at a wrap counted (past it a request's record is an "
     "error: 503, never a matrix written over before it is published). `0`: no matrices",
-    mebibytes(ARENA_MIB_ENV),
-    env=ARENA_MIB_ENV,
-    shown_default="`256`",
 )
-MAX_RECORD: Option[int] = Option(
-    64 << 20,
+MAX_RECORD: Option[int] = _mebibytes_option(
+    64,
+    MAX_RECORD_MIB_ENV,
     "MiB one request's matrix record may take in the arena: its block, a 64-byte header and "
     "rows x layers x hidden size x 4 bytes, padded to 64; past it the request is refused with a "
     "413 naming this variable, before any row is kept (at most the arena's size)",
-    mebibytes(MAX_RECORD_MIB_ENV),
-    env=MAX_RECORD_MIB_ENV,
-    shown_default="`64`",
 )
-DEVICE: Option[int] = Option(
-    512 << 20,
+DEVICE: Option[int] = _mebibytes_option(
+    512,
+    DEVICE_MIB_ENV,
     "MiB of device memory the hook may keep across steps for the requests in flight: "
     "`all_prompt` rows so far, `spans` sums (and one layer's running sum), the answers' kept "
     "rows, each counted at its most in float32 when the request is first seen; past it an error "
     "record naming this variable: 413 for one request alone, 503 for the requests together",
-    mebibytes(DEVICE_MIB_ENV),
-    env=DEVICE_MIB_ENV,
-    shown_default="`512`",
 )
 RING_DIR_MODE: Option[tuple[int, int]] = Option(
     PRIVATE_MODES,
