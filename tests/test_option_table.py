@@ -12,6 +12,7 @@ import pytest
 from vllm_hidden_state_proxy.option_table import (
     Option,
     add_arguments,
+    layer_list,
     markdown_table,
     marked_section,
     option,
@@ -174,3 +175,25 @@ def _with(spec: Option[Any]) -> type:
         count: int = field(default=spec.default, metadata={"option": spec})
 
     return One
+
+
+@pytest.mark.parametrize(
+    ("text", "layers"),
+    [("4,8,-1", (4, 8, -1)), (" 4 , 8 ", (4, 8)), ("-1", (-1,)), ("0,,2,", (0, 2))],
+)
+def test_layer_list(text: str, layers: tuple[int, ...]) -> None:
+    assert layer_list(text) == layers
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "expected at least one layer index"),
+        (",", "expected at least one layer index"),
+        ("4,x", "expected comma-separated layer indices such as 4,8,-1, not '4,x'"),
+    ],
+)
+def test_layer_list_refuses(text: str, message: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as raised:
+        layer_list(text)
+    assert str(raised.value) == message

@@ -11,29 +11,7 @@ from vllm_hidden_state_proxy import serve_options
 from vllm_hidden_state_proxy.option_table import options
 from vllm_hidden_state_proxy.protocol import LAYERS_ENV, UPSTREAM_API_KEY_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
-from vllm_hidden_state_proxy.serve_options import SERVE_DECIDES, ServeOptions, layer_list
-
-
-@pytest.mark.parametrize(
-    ("text", "layers"),
-    [("4,8,-1", (4, 8, -1)), (" 4 , 8 ", (4, 8)), ("-1", (-1,)), ("0,,2,", (0, 2))],
-)
-def test_layer_list(text: str, layers: tuple[int, ...]) -> None:
-    assert layer_list(text) == layers
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("", "expected at least one layer index"),
-        (",", "expected at least one layer index"),
-        ("4,x", "expected comma-separated layer indices such as 4,8,-1, not '4,x'"),
-    ],
-)
-def test_layer_list_refuses(text: str, message: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError) as raised:
-        layer_list(text)
-    assert str(raised.value) == message
+from vllm_hidden_state_proxy.serve_options import SERVE_DECIDES, ServeOptions
 
 
 def parser() -> argparse.ArgumentParser:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from vllm_hidden_state_proxy.protocol import layer_indices
+
 T = TypeVar("T")
 
 
@@ -87,6 +89,20 @@ def option_like(base: Option[Any], default: Any, **changes: Any) -> Any:
     default, help or environment), e.g. ``serve``'s ``--ring-dir``."""
     spec = dataclasses.replace(base, default=default, **changes)
     return field(default=default, metadata={"option": spec})
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """Parses a layers option (``serve``'s ``--hidden-state-layers``, ``extract``'s
+    ``--layers``): comma-separated layer indices, e.g. ``4,8,-1``; at least one."""
+    try:
+        layers = layer_indices(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices such as 4,8,-1, not {text!r}"
+        ) from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer index")
+    return layers
 
 
 def options(table: type) -> Iterator[tuple[str, Option[Any]]]:

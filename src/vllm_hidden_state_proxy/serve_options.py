@@ -13,25 +13,12 @@ import argparse
 from dataclasses import dataclass
 
 from vllm_hidden_state_proxy import option_table, tiny_model
-from vllm_hidden_state_proxy.option_table import option, option_like
-from vllm_hidden_state_proxy.protocol import LAYERS_ENV, layer_indices
+from vllm_hidden_state_proxy.option_table import layer_list, option, option_like
+from vllm_hidden_state_proxy.protocol import LAYERS_ENV
 from vllm_hidden_state_proxy.proxy import settings as proxy_settings
 
 #: Where ``serve`` makes its private ring directory without ``--ring-dir`` (in /dev/shm).
 RING_DIR_PREFIX = "vllm-hidden-states-serve-"
-
-
-def layer_list(text: str) -> tuple[int, ...]:
-    """``--hidden-state-layers``: comma-separated layer indices, e.g. ``4,8,-1``."""
-    try:
-        layers = layer_indices(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices such as 4,8,-1, not {text!r}"
-        ) from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
 
 
 _PROXY_OPTIONS = dict(proxy_settings.options())

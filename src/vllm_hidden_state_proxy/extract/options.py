@@ -10,20 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_hidden_state_proxy import option_table
-from vllm_hidden_state_proxy.option_table import option
-from vllm_hidden_state_proxy.protocol import API_KEY_ENV, REQUESTED_POOLINGS, layer_indices
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    try:
-        layers = layer_indices(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer indices such as 0,8,-1, not {text!r}"
-        ) from None
-    if not layers:
-        raise argparse.ArgumentTypeError("expected at least one layer index")
-    return layers
+from vllm_hidden_state_proxy.option_table import layer_list, option
+from vllm_hidden_state_proxy.protocol import API_KEY_ENV, REQUESTED_POOLINGS
 
 
 def _not_a_json_number(name: str) -> Any:
@@ -97,7 +85,7 @@ class ExtractOptions:
         "--layers",
         "layers to extract, e.g. 0,8,-1 (Transformers' hidden_states indices)",
         metavar="LAYERS",
-        parse=_layers,
+        parse=layer_list,
         shown_default="every layer the server captures",
     )
     pooling: str = option(

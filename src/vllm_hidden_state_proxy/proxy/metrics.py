@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import mmap
 import os
 import tempfile
@@ -266,84 +267,121 @@ class ProxyMetrics:
         rows = self.table.rows()
         totals = self.table.totals()
         held = sum(row[_VECTOR_BYTES] for pid, row in rows.items() if _alive(pid))
-        requests = f"{PREFIX}requests_total"
-        flagged = f"{PREFIX}flagged_requests_total"
-        misses = f"{PREFIX}vector_misses_total"
-        errors = f"{PREFIX}upstream_errors_total"
-        rings = f"{PREFIX}live_rings"
-        ring_info = f"{PREFIX}ring_info"
-        without = f"{PREFIX}engines_without_ring"
-        wait = f"{PREFIX}vector_wait_seconds"
-        upstream_up = f"{PREFIX}upstream_metrics_up"
-        vector_bytes = f"{PREFIX}vector_bytes"
-        refusals = f"{PREFIX}vector_refusals_total"
-        cuts = f"{PREFIX}send_cuts_total"
+        cumulative = list(
+            itertools.accumulate(totals[_WAIT_BUCKETS : _WAIT_BUCKETS + len(WAIT_BUCKETS)])
+        )
         lines = [
-            f"# HELP {requests} Client requests, by kind (embeddings: the proxy's own "
-            "/v1/embeddings).",
-            f"# TYPE {requests} counter",
-            *(
-                f'{requests}{{kind="{kind}"}} {totals[_REQUESTS + i]}'
-                for i, kind in enumerate(KINDS)
+            *_family(
+                "requests_total",
+                "counter",
+                "Client requests, by kind (embeddings: the proxy's own /v1/embeddings).",
+                *_labelled("kind", KINDS, totals, _REQUESTS),
             ),
-            f"# HELP {flagged} Chat requests received with return_last_hidden_state: true "
-            "(including ones the proxy refused).",
-            f"# TYPE {flagged} counter",
-            f"{flagged} {totals[_FLAGGED]}",
-            f"# HELP {misses} Flagged requests answered without their hidden state, by reason "
-            "(overwritten: the ring reused the slot; not_published; engine_without_ring: an "
-            "engine of this vLLM has no ring).",
-            f"# TYPE {misses} counter",
-            *(
-                f'{misses}{{reason="{reason}"}} {totals[_MISSES + i]}'
-                for i, reason in enumerate(MISS_REASONS)
+            *_family(
+                "flagged_requests_total",
+                "counter",
+                "Chat requests received with return_last_hidden_state: true (including ones "
+                "the proxy refused).",
+                ("", totals[_FLAGGED]),
             ),
-            f"# HELP {errors} Failed exchanges with vLLM (connect errors, timeouts, broken "
-            "streams).",
-            f"# TYPE {errors} counter",
-            f"{errors} {totals[_UPSTREAM_ERRORS]}",
-            f"# HELP {rings} Rings whose worker hook is alive (one per publishing vLLM engine).",
-            f"# TYPE {rings} gauge",
-            f"{rings} {len(live_rings)}",
-            f"# HELP {ring_info} One per live ring: its vLLM instance and engine, and the vLLM "
-            "version and model runner its worker hook wraps.",
-            f"# TYPE {ring_info} gauge",
-            *(
-                f'{ring_info}{{instance="{header.instance:016x}",engine="{header.engine}",'
-                f'runner="{_label(header.runner)}"}} 1'
-                for header in live_rings
+            *_family(
+                "vector_misses_total",
+                "counter",
+                "Flagged requests answered without their hidden state, by reason (overwritten: "
+                "the ring reused the slot; not_published; engine_without_ring: an engine of this "
+                "vLLM has no ring).",
+                *_labelled("reason", MISS_REASONS, totals, _MISSES),
             ),
-            f"# HELP {without} vLLM engines whose worker hook could not start its ring (see the "
-            "proxy's log and /health).",
-            f"# TYPE {without} gauge",
-            f"{without} {engines_without_ring}",
-            f"# HELP {upstream_up} 1 if this scrape holds vLLM's own metrics, 0 if fetching them "
-            "failed or timed out (--metrics-upstream-timeout).",
-            f"# TYPE {upstream_up} gauge",
-            f"{upstream_up} {int(upstream_metrics_up)}",
-            f"# HELP {vector_bytes} Bytes of vectors and matrices the proxy holds now (each "
-            "process against its --vectors-budget).",
-            f"# TYPE {vector_bytes} gauge",
-            f"{vector_bytes} {held}",
-            f"# HELP {refusals} Requests refused memory for their vectors, by reason (request: "
-            "over --max-vectors-size, 413; budget: over --vectors-budget, 503).",
-            f"# TYPE {refusals} counter",
-            *(
-                f'{refusals}{{reason="{reason}"}} {totals[_VECTOR_REFUSALS + i]}'
-                for i, reason in enumerate(REFUSAL_REASONS)
+            *_family(
+                "upstream_errors_total",
+                "counter",
+                "Failed exchanges with vLLM (connect errors, timeouts, broken streams).",
+                ("", totals[_UPSTREAM_ERRORS]),
             ),
-            f"# HELP {cuts} Connections cut because the client did not take an answer that "
-            "carries vectors in time (--send-timeout).",
-            f"# TYPE {cuts} counter",
-            f"{cuts} {totals[_SEND_CUTS]}",
-            f"# HELP {wait} Time from vLLM's 200 until the hidden state was found in the ring.",
-            f"# TYPE {wait} histogram",
+            *_family(
+                "live_rings",
+                "gauge",
+                "Rings whose worker hook is alive (one per publishing vLLM engine).",
+                ("", len(live_rings)),
+            ),
+            *_family(
+                "ring_info",
+                "gauge",
+                "One per live ring: its vLLM instance and engine, and the vLLM version and "
+                "model runner its worker hook wraps.",
+                *(
+                    (
+                        f'{{instance="{header.instance:016x}",engine="{header.engine}",'
+                        f'runner="{_label(header.runner)}"}}',
+                        1,
+                    )
+                    for header in live_rings
+                ),
+            ),
+            *_family(
+                "engines_without_ring",
+                "gauge",
+                "vLLM engines whose worker hook could not start its ring (see the proxy's log "
+                "and /health).",
+                ("", engines_without_ring),
+            ),
+            *_family(
+                "upstream_metrics_up",
+                "gauge",
+                "1 if this scrape holds vLLM's own metrics, 0 if fetching them failed or timed "
+                "out (--metrics-upstream-timeout).",
+                ("", int(upstream_metrics_up)),
+            ),
+            *_family(
+                "vector_bytes",
+                "gauge",
+                "Bytes of vectors and matrices the proxy holds now (each process against its "
+                "--vectors-budget).",
+                ("", held),
+            ),
+            *_family(
+                "vector_refusals_total",
+                "counter",
+                "Requests refused memory for their vectors, by reason (request: over "
+                "--max-vectors-size, 413; budget: over --vectors-budget, 503).",
+                *_labelled("reason", REFUSAL_REASONS, totals, _VECTOR_REFUSALS),
+            ),
+            *_family(
+                "send_cuts_total",
+                "counter",
+                "Connections cut because the client did not take an answer that carries "
+                "vectors in time (--send-timeout).",
+                ("", totals[_SEND_CUTS]),
+            ),
+            *_family(
+                "vector_wait_seconds",
+                "histogram",
+                "Time from vLLM's 200 until the hidden state was found in the ring.",
+                *(
+                    (f'_bucket{{le="{bound!r}"}}', count)
+                    for bound, count in zip(WAIT_BUCKETS, cumulative, strict=True)
+                ),
+                ('_bucket{le="+Inf"}', totals[_WAIT_COUNT]),
+                ("_sum", f"{totals[_WAIT_SUM_NS] / 1e9!r}"),
+                ("_count", totals[_WAIT_COUNT]),
+            ),
         ]
-        cumulative = 0
-        for i, bound in enumerate(WAIT_BUCKETS):
-            cumulative += totals[_WAIT_BUCKETS + i]
-            lines.append(f'{wait}_bucket{{le="{bound!r}"}} {cumulative}')
-        lines.append(f'{wait}_bucket{{le="+Inf"}} {totals[_WAIT_COUNT]}')
-        lines.append(f"{wait}_sum {totals[_WAIT_SUM_NS] / 1e9!r}")
-        lines.append(f"{wait}_count {totals[_WAIT_COUNT]}")
         return ("\n".join(lines) + "\n").encode("utf-8")
+
+
+def _family(name: str, kind: str, help: str, *samples: tuple[str, object]) -> list[str]:
+    """One metric family in Prometheus' text format: its HELP and TYPE lines, then a line per
+    sample (what follows the name: a suffix, labels; and the value)."""
+    full = f"{PREFIX}{name}"
+    return [
+        f"# HELP {full} {help}",
+        f"# TYPE {full} {kind}",
+        *(f"{full}{tail} {value}" for tail, value in samples),
+    ]
+
+
+def _labelled(
+    label: str, names: tuple[str, ...], totals: Sequence[int], first: int
+) -> Iterator[tuple[str, object]]:
+    """A counter's samples by ``label``: one per name, its count in ``totals[first + i]``."""
+    return ((f'{{{label}="{name}"}}', totals[first + i]) for i, name in enumerate(names))

@@ -50,6 +50,13 @@ LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 
 
+def _size_option(default: int, flag: str, help: str) -> Any:
+    """A byte count's option: shown in help and docs as bytes and in KiB or MiB."""
+    unit, name = (MIB, "MiB") if default % MIB == 0 else (KIB, "KiB")
+    shown = f"{default} ({default // unit} {name})"
+    return option(default, flag, help, metavar="BYTES", parse=int, shown_default=shown)
+
+
 def check_template(template: str) -> str:
     """A usable ``--embedding-template``: raises ``ValueError`` otherwise."""
     if PLACEHOLDER not in template:
@@ -130,23 +137,17 @@ class ProxySettings:
         metavar="SECONDS",
         parse=float,
     )
-    max_body_bytes: int = option(
+    max_body_bytes: int = _size_option(
         32 * MIB,
         "--max-body-size",
         "largest request body accepted; larger bodies get 413",
-        metavar="BYTES",
-        parse=int,
-        shown_default="33554432 (32 MiB)",
     )
     # -- the front server's limits (issue #25): per proxy process, so per worker -------------
-    max_head_bytes: int = option(
+    max_head_bytes: int = _size_option(
         64 * KIB,
         "--max-head-size",
         "largest request head (request line and headers); a larger one gets 431 and its "
         "connection is closed",
-        metavar="BYTES",
-        parse=int,
-        shown_default="65536 (64 KiB)",
     )
     head_timeout: float = option(
         10.0,
@@ -172,14 +173,11 @@ class ProxySettings:
         metavar="N",
         parse=int,
     )
-    body_budget_bytes: int = option(
+    body_budget_bytes: int = _size_option(
         256 * MIB,
         "--body-budget",
         "request-body bytes buffered at once over all requests; a request that would go over "
         "gets 503",
-        metavar="BYTES",
-        parse=int,
-        shown_default="268435456 (256 MiB)",
     )
     embedding_template: str = option(
         DEFAULT_TEMPLATE,
@@ -216,33 +214,24 @@ class ProxySettings:
         metavar="N",
         parse=int,
     )
-    max_answer_bytes: int = option(
+    max_answer_bytes: int = _size_option(
         64 * MIB,
         "--max-answer-size",
         "most bytes of vLLM's answer to a flagged request the proxy holds in memory (a JSON "
         "answer, or a stream up to its first choice); more is a 502",
-        metavar="BYTES",
-        parse=int,
-        shown_default="67108864 (64 MiB)",
     )
-    max_vectors_bytes: int = option(
+    max_vectors_bytes: int = _size_option(
         256 * MIB,
         "--max-vectors-size",
         "most bytes of vectors and matrices one flagged request may hold in the proxy (records "
         "copied out of the rings, and their encoded answer while it is sent); more is a 413, "
         "before sending to vLLM where the size is known then",
-        metavar="BYTES",
-        parse=int,
-        shown_default="268435456 (256 MiB)",
     )
-    vectors_budget_bytes: int = option(
+    vectors_budget_bytes: int = _size_option(
         768 * MIB,
         "--vectors-budget",
         "bytes of vectors and matrices held at once over all requests (as --max-vectors-size "
         "counts them); a request that would go over gets 503",
-        metavar="BYTES",
-        parse=int,
-        shown_default="805306368 (768 MiB)",
     )
     send_timeout: float = option(
         30.0,

@@ -353,6 +353,16 @@ class RingDirectory(ClosesOnExit):
                 return found  # found in a file that is still current
             return self._search(key)[0]
 
+    def _probed(self, refresh: bool = False) -> bool:
+        """Under the lock: False if closed; else probed (:meth:`_probe`), after a rescan if
+        ``refresh`` and one is due (:meth:`_maybe_refresh`), and True."""
+        if self._closed:
+            return False
+        if refresh:
+            self._maybe_refresh()
+        self._probe()
+        return True
+
     def has_ring(self) -> bool:
         """True if at least one ring's writer is alive (rescans the directory if none is).
 
@@ -360,9 +370,8 @@ class RingDirectory(ClosesOnExit):
         just died can still count as live for that long.
         """
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return False
-            self._probe()
             if self._live:
                 return True
             self.refresh()  # a writer may have started since
@@ -371,27 +380,22 @@ class RingDirectory(ClosesOnExit):
 
     def live_ring_count(self) -> int:
         with self._lock:
-            if self._closed:
+            if not self._probed(refresh=True):
                 return 0
-            self._maybe_refresh()
-            self._probe()
             return len(self._live)
 
     def live_shapes(self) -> tuple[RingShape, ...]:
         """The shapes (hidden size, captured layers, ...) of the live rings."""
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return ()
-            self._probe()
             return tuple(reader.shape for reader in self._live)
 
     def live_headers(self) -> tuple[RingHeader, ...]:
         """The headers of the live rings (engine, instance, runner, shape), by engine."""
         with self._lock:
-            if self._closed:
+            if not self._probed(refresh=True):
                 return ()
-            self._maybe_refresh()
-            self._probe()
             return tuple(
                 sorted(
                     (reader.header for reader in self._live),
@@ -402,34 +406,29 @@ class RingDirectory(ClosesOnExit):
     def refusal(self) -> str | None:
         """Why the directory itself is refused (nothing in it is read), or ``None``."""
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return None
-            self._probe()
             return self._refusal
 
     def failed_engines(self) -> tuple[EngineFailure, ...]:
         """Engines that hold a live failure note and no live ring (their hook did not start)."""
         with self._lock:
-            if self._closed:
+            if not self._probed(refresh=True):
                 return ()
-            self._maybe_refresh()
-            self._probe()
             return self._failures
 
     def publishing_instances(self) -> frozenset[int]:
         """The vLLM instances with at least one live ring."""
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return frozenset()
-            self._probe()
             return frozenset(reader.header.instance for reader in self._live)
 
     def publish_marks(self) -> PublishMarks:
         """The live rings' publish counters now: pass to :meth:`overwritten_since` later."""
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return {}
-            self._probe()
             marks: dict[tuple[int, int], int] = {}
             for reader in self._live:
                 try:
@@ -443,9 +442,8 @@ class RingDirectory(ClosesOnExit):
         published there after the marks may already have been overwritten (FIFO reuse), so
         waiting longer for it cannot help. A ring that started since counts from 0."""
         with self._lock:
-            if self._closed:
+            if not self._probed():
                 return False
-            self._probe()
             for reader in self._live:
                 try:
                     count = reader.publish_count()

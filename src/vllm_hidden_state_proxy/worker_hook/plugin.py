@@ -127,7 +127,7 @@ def patch_worker_class(cls: Any) -> None:
     method = cls.__dict__.get("load_model")
     if method is None or getattr(method, _WRAPPED_ATTR, False):
         return
-    wrapped = _wrap_worker_load_model(method)
+    wrapped = _then(method, note_unattached_runner)
     setattr(wrapped, _WRAPPED_ATTR, True)
     cls.load_model = wrapped
 
@@ -171,16 +171,6 @@ def note_unattached_runner(worker: Any) -> None:
         logger.exception("vllm-hidden-state-proxy: unexpected error in the worker hook")
 
 
-def _wrap_worker_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        note_unattached_runner(self)  # never raises
-        return result
-
-    return load_model
-
-
 def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_METHODS) -> None:
     """Wrap ``methods`` where ``cls`` defines them itself (idempotent per method).
 
@@ -189,8 +179,10 @@ def patch_runner_class(cls: Any, view: RunnerView, methods: Sequence[str] = ALL_
     """
     wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
         "__init__": lambda method: _wrap_init(method, view),
-        "load_model": _wrap_load_model,
-        "initialize_kv_cache": lambda method: _wrap_initialize_kv_cache(method, view),
+        "load_model": lambda method: _then(method, prepare_layers),
+        "initialize_kv_cache": lambda method: _then(
+            method, lambda runner: capture_for(runner, view)
+        ),
         "execute_model": lambda method: _wrap_execute_model(method, view),
         "sample_tokens": _wrap_sample_tokens,
     }
@@ -302,24 +294,17 @@ def _wrap_init(original: Callable[..., Any], view: RunnerView) -> Callable[..., 
     return __init__
 
 
-def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+def _then(original: Callable[..., Any], after: Callable[[Any], object]) -> Callable[..., Any]:
+    """``original``, then ``after(self)``, which never raises (the worker's and the runner's
+    ``load_model``, the runner's ``initialize_kv_cache``); ``original``'s result."""
+
     @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        prepare_layers(self)  # never raises
+        after(self)
         return result
 
-    return load_model
-
-
-def _wrap_initialize_kv_cache(original: Callable[..., Any], view: RunnerView) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        capture_for(self, view)  # never raises
-        return result
-
-    return initialize_kv_cache
+    return wrapper
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

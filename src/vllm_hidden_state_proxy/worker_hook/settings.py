@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from vllm_hidden_state_proxy.option_table import Option, markdown_table
 from vllm_hidden_state_proxy.protocol import (
@@ -33,6 +33,8 @@ from vllm_hidden_state_proxy.protocol import (
     VLLM_PLUGINS_ENV,
 )
 from vllm_hidden_state_proxy.ring.files import PRIVATE_MODES, ring_modes
+
+T = TypeVar("T")
 
 HOOK_MODES = ("off", "auto", "on")
 _OFF = ("0", "false", "no", "off")
@@ -99,35 +101,37 @@ def mebibytes(variable: str) -> Callable[[str], int]:
     return parse
 
 
-ARENA: Option[int] = Option(
-    256 << 20,
+def _mebibytes_option(default_mib: int, variable: str, help: str) -> Option[int]:
+    """A size in MiB given by ``variable`` (:func:`mebibytes`), in bytes; its default shown in
+    MiB."""
+    return Option(
+        default_mib << 20, help, mebibytes(variable), env=variable, shown_default=f"`{default_mib}`"
+    )
+
+
+ARENA: Option[int] = _mebibytes_option(
+    256,
+    ARENA_MIB_ENV,
     "MiB of each engine's arena, the part of its ring file that matrices travel through "
     "(poolings `all_prompt`, `all_answer`); reserved in the ring directory's file system at "
     "startup; also what the matrices being gathered in the worker may take together, each "
     "block's header and the tail left at a wrap counted (past it a request's record is an "
     "error: 503, never a matrix written over before it is published). `0`: no matrices",
-    mebibytes(ARENA_MIB_ENV),
-    env=ARENA_MIB_ENV,
-    shown_default="`256`",
 )
-MAX_RECORD: Option[int] = Option(
-    64 << 20,
+MAX_RECORD: Option[int] = _mebibytes_option(
+    64,
+    MAX_RECORD_MIB_ENV,
     "MiB one request's matrix record may take in the arena: its block, a 64-byte header and "
     "rows x layers x hidden size x 4 bytes, padded to 64; past it the request is refused with a "
     "413 naming this variable, before any row is kept (at most the arena's size)",
-    mebibytes(MAX_RECORD_MIB_ENV),
-    env=MAX_RECORD_MIB_ENV,
-    shown_default="`64`",
 )
-DEVICE: Option[int] = Option(
-    512 << 20,
+DEVICE: Option[int] = _mebibytes_option(
+    512,
+    DEVICE_MIB_ENV,
     "MiB of device memory the hook may keep across steps for the requests in flight: "
     "`all_prompt` rows so far, `spans` sums (and one layer's running sum), the answers' kept "
     "rows, each counted at its most in float32 when the request is first seen; past it an error "
     "record naming this variable: 413 for one request alone, 503 for the requests together",
-    mebibytes(DEVICE_MIB_ENV),
-    env=DEVICE_MIB_ENV,
-    shown_default="`512`",
 )
 RING_DIR_MODE: Option[tuple[int, int]] = Option(
     PRIVATE_MODES,
@@ -180,55 +184,46 @@ VLLM_PLUGINS: Option[str | None] = Option(
 )
 
 
+class _Variable(Generic[T]):
+    """An attribute of :class:`HookSettings`: its variable, read and parsed from the settings'
+    ``environ`` each time it is asked for (``ValueError`` naming the variable if malformed)."""
+
+    def __init__(self, option: Option[T]) -> None:
+        self.option = option
+
+    @overload
+    def __get__(self, settings: None, owner: type[HookSettings]) -> _Variable[T]: ...
+
+    @overload
+    def __get__(self, settings: HookSettings, owner: type[HookSettings]) -> T: ...
+
+    def __get__(self, settings: HookSettings | None, owner: type[HookSettings]) -> _Variable[T] | T:
+        if settings is None:
+            return self
+        return self.option.read(settings.environ)
+
+
 @dataclass(frozen=True)
 class HookSettings:
     """The hook's settings in ``environ`` (by default this process's environment, as it is when
-    a value is asked for); each property parses its variable then (see the module docstring)."""
+    a value is asked for); each attribute parses its variable then (see the module docstring)."""
 
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
 
-    @property
-    def ring_dir(self) -> str:
-        return RING_DIR.read(self.environ)
-
-    @property
-    def layers(self) -> str | None:
-        """The layer list as given; ``None``: the final layer only."""
-        return LAYERS.read(self.environ)
-
-    @property
-    def ring_slots(self) -> int:
-        return RING_SLOTS.read(self.environ)
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return ARENA.read(self.environ)
-
-    @property
-    def max_record_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return MAX_RECORD.read(self.environ)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes; ``ValueError`` naming the variable if it is malformed."""
-        return DEVICE.read(self.environ)
-
-    @property
-    def ring_modes(self) -> tuple[int, int]:
-        """(directory, file) modes; ``ValueError`` naming the variable if it is malformed."""
-        return RING_DIR_MODE.read(self.environ)
-
-    @property
-    def ring_lock_timeout(self) -> float:
-        """Seconds; ``ValueError`` naming the variable if it is malformed."""
-        return RING_LOCK_TIMEOUT.read(self.environ)
-
-    @property
-    def hook_mode(self) -> str:
-        """``"off"``, ``"auto"`` or ``"on"`` (required)."""
-        return HOOK.read(self.environ)
+    ring_dir = _Variable(RING_DIR)
+    #: The layer list as given; ``None``: the final layer only.
+    layers = _Variable(LAYERS)
+    ring_slots = _Variable(RING_SLOTS)
+    #: Bytes (as are the next two).
+    arena_bytes = _Variable(ARENA)
+    max_record_bytes = _Variable(MAX_RECORD)
+    device_bytes = _Variable(DEVICE)
+    #: (directory, file) modes.
+    ring_modes = _Variable(RING_DIR_MODE)
+    #: Seconds.
+    ring_lock_timeout = _Variable(RING_LOCK_TIMEOUT)
+    #: ``"off"``, ``"auto"`` or ``"on"`` (required).
+    hook_mode = _Variable(HOOK)
 
 
 def environment_table() -> str:

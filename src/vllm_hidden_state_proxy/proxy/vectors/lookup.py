@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
@@ -151,7 +152,32 @@ async def _poll(
     return None
 
 
-class EarlyCapture:
+class _EarlyLookup(ABC):
+    """Runs :meth:`poll` beside a reply still being generated, from ``EARLY_DELAY`` on: the
+    timer and the task that :class:`EarlyCapture` and :class:`EarlyRecords` share."""
+
+    _task: asyncio.Task[None] | None = None
+
+    @abstractmethod
+    async def poll(self) -> None:
+        """Look in the rings until done; return quietly on ring trouble."""
+
+    async def during(self, work: Awaitable[T]) -> T:
+        """Await ``work``; from ``EARLY_DELAY`` on, look for the record(s) beside it."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(EARLY_DELAY, self._start)
+        try:
+            return await work
+        finally:
+            timer.cancel()
+            if self._task is not None:
+                self._task.cancel()
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.poll())
+
+
+class EarlyCapture(_EarlyLookup):
     """Picks a record up while its (long) generation is still running.
 
     The worker publishes at prefill; a response with many output tokens completes much later,
@@ -168,21 +194,6 @@ class EarlyCapture:
         self.found: Found | PendingRows | None = None
         #: ``found`` was loaded and counted here (see :func:`_loaded`).
         self.counted = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def during(self, work: Awaitable[T]) -> T:
-        """Await ``work``; from ``EARLY_DELAY`` on, look for the record beside it."""
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(EARLY_DELAY, self._start)
-        try:
-            return await work
-        finally:
-            timer.cancel()
-            if self._task is not None:
-                self._task.cancel()
-
-    def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.poll())
 
     async def poll(self) -> None:
         """Look every ``EARLY_INTERVAL`` until found, or until the rings have moved past it."""
@@ -206,7 +217,7 @@ class EarlyCapture:
             await asyncio.sleep(EARLY_INTERVAL)
 
 
-class EarlyRecords:
+class EarlyRecords(_EarlyLookup):
     """Picks up the records of several keys while one long reply is still running (a prompt
     list sent as one request, whose prompts publish at their prefills): as
     :class:`EarlyCapture`, but one task looks for every key not found yet. Records only (a
@@ -217,21 +228,6 @@ class EarlyRecords:
         self.keys = list(keys)
         self.marks = marks
         self.found: dict[bytes, Found] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    async def during(self, work: Awaitable[T]) -> T:
-        """Await ``work``; from ``EARLY_DELAY`` on, look for the records beside it."""
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(EARLY_DELAY, self._start)
-        try:
-            return await work
-        finally:
-            timer.cancel()
-            if self._task is not None:
-                self._task.cancel()
-
-    def _start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.poll())
 
     async def poll(self) -> None:
         """Look until every key is found or the rings have moved past the marks; less often
