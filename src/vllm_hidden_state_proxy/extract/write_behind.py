@@ -30,11 +30,16 @@ class WriteBehind:
     async def add(self, rows: list[dict[str, Any]]) -> None:
         """Queue ``rows``; raises what an earlier write raised."""
         pending = self._pending
-        while pending and pending[0].done():
-            pending.popleft().result()
-        while len(pending) >= MOST_PENDING:
-            await asyncio.wrap_future(pending[0])
-            pending.popleft().result()
+        while True:
+            while pending and pending[0].done():
+                pending.popleft().result()
+            if len(pending) < MOST_PENDING:
+                break
+            # Several senders may wait for the same write: each looks again once it is done
+            # (never takes a write not done off the queue, never blocks the loop on one).
+            # Shielded: a sender cancelled while it waits (an interrupt) must not cancel the
+            # write it waits for, which asyncio's wrap_future would do; those rows are kept.
+            await asyncio.shield(asyncio.wrap_future(pending[0]))
         pending.append(self._thread.submit(self._write, rows))
 
     def close(self) -> None:
