@@ -26,6 +26,6 @@ def test_cpu_per_request_is_read_around_each_arms_requests() -> None:
     assert [row["arm"] for row in table.rows] == ARMS
     for row in table.rows:  # one tick of each clock per arm, over its 50 requests (the least)
         assert (row["requests"], row["proxy CPU ms"], row["vLLM CPU ms"]) == (50, 10.0, 40.0)
-    assert fake.count("vllm") + fake.count("proxy") == 4 * 51  # and a request to connect
+    assert fake.count("vllm") + fake.count("proxy") == len(ARMS) * 51  # and a request to connect
     no_clocks = anyio.run(hop.run, fake.stack(), options, Progress(io.StringIO()))
     assert no_clocks.get("direct", "proxy CPU ms") is None

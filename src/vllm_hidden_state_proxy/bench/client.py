@@ -12,7 +12,19 @@ from typing import Any, Literal
 import httpx
 import orjson
 
-from vllm_hidden_state_proxy.protocol import CHAT_PATH, FLAG, FORMAT, KV, POOLING, SPANS, VECTOR
+from vllm_hidden_state_proxy.protocol import (
+    CHAT_PATH,
+    FLAG,
+    FORMAT,
+    KV,
+    POOLING,
+    REQUEST_KEY_ENTRY,
+    SPANS,
+    VECTOR,
+    XARGS,
+    new_request_key,
+    request_key_to_wire,
+)
 
 Flag = Literal["float", "base64"] | None
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
@@ -46,6 +58,9 @@ class Route:
     api_key: str | None = field(default=None, repr=False)
     #: ``last_hidden_state_pooling`` of a flagged route.
     pooling: str = "last"
+    #: Straight to vLLM with a request key of its own in ``vllm_xargs``: the worker hook
+    #: captures and publishes the vector, and nobody reads it (what the hook costs in vLLM).
+    hooked: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,8 +85,8 @@ class ChatStack:
     def client(self, route: Route, connections: int = 1) -> httpx.AsyncClient:
         return new_client(route.base_url, connections, route.api_key, self.transport)
 
-    def direct(self, name: str, description: str) -> Route:
-        return Route(name, description, self.vllm_url, api_key=self.vllm_api_key)
+    def direct(self, name: str, description: str, hooked: bool = False) -> Route:
+        return Route(name, description, self.vllm_url, api_key=self.vllm_api_key, hooked=hooked)
 
     def via_proxy(
         self, name: str, description: str, flag: Flag = None, pooling: str = "last"
@@ -81,7 +96,12 @@ class ChatStack:
     def chat_body(self, route: Route, index: int, max_tokens: int = 1) -> bytes:
         """Chat ``index`` of ``route`` (its flag and pooling)."""
         return chat_body(
-            self.model, index, flag=route.flag, max_tokens=max_tokens, pooling=route.pooling
+            self.model,
+            index,
+            flag=route.flag,
+            max_tokens=max_tokens,
+            pooling=route.pooling,
+            hooked=route.hooked,
         )
 
     def chat_request(
@@ -108,8 +128,10 @@ def chat_body(
     max_tokens: int = 1,
     stream: bool = False,
     pooling: str = "last",
+    hooked: bool = False,
 ) -> bytes:
-    """A chat request: ``max_tokens`` tokens, ``ignore_eos`` so that exactly that many come."""
+    """A chat request: ``max_tokens`` tokens, ``ignore_eos`` so that exactly that many come;
+    ``hooked``: with a fresh request key for the worker hook (see :class:`Route`)."""
     document: dict[str, Any] = {
         "model": model,
         "messages": prompt_messages(index),
@@ -131,6 +153,8 @@ def chat_body(
         elif pooling != "last":
             kv[POOLING] = pooling
         document[KV] = kv
+    if hooked:
+        document[XARGS] = {REQUEST_KEY_ENTRY: request_key_to_wire(new_request_key())}
     return orjson.dumps(document)
 
 

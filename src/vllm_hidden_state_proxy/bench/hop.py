@@ -21,8 +21,9 @@ async def run(stack: ChatStack, options: BenchOptions, progress: Progress) -> Ta
     indices, requests = itertools.count(3_000_000), options.cpu_requests
     clocks = (stack.proxy_cpu, stack.vllm_cpu)
     rows: list[Row] = []
-    task = progress.task("CPU time per request (arms one after the other)", requests * 4)
-    for route in routes(stack):
+    arms = routes(stack)
+    task = progress.task("CPU time per request (arms one after the other)", requests * len(arms))
+    for route in arms:
         async with stack.client(route) as client:
             chat = stack.chat_request(client, route, indices)
             await chat()  # connect

@@ -1,6 +1,8 @@
 """One-token chats, one at a time, arms interleaved round-robin: ``direct`` (straight to vLLM,
-unflagged: the baseline), ``passthrough`` (the same through the proxy), ``flagged_float`` and
-``flagged_base64`` (flagged, the vector as a JSON float list or as base64). :func:`one_at_a_time`
+unflagged: the baseline), ``direct_hooked`` (straight to vLLM with a request key for the worker
+hook, which captures and publishes a vector nobody reads: the hook's cost inside vLLM),
+``passthrough`` (the same through the proxy), ``flagged_float`` and ``flagged_base64``
+(flagged, the vector as a JSON float list or as base64). :func:`one_at_a_time`
 is the loop (the answers phase's too).
 """
 
@@ -23,6 +25,7 @@ from vllm_hidden_state_proxy.protocol import CHAT_PATH
 def routes(stack: ChatStack) -> list[Route]:
     return [
         stack.direct("direct", "one-token chat straight to vLLM, unflagged"),
+        stack.direct("direct_hooked", "the same with a request key for the hook", hooked=True),
         stack.via_proxy("passthrough", "the same through the proxy, unflagged"),
         stack.via_proxy("flagged_float", "through the proxy, flagged: vector as floats", "float"),
         stack.via_proxy("flagged_base64", "through the proxy, flagged: vector as base64", "base64"),
