@@ -27,10 +27,12 @@ carry vectors are bounded (:func:`send_counted_events`): the rest is relayed as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Iterator
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -251,6 +253,22 @@ def _body(body: bytes, more: bool) -> dict[str, Any]:
     return {"type": "http.response.body", "body": body, "more_body": more}
 
 
+def _now() -> float:
+    """The event loop's clock (what ``anyio.current_time`` reads, without its lookups)."""
+    return asyncio.get_running_loop().time()
+
+
+if sys.version_info >= (3, 11):
+    # A timer on the loop: ~8 µs a use where anyio's cancel scope costs ~19 (issue #46).
+    _bounded = asyncio.timeout
+else:  # pragma: no cover - Python 3.10
+
+    @contextlib.asynccontextmanager
+    async def _bounded(seconds: float) -> AsyncIterator[None]:
+        with anyio.fail_after(seconds):
+            yield
+
+
 class SendDeadline:
     """When the sends of one response (or event) that carries counted vectors must be done:
     each within ``--send-timeout``, all of them within ``--send-timeout`` plus its ``size``
@@ -261,14 +279,14 @@ class SendDeadline:
         self.share = share
         self.each = None if share is None else share.send_timeout
         self.total = None if self.each is None else self.each + size / MIN_SEND_RATE
-        self._end = None if self.total is None else anyio.current_time() + self.total
+        self._end = None if self.total is None else _now() + self.total
 
     def left(self) -> float | None:
         """Seconds the next send may take (``None``: no bound); ClientTooSlow once past the
         end."""
         if self.each is None or self._end is None:
             return None
-        left = min(self.each, self._end - anyio.current_time())
+        left = min(self.each, self._end - _now())
         if left <= 0:
             raise ClientTooSlow
         return left
@@ -327,7 +345,7 @@ async def _within(send: Send, deadline: SendDeadline, *messages: dict[str, Any])
             await send(message)
         return
     try:
-        with anyio.fail_after(timeout):  # a cancel scope: no task per send, as wait_for makes
+        async with _bounded(timeout):  # no task per send, as wait_for makes
             for message in messages:
                 await send(message)
     except TimeoutError:
