@@ -69,6 +69,13 @@ MAX_RECORD_MIB = 1
 SHARED_HOOK_ENV = {MAX_RECORD_MIB_ENV: str(MAX_RECORD_MIB), ARENA_MIB_ENV: "32"}
 #: The proxy's request size limit in the shared test stack (413 above it).
 MAX_BODY_SIZE = 4 * 1024 * 1024
+#: The test stacks' --head-timeout (the proxy's default is 10 s). Tests send up to 64 flagged
+#: requests from as many threads of one process, which also compute Transformers references,
+#: beside vLLM's workers polling both cores: a thread can wait longer than 10 s for the GIL
+#: between its connection's opening and writing its head (stop 56's CI: one 408 in the DP=2
+#: test, the proxy's log saying the head did not arrive in time). The limit itself is tested
+#: on a proxy of its own (tests/proxy/test_front_limits.py).
+HEAD_TIMEOUT = 300.0
 STARTUP_TIMEOUT = 420.0
 #: vLLM's API key in the shared stack (serve's own default is a random key nobody else knows).
 TEST_VLLM_KEY = "e2e-vllm-key"
@@ -222,6 +229,8 @@ def serve_command(
         str(ring_dir),
         "--max-body-size",
         str(MAX_BODY_SIZE),
+        "--head-timeout",
+        str(HEAD_TIMEOUT),
         *TEST_VLLM_ARGS,
         *extra_args,
     ]
